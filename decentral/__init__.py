@@ -1,0 +1,1 @@
+"""decentral: low-communication, decentralized training."""

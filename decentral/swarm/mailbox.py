@@ -1,0 +1,53 @@
+"""Messages that peers pushed to us, waiting to be collected by tag.
+
+A sender never waits for the receiver to be ready: its message is kept here until the receiver asks
+for that tag, so two peers that reach a round at different times still meet. Lives on the swarm's
+event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Message:
+    sender: str
+    value: float  # the scalar that travels with the tensor (a weight, or a contributor count)
+    tensor: torch.Tensor
+
+
+class Mailbox:
+    def __init__(self, max_tags: int = 256):
+        self._messages: dict[str, dict[str, Message]] = defaultdict(dict)
+        self._arrived = asyncio.Condition()
+        self._max_tags = max_tags
+
+    async def put(self, tag: str, message: Message) -> None:
+        async with self._arrived:
+            self._messages[tag][message.sender] = message
+            while len(self._messages) > self._max_tags:  # forget the oldest tags: senders nobody waits for
+                self._messages.pop(next(iter(self._messages)))
+            self._arrived.notify_all()
+
+    async def collect(self, tag: str, senders: set[str], deadline: float) -> dict[str, Message]:
+        """Wait until every sender in `senders` has a message under `tag`, or the loop time `deadline`.
+
+        Returns (and removes) the messages that did arrive, keyed by sender.
+        """
+        loop = asyncio.get_running_loop()
+        async with self._arrived:
+            while not senders <= self._messages.get(tag, {}).keys():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            box = self._messages.pop(tag, {})
+            return {s: m for s, m in box.items() if s in senders}

@@ -1,0 +1,63 @@
+"""Who is in the swarm, and who takes part in which outer round.
+
+Two kinds of DHT records under the run's key:
+- `peers`: a heartbeat per peer ({"step", "round", "maddrs"}), refreshed every `heartbeat_s` and
+  expiring after `3 * heartbeat_s`; a killed peer drops out of every view within that time.
+- `round/<r>`: a peer announces that it will take part in round r `lookahead` rounds ahead, so that
+  by the time anyone reaches round r all live participants have long since announced it. Every peer
+  then derives the same member list for r without a barrier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from decentral.swarm.peer import SwarmPeer
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, peer: SwarmPeer, *, heartbeat_s: float = 2.0, round_ttl_s: float = 3600.0):
+        self.peer = peer
+        self.heartbeat_s = heartbeat_s
+        self.round_ttl_s = round_ttl_s
+        self._progress = {"step": 0, "round": 0}
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def set_progress(self, step: int, round: int) -> None:
+        """What the next heartbeat reports."""
+        self._progress = {"step": int(step), "round": int(round)}
+
+    def _beat(self) -> None:
+        self.peer.publish("peers", self.peer.peer_id, dict(self._progress), ttl=3 * self.heartbeat_s)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._beat()
+            except Exception as e:  # a missed beat is not fatal; the next one may go through
+                log.warning("heartbeat failed: %s", e)
+
+    def alive(self) -> dict[str, dict]:
+        """Peers with a live heartbeat (this peer included): {peer_id: {"step", "round"}}."""
+        found = self.peer.lookup("peers")
+        found.setdefault(self.peer.peer_id, dict(self._progress))
+        return found
+
+    def announce(self, round: int) -> None:
+        """Declare that this peer will take part in outer round `round`."""
+        self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
+
+    def members(self, round: int) -> list[str]:
+        """Sorted ids of the live peers that announced `round` (this peer included if it did)."""
+        announced = set(self.peer.lookup(f"round/{round}"))
+        return sorted(announced & set(self.alive()))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,134 @@
+"""One member of a swarm: a hivemind DHT node, plus our own message streams over its libp2p daemon.
+
+The DHT (hivemind) holds membership records; tensors travel over direct libp2p streams that we
+open ourselves (no hivemind matchmaking). All network work runs on a background event loop thread,
+so the training thread only ever waits on futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Awaitable, Callable, Sequence
+
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from decentral.swarm.wire import TrafficStats
+
+log = logging.getLogger(__name__)
+
+StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class SwarmError(RuntimeError):
+    """The swarm could not be started or reached."""
+
+
+class SwarmPeer:
+    """Start a new swarm (no `initial_peers`) or join one through any member's multiaddr.
+
+    `run` names the training run: records and streams of other runs in the same DHT are ignored.
+    `host`/`port` choose where the libp2p daemon listens (`0.0.0.0` to accept other machines).
+    """
+
+    def __init__(
+        self,
+        run: str,
+        initial_peers: Sequence[str] = (),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        announce_host: str | None = None,
+        startup_timeout: float = 60.0,
+    ):
+        self.run = run
+        self.stats = TrafficStats()
+        announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
+        try:
+            self.dht = DHT(
+                initial_peers=list(initial_peers),
+                start=True,
+                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                announce_maddrs=announce,
+                startup_timeout=startup_timeout,
+                await_ready=True,
+            )
+        except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
+            where = f" through {list(initial_peers)}" if initial_peers else ""
+            raise SwarmError(f"could not start a swarm peer{where}: {e}") from e
+        self.peer_id = str(self.dht.peer_id)
+        self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"swarm-{self.peer_id[-6:]}", daemon=True)
+        self._thread.start()
+        self._p2p = self.call(self.dht.replicate_p2p()).result(timeout=startup_timeout)
+        self._closed = False
+
+    # ----- event loop -----
+    def call(self, coro: Awaitable[Any]) -> Future:
+        """Run a coroutine on the swarm's loop; returns a concurrent Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    # ----- addresses and records -----
+    def multiaddrs(self) -> list[str]:
+        with self._dht_lock:
+            return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def publish(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
+        """Store `value` under `run/key` for `ttl` seconds, one entry per `subkey`."""
+        with self._dht_lock:
+            return bool(
+                self.dht.store(f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey)
+            )
+
+    def lookup(self, key: str) -> dict[str, Any]:
+        """All unexpired entries under `run/key`, as {subkey: value}."""
+        with self._dht_lock:
+            found = self.dht.get(f"{self.run}/{key}", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(sub): item.value for sub, item in found.value.items()}
+
+    # ----- streams -----
+    def _proto(self, name: str) -> str:
+        return f"/decentral/{self.run}/{name}"
+
+    def add_handler(self, name: str, handler: StreamHandler) -> None:
+        """Serve stream `name`: `handler(sender_peer_id, reader, writer)` runs on the loop per incoming stream."""
+
+        async def serve(info, reader, writer):
+            try:
+                await handler(str(info.peer_id), reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                log.debug("stream %s from %s ended early: %s", name, info.peer_id, e)
+            except Exception:
+                log.exception("handler %s failed on a stream from %s", name, info.peer_id)
+            finally:
+                writer.close()
+
+        self.call(self._p2p.add_binary_stream_handler(self._proto(name), serve)).result(timeout=30)
+
+    async def open_stream(self, peer: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(name))
+        return reader, writer
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.call(self._p2p.shutdown()).result(timeout=10)
+        except Exception as e:
+            log.debug("p2p replica shutdown: %s", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        with self._dht_lock:
+            self.dht.shutdown()

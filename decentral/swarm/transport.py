@@ -1,0 +1,90 @@
+"""The swarm as a sync protocol sees it: members of a round, group averages, state for newcomers.
+
+`SwarmTransport` is the hivemind-backed implementation of `decentral.sync.base.Transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from decentral.swarm.averaging import GroupAverager
+from decentral.transport import AverageResult
+from decentral.swarm.membership import Membership
+from decentral.swarm.peer import SwarmPeer
+from decentral.swarm.state import Snapshot, StateExchange
+
+log = logging.getLogger(__name__)
+
+
+class SwarmTransport:
+    """Join (or start) the swarm of run `run` and offer what protocols need.
+
+    timeout: how long an average waits for late or dead peers (it takes at most 1.5x this).
+    wire_dtype: precision of tensors on the wire (float32, float16, bfloat16).
+    max_norm_ratio: a received part whose norm exceeds this multiple of our own is rejected.
+    """
+
+    def __init__(
+        self,
+        run: str = "decentral",
+        initial_peers: Sequence[str] = (),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        announce_host: str | None = None,
+        timeout: float = 60.0,
+        wire_dtype: str = "float32",
+        max_norm_ratio: float = 100.0,
+        heartbeat_s: float = 2.0,
+        lookahead: int = 2,
+    ):
+        self.timeout = timeout
+        self.lookahead = lookahead
+        self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host)
+        self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio)
+        self.state = StateExchange(self.peer)
+        self.membership = Membership(self.peer, heartbeat_s=heartbeat_s)
+
+    @property
+    def peer_id(self) -> str:
+        return self.peer.peer_id
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.peer.stats.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.peer.stats.bytes_received
+
+    def multiaddrs(self) -> list[str]:
+        return self.peer.multiaddrs()
+
+    def join_rounds(self, round: int) -> None:
+        """We will take part in rounds `round` … `round + lookahead`; announce them now."""
+        for r in range(round, round + self.lookahead + 1):
+            self.membership.announce(r)
+
+    def members(self, round: int) -> list[str]:
+        return self.membership.members(round)
+
+    def set_progress(self, step: int, round: int) -> None:
+        self.membership.set_progress(step, round)
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
+        """Blocking weighted mean of a flat tensor over `group`; see GroupAverager.average."""
+        return self.peer.call(self.averager.average(tensor, group, tag, weight, self.timeout)).result()
+
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.state.offer(meta, tensors)
+
+    def fetch_state(self) -> tuple[str, Snapshot] | None:
+        """Download outer state from a live peer (most advanced first); None when nobody serves one."""
+        return self.state.fetch(self.membership.alive(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.membership.close()
+        self.peer.shutdown()

@@ -1,0 +1,53 @@
+"""What a sync protocol needs from the network, and nothing more.
+
+Protocols never import hivemind or torch.distributed: they get a `Transport`. `SwarmTransport`
+(decentral.swarm) implements it over hivemind; tests and other layers can supply their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AverageResult:
+    """Outcome of one group average. `tensor` is always usable (own values where parts were missing)."""
+
+    tensor: torch.Tensor
+    group: list[str]
+    complete: bool  # every part was averaged over the whole group
+    contributors: int  # fewest peers that any part of `tensor` was averaged over (1 = only ourselves)
+    rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was dropped
+
+
+class Transport(Protocol):
+    peer_id: str
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+    @property
+    def bytes_received(self) -> int: ...
+
+    def join_rounds(self, round: int) -> None:
+        """Announce that we take part in outer rounds from `round` on (a few rounds ahead)."""
+
+    def members(self, round: int) -> list[str]:
+        """Sorted ids of the peers taking part in `round`; every peer derives the same list."""
+
+    def set_progress(self, step: int, round: int) -> None:
+        """Report our progress to the others (heartbeat)."""
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
+        """Weighted mean of a flat tensor over `group`, within the transport's timeout."""
+
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve this snapshot of outer state to newcomers until the next offer."""
+
+    def fetch_state(self) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
+        """(donor, (meta, tensors)) from a live peer, or None when nobody serves one."""
+
+    def close(self) -> None: ...

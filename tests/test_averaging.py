@@ -1,0 +1,103 @@
+"""Group averages between real hivemind peers on loopback: exact means, bad data rejected, dead peers bounded."""
+
+import threading
+import time
+
+import torch
+
+from decentral.swarm import check_part
+
+
+def run_in_threads(fns):
+    out = [None] * len(fns)
+
+    def go(i):
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def test_weighted_mean_of_three_peers_equals_independent_mean(make_swarm):
+    peers = make_swarm(3)
+    group = sorted(p.peer_id for p in peers)
+    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    results = run_in_threads([lambda p=p, x=x, w=w: p.average(x, group, "t", w) for p, x, w in zip(peers, xs, weights)])
+    expected = sum(w * x for w, x in zip(weights, xs)) / sum(weights)
+    for r in results:
+        assert r.complete and r.contributors == 3 and not r.rejected
+        torch.testing.assert_close(r.tensor, expected, rtol=0, atol=1e-6)
+    assert all(p.bytes_sent > 0 and p.bytes_received > 0 for p in peers)
+
+
+def test_fp16_on_the_wire_gives_every_peer_the_same_result(make_swarm):
+    peers = make_swarm(2, wire_dtype="float16")
+    group = sorted(p.peer_id for p in peers)
+    xs = [torch.randn(500), torch.randn(500)]
+    a, b = run_in_threads([lambda p=p, x=x: p.average(x, group, "h") for p, x in zip(peers, xs)])
+    assert torch.equal(a.tensor, b.tensor)
+    torch.testing.assert_close(a.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=2e-3)
+
+
+def test_nan_from_a_peer_is_rejected_and_not_applied(make_swarm):
+    peers = make_swarm(3)
+    group = sorted(p.peer_id for p in peers)
+    bad = next(i for i, p in enumerate(peers) if p.peer_id == group[1])  # owns the middle chunk
+    xs = [torch.randn(300) for _ in peers]
+    xs[bad] = xs[bad].clone()
+    xs[bad][::7] = float("nan")
+    results = run_in_threads([lambda p=p, x=x: p.average(x, group, "nan") for p, x in zip(peers, xs)])
+    honest = [i for i in range(3) if i != bad]
+    good_mean = (xs[honest[0]] + xs[honest[1]]) / 2
+    chunks = [c.numel() for c in torch.tensor_split(torch.empty(300), 3)]
+    for i in honest:
+        r = results[i]
+        assert torch.isfinite(r.tensor).all()
+        assert peers[bad].peer_id in r.rejected and not r.complete
+        parts = torch.split(r.tensor, chunks)
+        own = torch.split(xs[i], chunks)
+        torch.testing.assert_close(parts[0], torch.split(good_mean, chunks)[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(parts[2], torch.split(good_mean, chunks)[2], rtol=0, atol=1e-6)
+        assert torch.equal(parts[1], own[1])  # the bad peer's chunk: our own values stand
+
+
+def test_wrong_size_from_a_peer_is_rejected(make_swarm):
+    peers = make_swarm(2)
+    group = sorted(p.peer_id for p in peers)
+    xs = [torch.randn(100), torch.randn(160)]
+    a, b = run_in_threads([lambda p=p, x=x: p.average(x, group, "shape") for p, x in zip(peers, xs)])
+    assert peers[1].peer_id in a.rejected and "wrong size" in a.rejected[peers[1].peer_id]
+    assert a.tensor.numel() == 100 and torch.isfinite(a.tensor).all()
+    assert not a.complete
+
+
+def test_dead_peer_costs_at_most_the_timeout(make_swarm):
+    peers = make_swarm(3, timeout=3.0)
+    group = sorted(p.peer_id for p in peers)
+    peers[2].close()
+    xs = [torch.randn(90), torch.randn(90)]
+    start = time.monotonic()
+    a, b = run_in_threads([lambda p=p, x=x: p.average(x, group, "dead") for p, x in zip(peers[:2], xs)])
+    assert time.monotonic() - start < 1.5 * 3.0 + 2.0
+    assert not a.complete and a.contributors == 1
+    dead_chunk = group.index(peers[2].peer_id)
+    chunks = [c.numel() for c in torch.tensor_split(torch.empty(90), 3)]
+    live = [j for j in range(3) if j != dead_chunk]
+    for r, x in ((a, xs[0]), (b, xs[1])):
+        parts, mean = torch.split(r.tensor, chunks), torch.split((xs[0] + xs[1]) / 2, chunks)
+        for j in live:
+            torch.testing.assert_close(parts[j], mean[j], rtol=0, atol=1e-6)
+        assert torch.equal(parts[dead_chunk], torch.split(x, chunks)[dead_chunk])
+
+
+def test_check_part_bounds():
+    ref = torch.ones(10)
+    assert check_part(torch.ones(10), ref, 10.0) is None
+    assert "wrong size" in check_part(torch.ones(9), ref, 10.0)
+    assert "non-finite" in check_part(torch.full((10,), float("inf")), ref, 10.0)
+    assert "exceeds" in check_part(ref * 1000, ref, 10.0)
