@@ -1,0 +1,144 @@
+"""Typed training recipes, loaded from YAML (protocols/*.yaml).
+
+A recipe has four sections; every one is optional and falls back to the defaults below:
+
+    protocol: {name: noloco, every: 50, alpha: 0.5, ...}   # the protocol's own keyword arguments
+    train:    {steps: 400, batch_size: 16, lr: 3.0e-3, ...}
+    model:    {n_layer: 4, d_model: 128, ...}               # decentral.models.GPTConfig fields
+    swarm:    {timeout: 60, wire_dtype: float32, ...}
+
+Unknown keys are errors that name the key and list the allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from decentral.models import GPTConfig
+from decentral.sync import PROTOCOLS
+
+
+class RecipeError(ValueError):
+    """A recipe file is malformed; the message says where and how."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400  # inner steps per worker
+    batch_size: int = 16
+    context: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_batches: int = 8
+    seed: int = 0
+    checkpoint_every: int = 1  # outer rounds between checkpoints
+
+
+@dataclass
+class SwarmConfig:
+    run: str = "decentral"
+    timeout: float = 60.0  # the most one average may take, dead peers included
+    wire_dtype: str = "float32"
+    max_norm_ratio: float = 100.0
+    heartbeat_s: float = 2.0
+
+
+@dataclass
+class Recipe:
+    protocol: str = "noloco"
+    protocol_args: dict[str, Any] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+    def to_dict(self) -> dict:
+        return {
+            "protocol": {"name": self.protocol, **self.protocol_args},
+            "train": dataclasses.asdict(self.train),
+            "model": dataclasses.asdict(self.model),
+            "swarm": dataclasses.asdict(self.swarm),
+        }
+
+
+def _coerce(value: Any, default: Any, where: str) -> Any:
+    """`value` as the type of `default` (ints accepted for floats, "3e-3" for numbers); else RecipeError."""
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        if isinstance(value, type(default)):
+            return value
+    elif not isinstance(value, bool):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is not None and (isinstance(default, float) or number.is_integer()):
+            return type(default)(number)
+    raise RecipeError(f"{where}: expected {type(default).__name__}, got {value!r}")
+
+
+def _typed(cls, values: Any, where: str):
+    if values is None:
+        return cls()
+    if not isinstance(values, dict):
+        raise RecipeError(f"{where}: expected a mapping, got {type(values).__name__}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(defaults))
+    if unknown:
+        raise RecipeError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(defaults)}")
+    return cls(**{k: _coerce(v, defaults[k], f"{where}.{k}") for k, v in values.items()})
+
+
+def protocol_params(name: str) -> dict[str, Any]:
+    """The keyword arguments protocol `name` accepts, with their defaults."""
+    signature = inspect.signature(PROTOCOLS[name].__init__)
+    return {p.name: p.default for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
+def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping at the top level")
+    unknown = sorted(set(data) - {"protocol", "train", "model", "swarm"})
+    if unknown:
+        raise RecipeError(f"{where}: unknown section(s) {unknown}; allowed: ['model', 'protocol', 'swarm', 'train']")
+    proto = dict(data.get("protocol") or {})
+    name = proto.pop("name", "noloco")
+    if name not in PROTOCOLS:
+        raise RecipeError(f"{where}: protocol.name {name!r} is not one of {sorted(PROTOCOLS)}")
+    allowed = protocol_params(name)
+    unknown = sorted(set(proto) - set(allowed))
+    if unknown:
+        raise RecipeError(f"{where}: protocol {name!r} has no parameter(s) {unknown}; allowed: {sorted(allowed)}")
+    return Recipe(
+        protocol=name,
+        protocol_args=proto,
+        train=_typed(TrainConfig, data.get("train"), f"{where}: train"),
+        model=_typed(GPTConfig, data.get("model"), f"{where}: model"),
+        swarm=_typed(SwarmConfig, data.get("swarm"), f"{where}: swarm"),
+    )
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file; raises RecipeError with the file name on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    return parse_recipe(data, str(path))
+
+
+def default_recipe_path(protocol: str) -> Path:
+    """protocols/<name>.yaml shipped with the repository."""
+    return Path(__file__).resolve().parent.parent / "protocols" / f"{protocol}.yaml"

@@ -1,0 +1,56 @@
+"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105): outer Nesterov step on averaged pseudo-gradients.
+
+Every H inner steps (ALGORITHMS.md §1):
+    g_i = φ − θ_i                          outer gradient: slow minus fast
+    g   = Σ w_i g_i / Σ w_i                average over all members of the round (w_i = inner steps)
+    φ  ← SGD(lr, momentum, nesterov)(φ, g) a positive lr moves φ towards the workers' progress
+    θ_i ← φ
+Inner optimizer states are never averaged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decentral.sync.base import OuterProtocol, SyncReport
+from decentral.transport import Transport
+
+
+class DiLoCo(OuterProtocol):
+    name = "diloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        transport: Transport,
+        *,
+        every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+    ):
+        super().__init__(model, optimizer, transport, every=every)
+        self.slow.requires_grad_(False)
+        self.momentum = torch.zeros_like(self.slow)
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self.momentum}
+
+    def outer_step(self, fast: torch.Tensor, weight: float) -> SyncReport:
+        group = self._members(self.round)
+        result, waited = self._timed_average(self.slow - fast, group, f"diloco/{self.round}", weight)
+        self.slow = nesterov_sgd_step(
+            self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov
+        )
+        return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected)
+
+
+def nesterov_sgd_step(
+    slow: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, lr: float, mu: float, nesterov: bool
+) -> torch.Tensor:
+    """torch.optim.SGD's update with momentum (dampening 0), in place on `momentum`; returns new φ."""
+    momentum.mul_(mu).add_(grad)
+    direction = grad + mu * momentum if nesterov else momentum
+    return slow - lr * direction

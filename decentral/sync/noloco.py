@@ -1,0 +1,74 @@
+"""NoLoCo (Kolehmainen et al. 2025, arXiv 2506.10911): no all-reduce, average with one random peer.
+
+Every H inner steps (ALGORITHMS.md §3), with the pair {i, j} drawn from a shared seed:
+    Δ_i = θ_i − φ_i                                   fast minus slow (opposite sign to DiLoCo)
+    δ_i = α·δ_i + β·mean_pair(Δ) + γ·(mean_pair(φ) − φ_i)
+    φ_i = φ_i + δ_i ;  θ_i ← φ_i
+The sign of β follows the released code (+β); the paper's printed −β diverges. Default momentum is
+the reference code's heavy ball; `nesterov=True` adds the look-ahead (φ_i += α·δ_i + u_i). A peer left
+without a partner (odd count, dead partner) applies its own Δ alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decentral.swarm.pairing import group_of, round_groups
+from decentral.sync.base import OuterProtocol, SyncReport
+from decentral.transport import Transport
+
+
+class NoLoCo(OuterProtocol):
+    name = "noloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        transport: Transport,
+        *,
+        every: int = 50,
+        alpha: float = 0.5,
+        beta: float = 0.7,
+        gamma: float | None = None,
+        nesterov: bool = False,
+        group_size: int = 2,
+        seed: int = 0,
+    ):
+        super().__init__(model, optimizer, transport, every=every)
+        self.alpha, self.beta = alpha, beta
+        self.gamma = beta if gamma is None else gamma
+        self.nesterov, self.group_size, self.seed = nesterov, group_size, seed
+        self.delta = torch.zeros_like(self.slow)
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        return {"delta": self.delta}
+
+    def outer_step(self, fast: torch.Tensor, weight: float) -> SyncReport:
+        groups = round_groups(self._members(self.round), self.seed, self.round, self.group_size)
+        group = group_of(self.transport.peer_id, groups)
+        n = self.slow.numel()
+        both = torch.cat([self.slow, fast - self.slow])
+        if len(group) > 1:
+            result, waited = self._timed_average(both, group, f"noloco/{self.round}")
+            mean, complete, contributors, rejected = result.tensor, result.complete, result.contributors, result.rejected
+        else:
+            mean, waited, complete, contributors, rejected = both, 0.0, True, 1, {}
+        self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n], self.alpha, self.beta, self.gamma, self.nesterov)
+        return SyncReport(self.round, group, complete, contributors, waited, rejected)
+
+
+def noloco_update(
+    slow: torch.Tensor,
+    delta: torch.Tensor,
+    mean_outer: torch.Tensor,
+    mean_slow: torch.Tensor,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    nesterov: bool,
+) -> torch.Tensor:
+    """One NoLoCo outer step; updates the momentum `delta` in place and returns the new φ."""
+    update = beta * mean_outer + gamma * (mean_slow - slow)
+    delta.mul_(alpha).add_(update)
+    return slow + (alpha * delta + update if nesterov else delta)
