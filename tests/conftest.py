@@ -1,0 +1,133 @@
+"""Shared fixtures: real swarm peers on loopback, and real `decentral train` worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+
+from decentral.swarm import SwarmTransport  # noqa: E402
+
+TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
+TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "eval_batches": 4}
+
+
+@pytest.fixture
+def make_swarm():
+    """make_swarm(n, **transport_kwargs) -> n SwarmTransports joined into one swarm; all closed after the test."""
+    made: list[SwarmTransport] = []
+
+    def make(n: int, **kwargs) -> list[SwarmTransport]:
+        kwargs.setdefault("timeout", 10.0)
+        kwargs.setdefault("heartbeat_s", 0.5)
+        run = kwargs.pop("run", f"test-{time.monotonic_ns()}")
+        first = made[0] if made else SwarmTransport(run, **kwargs)
+        if not made:
+            made.append(first)
+        while len(made) < n:
+            made.append(SwarmTransport(run, first.multiaddrs(), **kwargs))
+        return made[:n]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """A folder of real text: 60 modules of the Python standard library."""
+    src = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    files = sorted(p for p in src.glob("*.py") if p.stat().st_size > 4000)[:60]
+    for p in files:
+        shutil.copy(p, out / p.name)
+    return out
+
+
+def write_recipe(path: Path, protocol: dict, steps: int, timeout: float = 10.0) -> Path:
+    recipe = {
+        "protocol": protocol,
+        "train": {**TINY_TRAIN, "steps": steps},
+        "model": TINY_MODEL,
+        "swarm": {"timeout": timeout, "heartbeat_s": 0.5, "run": f"t{time.monotonic_ns()}"},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+class Workers:
+    """`decentral train` processes of one swarm, started like a user starts them."""
+
+    def __init__(self, root: Path, recipe: Path, data: Path, num_workers: int):
+        self.root, self.recipe, self.data, self.num_workers = root, recipe, data, num_workers
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.bootstrap: list[str] = []
+
+    def start(self, index: int, steps: int | None = None) -> subprocess.Popen:
+        out = self.root / f"w{index}"
+        cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(self.recipe), "--out", str(out),
+               "--name", f"w{index}", "--data", str(self.data), "--worker-index", str(index),
+               "--num-workers", str(self.num_workers)]
+        if steps:
+            cmd += ["--steps", str(steps)]
+        maddr_file = self.root / f"w{index}.maddrs"
+        cmd += ["--maddr-file", str(maddr_file)]
+        for m in self.bootstrap:
+            cmd += ["--join", m]
+        log = open(self.root / f"w{index}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[index] = proc
+        if not self.bootstrap:
+            self.bootstrap = wait_for_file(maddr_file, proc, 120).split()
+        return proc
+
+    def wait(self, timeout: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        return {i: p.wait(timeout=max(1, deadline - time.monotonic())) for i, p in self.procs.items()}
+
+    def metrics(self, index: int) -> list[dict]:
+        path = self.root / f"w{index}" / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def log(self, index: int) -> str:
+        return (self.root / f"w{index}.log").read_text()
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text()
+        assert proc.poll() is None, f"worker exited with {proc.returncode} before writing {path}"
+        time.sleep(0.1)  # polling a file that another process writes
+    raise TimeoutError(f"{path} did not appear within {timeout}s")
+
+
+@pytest.fixture
+def workers(tmp_path, small_corpus):
+    made: list[Workers] = []
+
+    def make(protocol: dict, steps: int, num_workers: int, timeout: float = 10.0) -> Workers:
+        w = Workers(tmp_path, write_recipe(tmp_path / "recipe.yaml", protocol, steps, timeout), small_corpus, num_workers)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.kill_all()

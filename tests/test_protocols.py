@@ -1,0 +1,141 @@
+"""Outer-step protocols between real hivemind peers: the update rules of ALGORITHMS.md, checked against
+arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
+
+import threading
+
+import pytest
+import torch
+
+from decentral.sync import DiLoCo, DivergedError, NoLoCo
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def flat(model) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def set_flat(model, vector) -> None:
+    torch.nn.utils.vector_to_parameters(vector.clone(), model.parameters())
+
+
+def make_protocols(transports, cls, seeds=None, **kwargs):
+    protocols = []
+    for i, t in enumerate(transports):
+        model = tiny_model(seeds[i] if seeds else 0)
+        p = cls(model, torch.optim.SGD(model.parameters(), lr=0.1), t, **kwargs)
+        p.start()  # one after the other: later ones download the first one's state
+        protocols.append(p)
+    return protocols
+
+
+def outer_round(protocols, fasts):
+    """Put `fasts[i]` into worker i's model as if H inner steps produced it, then run the outer step."""
+    for p, fast in zip(protocols, fasts):
+        set_flat(p.model, fast)
+        p.step = p._round_start + p.every
+    reports = [None] * len(protocols)
+
+    def go(i):
+        reports[i] = protocols[i].after_step()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(protocols))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return reports
+
+
+def test_replicas_start_identical_even_from_different_seeds(make_swarm):
+    protocols = make_protocols(make_swarm(3), DiLoCo, seeds=[1, 2, 3], every=10)
+    reference = flat(protocols[0].model)
+    assert not torch.equal(reference, flat(tiny_model(2)))  # the seeds really differ
+    for p in protocols:
+        assert torch.equal(flat(p.model), reference)
+        assert torch.equal(p.slow, reference)
+
+
+def test_diloco_outer_step_matches_torch_sgd_nesterov_and_moves_towards_workers(make_swarm):
+    protocols = make_protocols(make_swarm(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
+    phi = protocols[0].slow.clone()
+    reference = phi.clone().requires_grad_(True)
+    opt = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    gen = torch.Generator().manual_seed(0)
+    for round in range(3):
+        fasts = [reference.detach() + 0.1 * torch.randn(phi.numel(), generator=gen) for _ in protocols]
+        reports = outer_round(protocols, fasts)
+        assert all(r.complete and len(r.group) == 3 for r in reports)
+        before = reference.detach().clone()
+        reference.grad = torch.stack([before - f for f in fasts]).mean(0)
+        opt.step()
+        for p in protocols:
+            torch.testing.assert_close(p.slow, reference.detach(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(flat(p.model), reference.detach(), rtol=0, atol=1e-6)
+            assert p.round == round + 1
+        if round == 0:  # sign: a positive outer lr moves φ towards the workers' mean
+            progress = torch.stack(fasts).mean(0) - before
+            assert torch.dot(protocols[0].slow - before, progress) > 0
+
+
+def test_noloco_pair_round_is_the_section_3_update_for_both_peers(make_swarm):
+    alpha, beta, gamma = 0.5, 0.7, 0.6
+    protocols = make_protocols(make_swarm(2), NoLoCo, every=10, alpha=alpha, beta=beta, gamma=gamma)
+    gen = torch.Generator().manual_seed(1)
+    n = protocols[0].slow.numel()
+    # give the replicas different slow weights, as they have after some rounds of pairwise averaging
+    slows = [p.slow + 0.05 * torch.randn(n, generator=gen) for p in protocols]
+    for p, s in zip(protocols, slows):
+        p.slow = s.clone()
+    deltas = [torch.zeros(n), torch.zeros(n)]
+    for round in range(3):
+        fasts = [s + 0.1 * torch.randn(n, generator=gen) for s in slows]
+        reports = outer_round(protocols, fasts)
+        assert all(r.complete and len(r.group) == 2 for r in reports)
+        mean_outer = ((fasts[0] - slows[0]) + (fasts[1] - slows[1])) / 2
+        mean_slow = (slows[0] + slows[1]) / 2
+        for i in range(2):
+            deltas[i] = alpha * deltas[i] + beta * mean_outer + gamma * (mean_slow - slows[i])
+        slows = [slows[i] + deltas[i] for i in range(2)]
+        for i, p in enumerate(protocols):
+            torch.testing.assert_close(p.slow, slows[i], rtol=0, atol=1e-6)
+            torch.testing.assert_close(p.delta, deltas[i], rtol=0, atol=1e-6)
+            torch.testing.assert_close(flat(p.model), slows[i], rtol=0, atol=1e-6)
+
+
+def test_noloco_lone_peer_applies_its_own_delta(make_swarm):
+    (p,) = make_protocols(make_swarm(1), NoLoCo, every=5, alpha=0.5, beta=0.7)
+    phi = p.slow.clone()
+    fast = phi + 0.1
+    (report,) = outer_round([p], [fast])
+    assert report.group == [p.transport.peer_id]
+    torch.testing.assert_close(p.slow, phi + 0.7 * (fast - phi), rtol=0, atol=1e-6)
+
+
+def test_late_joiner_downloads_slow_weights_momentum_and_round(make_swarm):
+    transports = make_swarm(3)
+    protocols = make_protocols(transports[:2], DiLoCo, every=10)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    (late,) = make_protocols(transports[2:], DiLoCo, seeds=[99], every=10)
+    assert late.round == protocols[0].round == 2
+    assert torch.equal(late.slow, protocols[0].slow)
+    assert torch.equal(late.momentum, protocols[0].momentum)
+    assert torch.equal(flat(late.model), protocols[0].slow)
+
+
+def test_non_finite_local_weights_are_never_sent(make_swarm):
+    (p,) = make_protocols(make_swarm(1), DiLoCo, every=3)
+    sent = p.transport.bytes_sent
+    fast = p.slow.clone()
+    fast[0] = float("nan")
+    set_flat(p.model, fast)
+    p.step = p.every
+    with pytest.raises(DivergedError):
+        p.after_step()
+    assert p.transport.bytes_sent == sent
+    assert torch.isfinite(p.slow).all()
