@@ -1,0 +1,126 @@
+"""Checkpoints: a directory holding `tensors.safetensors` and `meta.json`, replaced atomically.
+
+`meta.json` carries the caller's metadata plus `format` and the sha256 of the tensor file, so a
+torn or corrupted checkpoint is refused on load instead of silently resuming from garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+FORMAT = 1
+TENSORS_FILE = "tensors.safetensors"
+META_FILE = "meta.json"
+_RESERVED = ("format", "tensors_sha256")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
+    """Write `tensors` and JSON-serialisable `meta` to `directory`, replacing any checkpoint there.
+
+    A crash at any point leaves a complete checkpoint on disk: the old one (at `directory`, or
+    moved aside to `.<name>.old` next to it, where `load_checkpoint` finds it) or the new one.
+    Meta keys `format` and `tensors_sha256` are reserved. Not safe for two concurrent writers of the
+    same directory. Returns `directory` as a Path.
+    """
+    directory = Path(directory)
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    data = save_tensors(_storable(tensors))
+    meta_text = json.dumps({**meta, "format": FORMAT, "tensors_sha256": hashlib.sha256(data).hexdigest()}, indent=1)
+    tmp = parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    aside = _aside(directory)
+    try:
+        _write_synced(tmp / TENSORS_FILE, data)
+        _write_synced(tmp / META_FILE, meta_text.encode())
+        _fsync_dir(tmp)
+        if directory.exists():
+            if aside.exists():  # left by an earlier crash after the new checkpoint was in place
+                shutil.rmtree(aside)
+            os.replace(directory, aside)
+        os.replace(tmp, directory)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    return directory
+
+
+def load_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a checkpoint written by `save_checkpoint`: (tensors on CPU, the meta that was saved).
+
+    Raises CheckpointError naming the path when anything is missing, unreadable or fails its checksum.
+    """
+    directory = Path(directory)
+    if not directory.is_dir() and _aside(directory).is_dir():  # a save crashed between its two renames
+        directory = _aside(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: directory does not exist")
+    meta_path, tensors_path = directory / META_FILE, directory / TENSORS_FILE
+    for path in (meta_path, tensors_path):
+        if not path.is_file():
+            raise CheckpointError(f"incomplete checkpoint {directory}: {path.name} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"corrupt checkpoint {meta_path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tensors_sha256" not in meta:
+        raise CheckpointError(f"corrupt checkpoint {meta_path}: not a format-{FORMAT} checkpoint meta")
+    data = tensors_path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != meta["tensors_sha256"]:
+        raise CheckpointError(f"corrupt checkpoint {tensors_path} (checksum mismatch)")
+    try:
+        tensors = load_tensors(data)
+    except SafetensorError as e:
+        raise CheckpointError(f"corrupt checkpoint {tensors_path}: {e}") from e
+    return tensors, {k: v for k, v in meta.items() if k not in _RESERVED}
+
+
+def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors with no two sharing storage (safetensors refuses both)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu")
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[name] = tensor
+    return out
+
+
+def _aside(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.old")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

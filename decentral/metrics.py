@@ -1,0 +1,204 @@
+"""Training metrics: JSON Lines logs written while training, read back, summarised and plotted.
+
+A record is a flat dict with at least `worker`, `step`, `wall_s` and, for training steps, `loss`;
+outer steps add `val_loss`. Cumulative counters `bytes_sent`, `bytes_received` and `wait_s` are optional.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+SMOOTH_WINDOW = 10  # inner steps averaged for the plotted training loss
+FINAL_LOSS_WINDOW = 10  # last training losses averaged for the summary's final loss
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `path`, flushed after each record.
+
+    Opening drops a partial last line left by a writer that was killed mid-write, so that records
+    appended by a resumed run stay readable.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _repair_tail(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, **record: Any) -> None:
+        """Log one record; values must be numbers, strings, bools or None (torch/numpy scalars are converted)."""
+        self._file.write(json.dumps({key: _plain(value) for key, value in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]:
+    """All records of one or more JSONL files, in file order.
+
+    An unterminated, unparseable last line (a writer killed mid-line) is skipped; any other malformed
+    line raises ValueError naming `file:line`.
+    """
+    paths = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
+    records = []
+    for path in paths:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # last item: "" or an unterminated line
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if number == len(lines):
+                    continue
+                raise ValueError(f"{path}:{number}: malformed metrics line ({e.msg})") from e
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
+
+
+def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Path:
+    """Save a PNG with training loss (lightly smoothed) and validation loss per worker, vs step and vs wall time."""
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    by_step, by_time = fig.subplots(1, 2)
+    for index, (worker, rows) in enumerate(_by_worker(records).items()):
+        colour = f"C{index % 10}"
+        train = [r for r in rows if r.get("loss") is not None]
+        val = [r for r in rows if r.get("val_loss") is not None]
+        smooth = _moving_average([r["loss"] for r in train], SMOOTH_WINDOW)
+        for ax, x in ((by_step, "step"), (by_time, "wall_s")):
+            if train:
+                ax.plot([r[x] for r in train], smooth, color=colour, lw=1.2, label=f"{worker} train")
+            if val:
+                ax.plot([r[x] for r in val], [r["val_loss"] for r in val], color=colour, ls="--", marker="o",
+                        ms=3, label=f"{worker} val")
+    by_step.set(xlabel="inner step", ylabel="loss", title="loss vs step")
+    by_time.set(xlabel="wall time (s)", ylabel="loss", title="loss vs wall time")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def summarize(records: Iterable[dict]) -> dict[str, dict]:
+    """Per worker, in order of first appearance: `final_step` (largest step), `final_loss` (mean of the
+    last 10 training losses), `val_loss` (the last one), `bytes_sent`, `bytes_received` and `wait_s`
+    (largest value of each cumulative counter) and `wall_s` (the last one). Absent values are None.
+    """
+    summary = {}
+    for worker, rows in _by_worker(records).items():
+        losses = [r["loss"] for r in rows if r.get("loss") is not None][-FINAL_LOSS_WINDOW:]
+        summary[worker] = {
+            "final_step": _largest(rows, "step"),
+            "final_loss": sum(losses) / len(losses) if losses else None,
+            "val_loss": _last(rows, "val_loss"),
+            "bytes_sent": _largest(rows, "bytes_sent"),
+            "bytes_received": _largest(rows, "bytes_received"),
+            "wait_s": _largest(rows, "wait_s"),
+            "wall_s": _last(rows, "wall_s"),
+        }
+    return summary
+
+
+def format_summary(summary: dict[str, dict]) -> str:
+    """A plain text table of `summarize`'s result, one row per worker; `-` marks absent values."""
+    header = ("worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "wall_s")
+    rows = [header] + [
+        (
+            str(worker), _number(s["final_step"], ""), _number(s["final_loss"], ".4f"),
+            _number(s["val_loss"], ".4f"), human_bytes(s["bytes_sent"]), human_bytes(s["bytes_received"]),
+            _number(s["wait_s"], ".1f"), _number(s["wall_s"], ".1f"),
+        )
+        for worker, s in summary.items()
+    ]
+    widths = [max(len(row[col]) for row in rows) for col in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) if col == 0 else cell.rjust(w) for col, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    )
+
+
+def human_bytes(count: float | None) -> str:
+    """`1536` -> `1.5 KiB`; None -> `-`."""
+    if count is None:
+        return "-"
+    units = ("B", "KiB", "MiB", "GiB")
+    power = 0
+    while count >= 1024 and power < len(units) - 1:
+        count /= 1024
+        power += 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value.item()
+    raise TypeError(f"metric values must be numbers, strings or None, not {type(value).__name__}")
+
+
+def _repair_tail(path: Path) -> None:
+    """Terminate an unterminated last line if it is a whole record, else cut it off."""
+    with open(path, "a+b") as f:
+        f.seek(0)
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[start:])
+        except ValueError:
+            f.truncate(start)
+        else:
+            f.write(b"\n")
+
+
+def _by_worker(records: Iterable[dict]) -> dict[Any, list[dict]]:
+    groups: dict[Any, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record["worker"], []).append(record)
+    return groups
+
+
+def _moving_average(values: list[float], window: int) -> np.ndarray:
+    """Trailing mean over up to `window` values (fewer at the start)."""
+    sums = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def _largest(rows: list[dict], key: str) -> Any:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _last(rows: list[dict], key: str) -> Any:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return values[-1] if values else None
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
