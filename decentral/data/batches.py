@@ -1,0 +1,73 @@
+"""Batches of next-token windows from a token stream, and a loss evaluator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y): int64 (batch_size, context), y is x shifted by one token
+
+
+def shard_bounds(n_tokens: int, worker: int, num_workers: int) -> tuple[int, int]:
+    """[start, end) of `worker`'s contiguous share of a stream of `n_tokens`; the shares tile the stream."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker must be in [0, {num_workers}), got {worker}")
+    return n_tokens * worker // num_workers, n_tokens * (worker + 1) // num_workers
+
+
+def train_batches(
+    tokens: np.ndarray, *, batch_size: int, context: int, worker: int = 0, num_workers: int = 1, seed: int = 0
+) -> Iterator[Batch]:
+    """Endless random windows from `worker`'s shard only; the sequence depends only on (tokens, seed, worker)."""
+    start, end = shard_bounds(len(tokens), worker, num_workers)
+    shard = tokens[start:end]
+    if len(shard) < context + 1:
+        raise ValueError(
+            f"worker {worker}'s shard has {len(shard)} tokens, fewer than context + 1 = {context + 1}; "
+            f"use more data, fewer workers or a shorter context"
+        )
+    rng = np.random.default_rng([seed, worker])
+
+    def batches() -> Iterator[Batch]:
+        while True:
+            starts = rng.integers(0, len(shard) - context, size=batch_size)
+            yield _windows(shard, starts, context)
+
+    return batches()
+
+
+def eval_batches(
+    tokens: np.ndarray, *, batch_size: int, context: int, num_batches: int, seed: int = 1234
+) -> list[Batch]:
+    """`num_batches` fixed batches of windows evenly spaced over `tokens`; `seed` picks the offset of the grid."""
+    span = len(tokens) - context  # number of valid window starts
+    if span < 1:
+        raise ValueError(f"{len(tokens)} tokens are fewer than context + 1 = {context + 1}")
+    count = batch_size * num_batches
+    stride = span / count
+    offset = np.random.default_rng(seed).uniform(0, stride)
+    starts = np.minimum((offset + stride * np.arange(count)).astype(np.int64), span - 1)
+    return [_windows(tokens, part, context) for part in starts.reshape(num_batches, batch_size)]
+
+
+def evaluate(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Mean loss of `model(x, y)` over `batches`, without gradients and in eval mode; the mode is restored."""
+    if not batches:
+        raise ValueError("evaluate needs at least one batch")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return sum(float(model(x, y)[1]) for x, y in batches) / len(batches)
+    finally:
+        model.train(was_training)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, context: int) -> Batch:
+    rows = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64)
+    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
