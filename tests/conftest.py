@@ -73,11 +73,12 @@ class Workers:
         self.procs: dict[int, subprocess.Popen] = {}
         self.bootstrap: list[str] = []
 
-    def start(self, index: int, steps: int | None = None) -> subprocess.Popen:
+    def start(self, index: int, steps: int | None = None, min_peers: int | None = None) -> subprocess.Popen:
+        """Start worker `index`; unless `min_peers` says otherwise, it waits for all `num_workers` to be up."""
         out = self.root / f"w{index}"
         cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(self.recipe), "--out", str(out),
                "--name", f"w{index}", "--data", str(self.data), "--worker-index", str(index),
-               "--num-workers", str(self.num_workers)]
+               "--num-workers", str(self.num_workers), "--min-peers", str(min_peers or self.num_workers)]
         if steps:
             cmd += ["--steps", str(steps)]
         maddr_file = self.root / f"w{index}.maddrs"

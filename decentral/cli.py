@@ -1,0 +1,141 @@
+"""`decentral` command line: demo, swarm, train."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
+
+from decentral.config import RecipeError, default_recipe_path, load_recipe
+
+
+def _recipe(args):
+    recipe = load_recipe(args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol))
+    if getattr(args, "steps", None):
+        recipe.train.steps = args.steps
+    if getattr(args, "run", None):
+        recipe.swarm.run = args.run
+    if getattr(args, "timeout", None):
+        recipe.swarm.timeout = args.timeout
+    return recipe
+
+
+def cmd_train(args) -> int:
+    from decentral.sync import DivergedError
+    from decentral.worker import WorkerOptions, run_worker
+
+    recipe = _recipe(args)
+
+    def ready(maddrs: list[str]) -> None:
+        print(f"[{args.name}] others join with --join {maddrs[0]}", flush=True)
+        if args.maddr_file:
+            tmp = Path(args.maddr_file + ".tmp")
+            tmp.write_text("\n".join(maddrs) + "\n")
+            tmp.replace(args.maddr_file)
+
+    opts = WorkerOptions(
+        out=Path(args.out), join=args.join or (), data=args.data, worker_index=args.worker_index,
+        num_workers=args.num_workers, host=args.host, port=args.port, announce_host=args.announce_host,
+        resume=args.resume, name=args.name, min_peers=args.min_peers, on_ready=ready, print_fn=lambda line: print(line, flush=True),
+    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
+    try:
+        summary = run_worker(recipe, opts)
+    except DivergedError:
+        return 3
+    except KeyboardInterrupt:
+        return 130
+    print(f"[{args.name}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
+          f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s", flush=True)
+    return 0
+
+
+def cmd_swarm_start(args) -> int:
+    from decentral.swarm import SwarmPeer
+
+    peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host)
+    print(f"swarm {args.run!r} is up. Peers join with:")
+    for maddr in peer.multiaddrs():
+        print(f"  decentral train --join {maddr} --run {args.run} --protocol protocols/noloco.yaml")
+    print("Ctrl-C to stop.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    peer.shutdown()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from decentral.demo import run_demo
+
+    return run_demo(_recipe(args), workers=args.workers, out=Path(args.out), protocol_arg=args.protocol)
+
+
+def _add_network_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--join", action="append", metavar="MADDR", help="multiaddr of any swarm member (repeatable)")
+    p.add_argument("--run", help="run name: peers of different runs ignore each other (default: the recipe's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other machines")
+    p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free one)")
+    p.add_argument("--announce-host", help="address other machines reach us at, when it differs from --host")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decentral", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log swarm internals")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="a local swarm of workers training a small GPT on Python's own source")
+    demo.add_argument("--workers", type=int, default=4)
+    demo.add_argument("--protocol", default="noloco", help="ddp, diloco, noloco, or a recipe file")
+    demo.add_argument("--steps", type=int, help="inner steps per worker (default: the recipe's)")
+    demo.add_argument("--out", default="runs/demo")
+    demo.add_argument("--timeout", type=float, help="seconds one average may take")
+    demo.set_defaults(func=cmd_demo, run=None)
+
+    swarm = sub.add_parser("swarm", help="swarm peers without training")
+    swarm_sub = swarm.add_subparsers(dest="swarm_command", required=True)
+    start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr")
+    _add_network_args(start)
+    start.set_defaults(func=cmd_swarm_start, run="decentral")
+
+    train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)")
+    train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
+    train.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
+    train.add_argument("--out", default="runs/train")
+    train.add_argument("--steps", type=int, help="inner steps (default: the recipe's)")
+    train.add_argument("--timeout", type=float, help="seconds one average may take")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    train.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
+    train.add_argument("--num-workers", type=int, default=1, help="number of data shards")
+    train.add_argument("--name", default="worker", help="name in logs and metrics")
+    train.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
+    train.add_argument("--min-peers", type=int, default=1, help="wait until this many peers (us included) are up")
+    _add_network_args(train)
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from decentral.checkpoint import CheckpointError
+    from decentral.swarm import SwarmError
+
+    try:
+        return args.func(args)
+    except (RecipeError, CheckpointError, SwarmError) as e:
+        print(f"decentral: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The reference worker: one swarm member training the reference GPT on local text with a protocol.
+
+Built on the library API: the protocol hooks the inner optimizer; this loop is a plain loop.
+Writes `metrics.jsonl` (a record per inner step, plus `val_loss` on outer steps) and a checkpoint
+after every `checkpoint_every` outer rounds and at the end. On divergence or Ctrl-C it stops
+cleanly: the last good checkpoint stays on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from decentral.checkpoint import load_checkpoint, save_checkpoint
+from decentral.config import Recipe
+from decentral.data.batches import eval_batches, evaluate, train_batches
+from decentral.data.corpus import load_corpus
+from decentral.metrics import MetricsLog
+from decentral.models import GPT
+from decentral.swarm import SwarmError, SwarmTransport
+from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol
+
+
+@dataclass
+class WorkerOptions:
+    out: Path
+    join: Sequence[str] = ()
+    data: Sequence[str] | None = None  # text files or folders; None = the Python standard library
+    worker_index: int | None = None  # which shard of the data; None = derived from the peer id
+    num_workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: str | None = None
+    resume: bool = False
+    min_peers: int = 1  # wait until this many peers (us included) are up before training
+    wait_peers_s: float = 300.0
+    name: str = "worker"
+    on_ready: Callable[[list[str]], None] | None = None  # gets our multiaddrs once we have joined
+    print_fn: Callable[[str], None] = print
+    extra_metrics: dict = field(default_factory=dict)
+
+
+def inner_lr(step: int, recipe: Recipe) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step (NoLoCo's inner schedule)."""
+    t = recipe.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe) -> None:
+    state = protocol.state_dict()
+    tensors = {f"model.{k}": v for k, v in protocol.model.state_dict().items()}
+    tensors.update({f"outer.{k}": v for k, v in state["tensors"].items()})
+    meta = {"sync": state["meta"], "recipe": recipe.to_dict(), "inner_optimizer": _optimizer_meta(protocol.optimizer)}
+    tensors.update(_optimizer_tensors(protocol.optimizer))
+    save_checkpoint(opts.out / "checkpoint", tensors, meta)
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"inner.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict:
+    return {"param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> None:
+    tensors, meta = load_checkpoint(opts.out / "checkpoint")
+    protocol.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    inner: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("inner."):
+            _, index, name = key.split(".", 2)
+            inner.setdefault(int(index), {})[name] = value
+    protocol.optimizer.load_state_dict({"state": inner, "param_groups": meta["inner_optimizer"]["param_groups"]})
+    protocol.load_state_dict(
+        {"meta": meta["sync"], "tensors": {k[6:]: v for k, v in tensors.items() if k.startswith("outer.")}}
+    )
+
+
+def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
+    """Train until `recipe.train.steps` inner steps; returns a summary dict. Raises DivergedError."""
+    torch.set_num_threads(1)
+    t = recipe.train
+    torch.manual_seed(t.seed)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(opts.data)
+    model = GPT(recipe.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    s = recipe.swarm
+    transport = SwarmTransport(
+        s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
+        timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, heartbeat_s=s.heartbeat_s,
+    )
+    try:
+        protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
+        if opts.resume:
+            _restore(protocol, opts)
+        index = opts.worker_index
+        if index is None:  # a stranger joining: its own random windows over all the data
+            index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)
+        shard = (index % opts.num_workers, opts.num_workers)
+        batches = train_batches(corpus.train, batch_size=t.batch_size, context=t.context,
+                                worker=shard[0], num_workers=shard[1], seed=t.seed + index)
+        val = eval_batches(corpus.val, batch_size=t.batch_size, context=t.context, num_batches=t.eval_batches)
+        return _train(protocol, recipe, opts, batches, val, transport)
+    finally:
+        transport.close()
+
+
+def _wait_for_peers(transport: SwarmTransport, opts: WorkerOptions) -> None:
+    if opts.min_peers <= 1:
+        return
+    opts.print_fn(f"[{opts.name}] waiting for {opts.min_peers} peers")
+    deadline = time.monotonic() + opts.wait_peers_s
+    while len(transport.membership.alive()) < opts.min_peers:
+        if time.monotonic() > deadline:
+            raise SwarmError(f"fewer than {opts.min_peers} peers joined within {opts.wait_peers_s:.0f}s")
+        time.sleep(transport.membership.heartbeat_s / 2)  # peers announce themselves by heartbeat
+
+
+def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches, val, transport) -> dict:
+    t = recipe.train
+    model, optimizer = protocol.model, protocol.optimizer
+    start = time.perf_counter()
+    log = MetricsLog(opts.out / "metrics.jsonl")
+    val_loss = None
+    try:
+        if opts.on_ready:
+            opts.on_ready(transport.multiaddrs())
+        _wait_for_peers(transport, opts)
+        with protocol:
+            val_loss = evaluate(model, val)
+            log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss,
+                      bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
+                      wall_s=time.perf_counter() - start, wait_s=protocol.wait_s)
+            opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
+                          f"step {protocol.step}, val {val_loss:.3f}")
+            while protocol.step < t.steps:
+                for group in optimizer.param_groups:
+                    group["lr"] = inner_lr(protocol.step, recipe)
+                x, y = next(batches)
+                model.train()
+                _, loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                optimizer.step()  # the protocol's hooks run here
+                optimizer.zero_grad(set_to_none=True)
+                record = dict(
+                    worker=opts.name, step=protocol.step, round=protocol.round, loss=loss.item(),
+                    bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
+                    wall_s=time.perf_counter() - start, wait_s=protocol.wait_s, **opts.extra_metrics,
+                )
+                report = protocol.pop_report()
+                if report is not None:
+                    val_loss = evaluate(model, val)
+                    record.update(val_loss=val_loss, group_size=len(report.group), complete=report.complete,
+                                  contributors=report.contributors, rejected=len(report.rejected))
+                    opts.print_fn(
+                        f"[{opts.name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
+                        f"val {val_loss:.3f} group {len(report.group)}{'' if report.complete else ' (partial)'} "
+                        f"sent {transport.bytes_sent / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s"
+                    )
+                    if protocol.round % t.checkpoint_every == 0:
+                        _save(protocol, opts, recipe)
+                log.write(**record)
+            val_loss = evaluate(model, val)
+            log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
+                      bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
+                      wall_s=time.perf_counter() - start, wait_s=protocol.wait_s)
+            _save(protocol, opts, recipe)
+    except DivergedError as e:
+        opts.print_fn(f"[{opts.name}] stopped: {e}; the last good checkpoint is in {opts.out / 'checkpoint'}")
+        raise
+    except KeyboardInterrupt:
+        _save(protocol, opts, recipe)
+        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in {opts.out / 'checkpoint'}")
+        raise
+    finally:
+        log.close()
+    return {"worker": opts.name, "step": protocol.step, "round": protocol.round, "val_loss": val_loss,
+            "bytes_sent": transport.bytes_sent, "bytes_received": transport.bytes_received,
+            "wall_s": time.perf_counter() - start, "wait_s": protocol.wait_s}

@@ -1,0 +1,112 @@
+"""Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer,
+let a late joiner catch up, and resume from checkpoints."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from decentral.checkpoint import load_checkpoint
+
+PROTOCOLS = {
+    "ddp": {"name": "ddp", "membership_every": 10},
+    "diloco": {"name": "diloco", "every": 10},
+    "noloco": {"name": "noloco", "every": 10},
+}
+
+
+def val_losses(records):
+    return [r["val_loss"] for r in records if "val_loss" in r]
+
+
+def wait_for_round(workers, index, round, proc, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = workers.root / f"w{index}" / "metrics.jsonl"
+        if path.exists() and any(json.loads(line).get("round", 0) >= round for line in path.read_text().splitlines()[:-1]):
+            return
+        assert proc.poll() is None, workers.log(index)
+        time.sleep(0.2)  # polling a file another process writes
+    raise TimeoutError(f"w{index} did not reach round {round}")
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_four_peer_swarm_trains(workers, protocol):
+    w = workers(PROTOCOLS[protocol], steps=60, num_workers=4)
+    for i in range(4):
+        w.start(i)
+    codes = w.wait(timeout=240)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, [w.log(i) for i in range(4)]
+    for i in range(4):
+        records = w.metrics(i)
+        vals = val_losses(records)
+        assert vals[-1] < vals[0] - 0.5, (protocol, i, vals)
+        groups = [r["group_size"] for r in records if "group_size" in r]
+        assert max(groups) == (2 if protocol == "noloco" else 4), groups
+        assert records[-1]["bytes_sent"] > 0
+
+
+def test_sigkilled_peer_does_not_stall_the_others(workers):
+    timeout = 3.0
+    w = workers({"name": "noloco", "every": 10}, steps=150, num_workers=4, timeout=timeout)
+    procs = [w.start(i) for i in range(4)]
+    wait_for_round(w, 3, 2, procs[3])
+    procs[3].send_signal(signal.SIGKILL)
+    procs[3].wait()
+    killed_at = time.monotonic()
+    for i in range(3):
+        assert procs[i].wait(timeout=180) == 0, w.log(i)
+    for i in range(3):
+        records = w.metrics(i)
+        syncs = [r for r in records if "group_size" in r]
+        waits = [b["wait_s"] - a["wait_s"] for a, b in zip(syncs, syncs[1:])]
+        assert max(waits) < 1.5 * timeout + 2.0, waits  # a dead partner costs at most one timeout per round
+        vals = val_losses(records)
+        assert vals[-1] < min(vals[:3]), vals  # still improving after the kill
+    assert time.monotonic() - killed_at < 120
+
+
+def test_late_joiner_starts_from_the_swarms_current_slow_weights(workers):
+    w = workers({"name": "diloco", "every": 10}, steps=120, num_workers=3)
+    procs = [w.start(0, min_peers=2), w.start(1, min_peers=2)]
+    wait_for_round(w, 0, 4, procs[0])
+    w.start(2, steps=40, min_peers=1)
+    assert all(code == 0 for code in w.wait(timeout=240).values()), [w.log(i) for i in range(3)]
+    first = w.metrics(2)[0]
+    assert first["round"] >= 4  # it did not start over at round 0
+    fresh = val_losses(w.metrics(0))[0]  # what an untrained model scores
+    assert first["val_loss"] < fresh - 0.5, (first, fresh)
+
+
+def test_resume_continues_from_the_checkpoint(workers):
+    w = workers({"name": "diloco", "every": 10}, steps=20, num_workers=1)
+    w.start(0)
+    assert w.wait(timeout=120) == {0: 0}, w.log(0)
+    tensors, meta = load_checkpoint(w.root / "w0" / "checkpoint")
+    assert meta["sync"]["step"] == 20 and meta["sync"]["round"] == 2
+    cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
+           "--data", str(w.data), "--steps", "40", "--resume"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _, meta = load_checkpoint(w.root / "w0" / "checkpoint")
+    assert meta["sync"]["step"] == 40 and meta["sync"]["round"] == 4
+    steps = [r["step"] for r in w.metrics(0) if "loss" in r]
+    assert steps == list(range(1, 41))  # the second run went on at step 21
+
+
+def test_corrupt_checkpoint_is_a_clear_error(workers):
+    w = workers({"name": "diloco", "every": 10}, steps=10, num_workers=1)
+    w.start(0)
+    assert w.wait(timeout=120) == {0: 0}, w.log(0)
+    blob = w.root / "w0" / "checkpoint" / "tensors.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
+           "--data", str(w.data), "--resume"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "checksum" in done.stderr and "Traceback" not in done.stderr
