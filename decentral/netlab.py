@@ -1,0 +1,540 @@
+"""Emulated hosts on one machine, each behind an uplink capped at a chosen rate.
+
+`NetLab(hosts, bandwidth)` gives N hosts that applications address by IP, so a
+multi-peer training run can be exercised against a slow network on one box.
+
+Modes
+-----
+netns
+    Root only. One Linux bridge ``{name}br`` plus, per host ``i``, a network
+    namespace ``{name}-h{i}`` joined to the bridge by a veth pair (``eth0``
+    inside, ``{name}-v{i}`` on the bridge) and addressed ``10.213.0.{i+1}/24``.
+    The root namespace gets no address on the bridge (not even an IPv6
+    link-local one), so lab traffic cannot be routed anywhere else. Each host's
+    egress (its uplink) is capped with ``tc ... tbf``.
+loopback
+    No isolation: every host is ``127.0.0.1`` and the kernel enforces nothing.
+    ``lab.app_shaping`` is True and applications are expected to pace their own
+    sends at ``DECENTRAL_LINK_RATE_BPS``.
+auto
+    netns when running as root and a probe ``ip netns add``/``del`` succeeds,
+    loopback otherwise.
+
+Latency is never applied by the kernel (this kernel has no ``netem``): it only
+reaches applications through ``DECENTRAL_LINK_LATENCY_MS`` and our own link
+layer adds it.
+
+Only one lab per name may exist at a time: opening one removes the leftovers of
+any earlier lab with the same name (see `cleanup_stale`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ipaddress
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+SUBNET = ipaddress.ip_network("10.213.0.0/24")
+MAX_HOSTS = 253  # .1 .. .253; .254 is left for a bridge address nobody gets
+_BURST_FLOOR = 16 * 1024  # bytes
+_TBF_LATENCY = "50ms"  # longest a packet may wait in the tbf queue before it is dropped
+_KILL_GRACE_S = 1.0
+
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class NetLabError(RuntimeError):
+    """A lab could not be set up or torn down; the message names the failing command."""
+
+
+def parse_rate(text: str) -> int:
+    """Parse a link rate such as "20mbit", "100Mbit", "512kbit" or "1gbit" into bits per second.
+
+    Prefixes are decimal as in tc (k = 10^3, m = 10^6, g = 10^9, t = 10^12) and
+    case-insensitive. Unlike tc, a "bps" suffix ("10mbps") also means *bits*
+    per second, as in everyday networking use. A bare number has no unit and is
+    rejected, as is anything that is not a positive rate (ValueError).
+    """
+    match = _RATE_RE.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"not a link rate: {text!r} (expected e.g. '20mbit', '512kbit', '1gbit', '10mbps')")
+    bps = round(float(match.group(1)) * _SCALE[match.group(2).lower()])
+    if bps < 1:
+        raise ValueError(f"link rate must be at least 1 bit/s, got {text!r}")
+    return bps
+
+
+def tbf_burst_bytes(rate_bps: int) -> int:
+    """Token-bucket size for a cap: 10 ms of traffic at the rate, at least 16 KiB.
+
+    tbf can only reach its rate if the bucket holds at least one timer tick of
+    traffic (rate/HZ, and HZ may be as low as 100, hence 10 ms); the floor keeps
+    slow caps from stalling on a run of full-size (or GSO) frames. Ten ms of
+    burst is negligible against the multi-second transfers being shaped.
+    """
+    return max(rate_bps // 8 // 100, _BURST_FLOOR)
+
+
+def _cmd(args: list[str]) -> str:
+    """Run a system command (ip, tc); return its stdout or raise NetLabError with its stderr."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetLabError(f"`{' '.join(args)}` failed: {exc}") from exc
+    if done.returncode != 0:
+        raise NetLabError(f"`{' '.join(args)}` failed (exit {done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def _stale_names(name: str) -> tuple[list[str], list[str]]:
+    """Namespaces and root-namespace links that belong to a lab called `name`."""
+    prefix = re.escape(name)
+    ns_re = re.compile(rf"^{prefix}-(h\d+|probe)$")
+    link_re = re.compile(rf"^({prefix}-v\d+|{prefix}br)$")
+    namespaces = [line.split()[0] for line in _cmd(["ip", "netns", "list"]).splitlines() if line.strip()]
+    links = [line.split(":")[1].strip().split("@")[0] for line in _cmd(["ip", "-o", "link", "show"]).splitlines()]
+    return [ns for ns in namespaces if ns_re.match(ns)], [ln for ln in links if link_re.match(ln)]
+
+
+def _netns_pids(namespace: str) -> list[int]:
+    return [int(p) for p in _cmd(["ip", "netns", "pids", namespace]).split() if int(p) != os.getpid()]
+
+
+def _kill_namespace_processes(namespaces: list[str]) -> None:
+    """SIGTERM every process inside `namespaces`, then SIGKILL whatever outlives a short grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [pid for ns in namespaces for pid in _netns_pids(ns)]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = [pid for ns in namespaces for pid in _netns_pids(ns)]
+        if not pids:
+            return
+
+
+def cleanup_stale(name: str = "dcl") -> list[str]:
+    """Remove every leftover of a lab called `name` and return what was removed.
+
+    Kills the processes still inside its namespaces ``{name}-h*``, deletes the
+    root ends of its veths ``{name}-v*``, its bridge ``{name}br`` and the
+    namespaces. Removes nothing else. Items that cannot be removed are tried all
+    the same and reported together in one NetLabError afterwards.
+    """
+    namespaces, links = _stale_names(name)
+    _kill_namespace_processes(namespaces)
+    removed: list[str] = []
+    errors: list[str] = []
+    for kind, item, args in [("link", ln, ["ip", "link", "del", ln]) for ln in links] + [
+        ("netns", ns, ["ip", "netns", "del", ns]) for ns in namespaces
+    ]:
+        try:
+            _cmd(args)
+            removed.append(f"{kind} {item}")
+        except NetLabError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise NetLabError("cleanup of lab %r incomplete: %s" % (name, "; ".join(errors)))
+    return removed
+
+
+def netns_available(name: str = "dcl") -> bool:
+    """True when running as root and a throw-away namespace ``{name}-probe`` can be created and deleted."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = f"{name}-probe"
+    try:
+        _cmd(["ip", "netns", "add", probe])
+    except NetLabError:
+        return False
+    try:
+        _cmd(["ip", "netns", "del", probe])
+    except NetLabError:
+        return False
+    return True
+
+
+@dataclass
+class Host:
+    """One emulated host: `address` is where the others reach it; `namespace` is None in loopback mode."""
+
+    index: int
+    address: str
+    namespace: str | None
+    env: dict[str, str] = field(repr=False)  # the DECENTRAL_* variables every process on this host gets
+    _procs: list[subprocess.Popen] = field(repr=False, default_factory=list)
+
+    def popen(self, cmd: list[str], *, env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
+        """Start `cmd` on this host (inside its namespace) and return the Popen.
+
+        The child's environment is the current one, updated with `env`, plus
+        DECENTRAL_HOST_INDEX, DECENTRAL_HOST_ADDR, DECENTRAL_LINK_RATE_BPS (the
+        cap in bits/s, empty when uncapped), DECENTRAL_LINK_LATENCY_MS and
+        DECENTRAL_NETLAB_MODE. The lab kills the process on teardown if it is
+        still running.
+        """
+        full_env = {**os.environ, **(env or {}), **self.env}
+        argv = list(cmd) if self.namespace is None else [shutil.which("ip") or "ip", "netns", "exec", self.namespace, *cmd]
+        proc = subprocess.Popen(argv, env=full_env, **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float = 60.0, *, env: dict[str, str] | None = None,
+            **popen_kwargs) -> subprocess.CompletedProcess:
+        """Run `cmd` on this host to completion, like `subprocess.run` (captures text output unless told otherwise).
+
+        Raises subprocess.TimeoutExpired (after killing the process) when it runs past `timeout` seconds.
+        """
+        popen_kwargs.setdefault("stdout", subprocess.PIPE)
+        popen_kwargs.setdefault("stderr", subprocess.PIPE)
+        popen_kwargs.setdefault("text", True)
+        with self.popen(cmd, env=env, **popen_kwargs) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class NetLab:
+    """N emulated hosts behind capped uplinks; a context manager that always tears itself down.
+
+    `bandwidth` is a `parse_rate` string or None for uncapped links. `mode` is
+    "auto", "netns" or "loopback" (see the module docstring); `lab.mode` says
+    which one ran and a one-line notice on stderr says what it means.
+    `name` prefixes every system object the lab creates (at most 10 chars).
+
+    Teardown (kill the hosts' processes, delete namespaces, veths and bridge)
+    runs on `close()` (idempotent), on leaving the `with` block, at interpreter
+    exit, and on SIGINT/SIGTERM while the lab is open (handlers installed from
+    the main thread only; the previous handler runs after cleanup, so Ctrl-C
+    still raises KeyboardInterrupt). A set-up failure removes everything
+    created so far before the NetLabError propagates.
+    """
+
+    def __init__(self, hosts: int, bandwidth: str | None = "20mbit", *, latency_ms: float = 0.0,
+                 name: str = "dcl", mode: str = "auto") -> None:
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", name) or len(f"{name}-v{hosts - 1}") > 15:
+            raise ValueError(f"lab name must be alphanumeric and short enough for '{name}-v{hosts - 1}' to fit 15 chars")
+        if mode not in ("auto", "netns", "loopback"):
+            raise ValueError(f"mode must be auto, netns or loopback, got {mode!r}")
+        if latency_ms < 0:
+            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+        self.name = name
+        self.rate_bps = None if bandwidth is None else parse_rate(bandwidth)
+        self.latency_ms = float(latency_ms)
+        if mode == "auto":
+            mode = "netns" if netns_available(name) else "loopback"
+        elif mode == "netns" and os.geteuid() != 0:
+            raise NetLabError("netns mode needs root (use mode='loopback' or 'auto')")
+        self.mode = mode
+        self.app_shaping = mode == "loopback" and self.rate_bps is not None
+        self.hosts: list[Host] = []
+        self._closed = False
+        self._prev_handlers: dict[int, object] = {}
+        if mode == "netns":
+            try:
+                self._setup_netns(hosts)
+            except BaseException as exc:
+                try:
+                    cleanup_stale(name)
+                except NetLabError as cleanup_exc:
+                    exc.add_note(str(cleanup_exc))
+                raise
+        else:
+            self.hosts = [self._host(i, "127.0.0.1", None) for i in range(hosts)]
+        atexit.register(self.close)
+        self._install_signal_handlers()
+        print(self.notice(), file=sys.stderr, flush=True)
+
+    def _host(self, index: int, address: str, namespace: str | None) -> Host:
+        env = {
+            "DECENTRAL_HOST_INDEX": str(index),
+            "DECENTRAL_HOST_ADDR": address,
+            "DECENTRAL_LINK_RATE_BPS": "" if self.rate_bps is None else str(self.rate_bps),
+            "DECENTRAL_LINK_LATENCY_MS": f"{self.latency_ms:g}",
+            "DECENTRAL_NETLAB_MODE": self.mode,
+        }
+        return Host(index, address, namespace, env)
+
+    def _setup_netns(self, hosts: int) -> None:
+        cleanup_stale(self.name)
+        for line in _cmd(["ip", "-4", "-o", "addr", "show"]).splitlines():
+            dev, inet = line.split()[1], line.split()[3]
+            if ipaddress.ip_interface(inet).network.overlaps(SUBNET):
+                raise NetLabError(f"{SUBNET} is already in use on this machine ({dev}: {inet}); netlab needs it free")
+        bridge = f"{self.name}br"
+        _cmd(["ip", "link", "add", bridge, "type", "bridge"])
+        _cmd(["ip", "link", "set", bridge, "addrgenmode", "none"])
+        _cmd(["ip", "link", "set", bridge, "up"])
+        for i in range(hosts):
+            ns, veth, address = f"{self.name}-h{i}", f"{self.name}-v{i}", str(SUBNET[i + 1])
+            _cmd(["ip", "netns", "add", ns])
+            _cmd(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _cmd(["ip", "link", "set", veth, "addrgenmode", "none"])
+            _cmd(["ip", "link", "set", veth, "master", bridge])
+            _cmd(["ip", "link", "set", veth, "up"])
+            _cmd(["ip", "-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", "eth0"])
+            _cmd(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.rate_bps is not None:
+                _cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{self.rate_bps}bit",
+                      "burst", str(tbf_burst_bytes(self.rate_bps)), "latency", _TBF_LATENCY])
+            self.hosts.append(self._host(i, address, ns))
+
+    def notice(self) -> str:
+        """One line saying which mode ran and what it enforces."""
+        cap = "uncapped" if self.rate_bps is None else f"{self.rate_bps / 1e6:g} Mbit/s"
+        latency = f"latency {self.latency_ms:g} ms is only passed to apps (DECENTRAL_LINK_LATENCY_MS; no netem here)"
+        if self.mode == "netns":
+            uplinks = "uncapped" if self.rate_bps is None else f"capped at {cap} by tc tbf"
+            return (f"netlab: netns mode, {len(self.hosts)} hosts {self.hosts[0].address}..{self.hosts[-1].address} "
+                    f"on bridge {self.name}br, uplinks {uplinks}; {latency}")
+        shaping = ("NOT enforced by the kernel, apps must pace themselves (DECENTRAL_LINK_RATE_BPS)"
+                   if self.app_shaping else "no isolation")
+        return f"netlab: loopback mode, {len(self.hosts)} hosts all on 127.0.0.1, bandwidth {cap} {shaping}; {latency}"
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        previous = self._prev_handlers.get(signum, signal.SIG_DFL)
+        self.close()
+        if callable(previous):
+            previous(signum, frame)  # default SIGINT handler: raises KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def close(self) -> None:
+        """Tear the lab down: kill the hosts' processes and remove every system object. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for sig, handler in self._prev_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, handler)
+        procs = [proc for host in self.hosts for proc in host._procs]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + _KILL_GRACE_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.mode == "netns":
+            cleanup_stale(self.name)
+
+    def __enter__(self) -> NetLab:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """Next stdout line of `proc` (text mode, line-buffered), or "" if none arrives within `timeout`."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else ""
+
+
+def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, port: int = 5201) -> float:
+    """Stream TCP bytes from host `src` to host `dst` for `seconds`; return the goodput in bits/s seen by dst.
+
+    A receiver (``python -m decentral.netlab _recv``) runs on dst and times the
+    stream from its first byte for `seconds`; a sender runs on src. In loopback
+    mode with a cap the sender paces itself at the cap (app shaping). Every
+    step has a hard timeout; both processes are gone when this returns.
+    """
+    src_host, dst_host = lab.hosts[src], lab.hosts[dst]
+    helper = [sys.executable, "-m", "decentral.netlab"]
+    pace = lab.rate_bps if lab.app_shaping else 0
+    recv = dst_host.popen([*helper, "_recv", dst_host.address, str(port), str(seconds)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    send = None
+    try:
+        if _read_line(recv, 10.0).strip() != "ready":
+            raise NetLabError(f"receiver on h{dst} did not start: {recv.stderr.read() if recv.poll() is not None else ''}")
+        send = src_host.popen([*helper, "_send", dst_host.address, str(port), str(seconds + 10), str(pace)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out, err = recv.communicate(timeout=seconds + 15)
+        if recv.returncode != 0:
+            raise NetLabError(f"receiver on h{dst} failed (exit {recv.returncode}): {err.strip()}")
+        result = json.loads(out)
+        return result["bytes"] * 8 / result["seconds"]
+    finally:
+        for proc in (recv, send):
+            if proc is not None:
+                _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill `proc` if it still runs, reap it and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def _recv_main(address: str, port: int, seconds: float) -> None:
+    """Receiver: accept one stream, time it from its first byte for `seconds`, print {"bytes", "seconds"}."""
+    with socket.create_server((address, port)) as server:
+        server.settimeout(10.0)
+        print("ready", flush=True)
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(5.0)
+            conn.recv(1 << 16)  # the first chunk only starts the clock
+            start = last = time.monotonic()
+            total = 0
+            while last - start < seconds:
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    break
+                total += len(chunk)
+                last = time.monotonic()
+    print(json.dumps({"bytes": total, "seconds": max(last - start, 1e-9)}), flush=True)
+
+
+def _send_main(address: str, port: int, max_seconds: float, pace_bps: int) -> None:
+    """Sender: stream zeros until the receiver hangs up or `max_seconds` pass; pace at `pace_bps` if non-zero."""
+    deadline = time.monotonic() + max_seconds
+    while True:
+        try:
+            sock = socket.create_connection((address, port), timeout=5.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    # A small send buffer keeps little in flight once the receiver stops listening.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)
+    block = bytes(1 << 16)
+    start, sent = time.monotonic(), 0
+    with sock:
+        try:
+            while time.monotonic() < deadline:
+                sent += sock.send(block)
+                if pace_bps:
+                    time.sleep(max(0.0, start + sent * 8 / pace_bps - time.monotonic()))
+        except OSError:  # receiver closed: the measurement is over
+            pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `decentral netlab`."""
+    parser.add_argument("--hosts", type=int, default=2, help="number of emulated hosts")
+    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host, e.g. 20mbit, or 'none'")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="link latency passed to apps (not kernel-enforced)")
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--name", default="dcl", help="prefix of the namespaces, veths and bridge")
+    parser.add_argument("--measure", action="store_true", help="measure host0 -> host1 throughput against the cap")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of --measure")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- CMD ...: run in every host; {i}, {addr} and {addr0} are replaced per host")
+
+
+def _substitute(cmd: list[str], host: Host, lab: NetLab) -> list[str]:
+    values = {"{i}": str(host.index), "{addr}": host.address, "{addr0}": lab.hosts[0].address}
+    out = []
+    for arg in cmd:
+        for key, value in values.items():
+            arg = arg.replace(key, value)
+        out.append(arg)
+    return out
+
+
+def _run_everywhere(lab: NetLab, cmd: list[str]) -> int:
+    """Run `cmd` on every host at once, stream output as "[h{i}] ...", return 0 if all succeeded."""
+    lock = threading.Lock()
+
+    def pump(index: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            with lock:
+                print(f"[h{index}] {line}", end="" if line.endswith("\n") else "\n", flush=True)
+
+    procs = [host.popen(_substitute(cmd, host, lab), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, bufsize=1) for host in lab.hosts]
+    pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for thread in pumps:
+        thread.start()
+    codes = [proc.wait() for proc in procs]
+    for thread in pumps:
+        thread.join()
+    failed = [(i, code) for i, code in enumerate(codes) if code != 0]
+    for i, code in failed:
+        print(f"netlab: h{i} exited with {code}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """`decentral netlab`: open a lab, optionally measure it and/or run a command on every host, tear down."""
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    bandwidth = None if args.bandwidth.lower() in ("none", "0", "") else args.bandwidth
+    if args.measure and args.hosts < 2:
+        print("netlab: --measure needs at least 2 hosts", file=sys.stderr)
+        return 2
+    try:
+        with NetLab(args.hosts, bandwidth, latency_ms=args.latency_ms, name=args.name, mode=args.mode) as lab:
+            for host in lab.hosts:
+                print(f"h{host.index} {host.address} {host.namespace or '-'}")
+            status = 0
+            if args.measure:
+                rate = measure_throughput(lab, 0, 1, seconds=args.seconds)
+                cap = "uncapped" if lab.rate_bps is None else f"cap {lab.rate_bps / 1e6:g} Mbit/s ({rate / lab.rate_bps:.0%})"
+                print(f"h0 -> h1: {rate / 1e6:.1f} Mbit/s, {cap}", flush=True)
+            if cmd:
+                status = _run_everywhere(lab, cmd)
+            return status
+    except KeyboardInterrupt:
+        return 130
+    except (NetLabError, ValueError) as exc:
+        print(f"netlab: {exc}", file=sys.stderr)
+        return 1
+
+
+def _helper_main(argv: list[str]) -> int:
+    """Entry of `python -m decentral.netlab _recv|_send ...` (the halves of `measure_throughput`)."""
+    if argv[:1] == ["_recv"] and len(argv) == 4:
+        _recv_main(argv[1], int(argv[2]), float(argv[3]))
+        return 0
+    if argv[:1] == ["_send"] and len(argv) == 5:
+        _send_main(argv[1], int(argv[2]), float(argv[3]), int(argv[4]))
+        return 0
+    print("usage: python -m decentral.netlab _recv ADDR PORT SECONDS | _send ADDR PORT MAX_SECONDS PACE_BPS",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_helper_main(sys.argv[1:]))

@@ -1,0 +1,207 @@
+"""decentral.netlab on real network namespaces (root only) and in loopback mode."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from decentral import netlab
+from decentral.netlab import NetLab, NetLabError, cleanup_stale, measure_throughput, parse_rate
+
+NETNS = netlab.netns_available("tprobe")
+needs_netns = pytest.mark.skipif(not NETNS, reason="needs root and a working `ip netns` (network namespaces)")
+
+
+@pytest.fixture
+def name():
+    """A short lab name unique to this test; whatever the test leaves behind is removed afterwards."""
+    prefix = "t" + secrets.token_hex(2)
+    yield prefix
+    if NETNS:
+        cleanup_stale(prefix)
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Namespaces and links in the root namespace whose name starts with `prefix`."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[0] for line in namespaces.splitlines() if line.strip()]
+    names += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()]
+    return [n for n in names if n.startswith(prefix)]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+PRINT_ENV = ("import os; print(' '.join(os.environ[k] for k in ('DECENTRAL_HOST_INDEX', 'DECENTRAL_HOST_ADDR', "
+             "'DECENTRAL_LINK_RATE_BPS', 'DECENTRAL_LINK_LATENCY_MS', 'DECENTRAL_NETLAB_MODE', 'EXTRA')))")
+
+
+@pytest.mark.parametrize("text, bps", [
+    ("20mbit", 20_000_000), ("100Mbit", 100_000_000), ("512kbit", 512_000), ("1gbit", 1_000_000_000),
+    ("10mbps", 10_000_000), ("1.5mbit", 1_500_000), (" 64 kbit ", 64_000), ("300bit", 300),
+])
+def test_parse_rate(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text", ["", "20", "fast", "20mb", "-5mbit", "0mbit", "20 mbits", "1e3mbit", "mbit"])
+def test_parse_rate_rejects_junk(text):
+    with pytest.raises(ValueError, match="rate"):
+        parse_rate(text)
+
+
+def test_loopback_mode_exposes_rate_to_apps(name):
+    with NetLab(3, "20mbit", latency_ms=25, name=name, mode="loopback") as lab:
+        assert lab.mode == "loopback" and lab.app_shaping and lab.rate_bps == 20_000_000
+        assert [h.address for h in lab.hosts] == ["127.0.0.1"] * 3
+        assert all(h.namespace is None for h in lab.hosts)
+        out = lab.hosts[2].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "x"}).stdout
+        assert out.split() == ["2", "127.0.0.1", "20000000", "25", "loopback", "x"]
+        paced = measure_throughput(lab, 0, 1, seconds=1.0, port=20000 + secrets.randbelow(20000))
+        assert 0.7 * lab.rate_bps < paced < 1.05 * lab.rate_bps
+    with NetLab(1, None, name=name, mode="loopback") as lab:
+        assert not lab.app_shaping and lab.hosts[0].env["DECENTRAL_LINK_RATE_BPS"] == ""
+
+
+@needs_netns
+def test_capped_link_measures_near_its_cap(name):
+    with NetLab(2, "20mbit", name=name, mode="netns") as lab:
+        capped = measure_throughput(lab, 0, 1, seconds=2.0)
+    with NetLab(2, "200mbit", name=name, mode="netns") as lab:
+        fast = measure_throughput(lab, 1, 0, seconds=2.0)
+    print(f"20mbit cap: {capped / 1e6:.1f} Mbit/s, 200mbit cap: {fast / 1e6:.1f} Mbit/s")
+    assert 0.7 * 20e6 <= capped <= 1.05 * 20e6
+    assert fast > 4 * capped
+
+
+@needs_netns
+def test_hosts_reach_each_other_and_objects_exist_while_open(name):
+    server = textwrap.dedent("""
+        import socket, sys
+        with socket.create_server((sys.argv[1], 7000)) as s:
+            s.settimeout(20)
+            print("ready", flush=True)
+            conn, peer = s.accept()
+            print(conn.recv(100).decode(), peer[0], flush=True)
+    """)
+    client = "import socket, sys; socket.create_connection((sys.argv[1], 7000), timeout=10).sendall(b'hello')"
+    with NetLab(2, "50mbit", name=name, mode="netns") as lab:
+        h0, h1 = lab.hosts
+        assert (h0.address, h1.address) == ("10.213.0.1", "10.213.0.2")
+        assert sorted(leftovers(name)) == sorted([f"{name}-h0", f"{name}-h1", f"{name}-v0", f"{name}-v1", f"{name}br"])
+        root_addrs = subprocess.run(["ip", "addr"], capture_output=True, text=True, check=True).stdout
+        assert "10.213." not in root_addrs
+        srv = h1.popen([sys.executable, "-c", server, h1.address], stdout=subprocess.PIPE, text=True)
+        assert srv.stdout.readline().strip() == "ready"
+        assert h0.run([sys.executable, "-c", client, h1.address], timeout=20).returncode == 0
+        assert srv.communicate(timeout=20)[0].split() == ["hello", "10.213.0.1"]
+    assert leftovers(name) == []
+
+
+@needs_netns
+def test_popen_passes_env_inside_namespace(name):
+    with NetLab(2, "20mbit", latency_ms=12.5, name=name, mode="netns") as lab:
+        out = lab.hosts[1].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "y"}).stdout
+        assert out.split() == ["1", "10.213.0.2", "20000000", "12.5", "netns", "y"]
+        addrs = lab.hosts[1].run(["ip", "-4", "-o", "addr", "show", "dev", "eth0"], timeout=30).stdout
+        assert "10.213.0.2/24" in addrs
+
+
+@needs_netns
+def test_exception_inside_with_tears_down_and_kills(name):
+    with pytest.raises(RuntimeError, match="boom"):
+        with NetLab(2, "20mbit", name=name, mode="netns") as lab:
+            sleeper = lab.hosts[0].popen(["sleep", "60"])
+            raise RuntimeError("boom")
+    assert sleeper.poll() is not None
+    assert leftovers(name) == []
+    lab.close()  # idempotent
+
+
+@needs_netns
+@pytest.mark.parametrize("fail_at", [4, 8, 15, 17])
+def test_setup_failure_halfway_removes_everything(name, monkeypatch, fail_at):
+    real_cmd, calls = netlab._cmd, []
+
+    def flaky(args):
+        calls.append(args)
+        if len(calls) == fail_at:
+            return real_cmd([*args, "bogus-argument"])  # the real tool fails with a real stderr
+        return real_cmd(args)
+
+    monkeypatch.setattr(netlab, "_cmd", flaky)
+    with pytest.raises(NetLabError) as err:
+        NetLab(2, "20mbit", name=name, mode="netns")
+    failed = calls[fail_at - 1]
+    assert " ".join(failed) in str(err.value) and "exit" in str(err.value)
+    assert leftovers(name) == []
+
+
+@needs_netns
+def test_cleanup_stale_removes_a_crashed_lab(name):
+    crash = textwrap.dedent(f"""
+        import os, subprocess
+        from decentral.netlab import NetLab
+        lab = NetLab(2, "20mbit", name={name!r}, mode="netns")
+        sleeper = lab.hosts[1].popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(sleeper.pid, flush=True)
+        os._exit(1)  # no close(), no atexit: leaves everything behind
+    """)
+    done = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
+    sleeper = int(done.stdout)
+    assert len(leftovers(name)) == 5 and not process_gone(sleeper)
+    removed = cleanup_stale(name)
+    assert sorted(removed) == sorted([f"netns {name}-h0", f"netns {name}-h1", f"link {name}-v0", f"link {name}-v1",
+                                      f"link {name}br"])
+    assert leftovers(name) == [] and process_gone(sleeper)
+    assert cleanup_stale(name) == []
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_tears_down(name, sig):
+    script = textwrap.dedent(f"""
+        import time
+        from decentral.netlab import NetLab
+        lab = NetLab(2, "20mbit", name={name!r}, mode="netns")
+        print("up", flush=True)
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    assert len(leftovers(name)) == 5
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 0 and "interrupted" in out
+    else:
+        assert proc.returncode == -signal.SIGTERM
+    assert leftovers(name) == []
+
+
+@needs_netns
+def test_cli_runs_command_in_every_host(name, capsys):
+    parser = argparse.ArgumentParser()
+    netlab.add_arguments(parser)
+    code = "import sys; print('{i}', '{addr}', '{addr0}'); sys.exit(int('{i}') == 2)"
+    args = parser.parse_args(["--hosts", "3", "--name", name, "--mode", "netns", "--", sys.executable, "-c", code])
+    assert netlab.main(args) == 1  # h2 exits 1
+    lines = capsys.readouterr().out.splitlines()
+    for i in range(3):
+        assert f"[h{i}] {i} 10.213.0.{i + 1} 10.213.0.1" in lines
+    assert leftovers(name) == []
