@@ -1,8 +1,9 @@
 """Who is in the swarm, and who takes part in which outer round.
 
 Two kinds of DHT records under the run's key:
-- `peers`: a heartbeat per peer ({"step", "round", "maddrs"}), refreshed every `heartbeat_s` and
-  expiring after `3 * heartbeat_s`; a killed peer drops out of every view within that time.
+- `peers`: a heartbeat per peer ({"step", "round"}), refreshed every `heartbeat_s` and expiring
+  after `3 * heartbeat_s`; a killed peer drops out of every view within that time, and a peer that
+  closes cleanly marks itself as left at once.
 - `round/<r>`: a peer announces that it will take part in round r `lookahead` rounds ahead, so that
   by the time anyone reaches round r all live participants have long since announced it. Every peer
   then derives the same member list for r without a barrier.
@@ -44,8 +45,8 @@ class Membership:
                 log.warning("heartbeat failed: %s", e)
 
     def alive(self) -> dict[str, dict]:
-        """Peers with a live heartbeat (this peer included): {peer_id: {"step", "round"}}."""
-        found = self.peer.lookup("peers")
+        """Peers with a live heartbeat that have not left (this peer included): {peer_id: {"step", "round"}}."""
+        found = {p: info for p, info in self.peer.lookup("peers").items() if isinstance(info, dict) and not info.get("left")}
         found.setdefault(self.peer.peer_id, dict(self._progress))
         return found
 
@@ -59,5 +60,10 @@ class Membership:
         return sorted(announced & set(self.alive()))
 
     def close(self) -> None:
+        """Stop the heartbeat and tell the others we left (so nobody waits for us in rounds we announced)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        try:
+            self.peer.publish("peers", self.peer.peer_id, {**self._progress, "left": True}, ttl=3 * self.heartbeat_s)
+        except Exception as e:
+            log.warning("could not announce leaving: %s", e)

@@ -1,0 +1,52 @@
+"""Recipes: the shipped ones carry the papers' defaults; malformed ones fail with a message that says where."""
+
+import pytest
+
+from decentral.cli import main
+from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
+
+
+def test_shipped_recipes_carry_the_papers_outer_defaults():
+    noloco = load_recipe(default_recipe_path("noloco"))
+    assert noloco.protocol == "noloco"
+    assert {k: noloco.protocol_args[k] for k in ("alpha", "beta", "gamma", "every", "group_size", "nesterov")} == {
+        "alpha": 0.5, "beta": 0.7, "gamma": 0.7, "every": 50, "group_size": 2, "nesterov": False,
+    }
+    diloco = load_recipe(default_recipe_path("diloco"))
+    assert (diloco.protocol_args["outer_lr"], diloco.protocol_args["outer_momentum"], diloco.protocol_args["nesterov"]) == (0.7, 0.9, True)
+    assert load_recipe(default_recipe_path("ddp")).protocol == "ddp"
+
+
+def test_numbers_are_coerced_and_defaults_fill_in():
+    recipe = parse_recipe({"train": {"lr": "3e-3", "steps": 10.0}, "model": {"d_model": 64}})
+    assert recipe.train.lr == 0.003 and recipe.train.steps == 10 and isinstance(recipe.train.steps, int)
+    assert recipe.model.d_model == 64 and recipe.model.n_layer == 4 and recipe.protocol == "noloco"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"train": {"stepz": 3}}, "unknown key(s) ['stepz']"),
+        ({"train": {"steps": 2.5}}, "train.steps: expected int"),
+        ({"train": {"lr": "fast"}}, "train.lr: expected float"),
+        ({"protocol": {"name": "gossip"}}, "'gossip' is not one of"),
+        ({"protocol": {"name": "noloco", "outer_lr": 1}}, "has no parameter(s) ['outer_lr']"),
+        ({"swarm": {"timeout": True}}, "swarm.timeout: expected float"),
+        ({"extras": {}}, "unknown section(s) ['extras']"),
+        ([1, 2], "expected a mapping"),
+    ],
+)
+def test_malformed_recipes_say_what_is_wrong(data, message):
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(data, "r.yaml")
+    assert message in str(e.value) and "r.yaml" in str(e.value)
+
+
+def test_cli_reports_a_bad_recipe_file_without_a_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("protocol: {name: noloco\n")
+    assert main(["train", "--protocol", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML" in err and str(bad) in err
+    assert main(["train", "--protocol", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err

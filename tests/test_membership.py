@@ -1,0 +1,34 @@
+"""Membership over a real DHT: all peers derive the same round members; leaving and dying both drop a peer."""
+
+import time
+
+
+def test_every_peer_sees_the_same_members_for_a_round(make_swarm):
+    peers = make_swarm(3)
+    for p in peers[:2]:
+        p.join_rounds(5)
+    expected = sorted(p.peer_id for p in peers[:2])
+    for p in peers:
+        assert p.members(5) == expected  # the third never announced round 5
+        assert p.members(7) == expected  # announced ahead (lookahead 2)
+        assert p.members(8) == []
+
+
+def test_a_peer_that_closes_drops_out_at_once(make_swarm):
+    peers = make_swarm(3)
+    for p in peers:
+        p.join_rounds(0)
+    assert len(peers[0].members(1)) == 3
+    peers[2].close()
+    assert peers[2].peer_id not in peers[0].members(1)
+    assert peers[2].peer_id not in peers[1].membership.alive()
+
+
+def test_a_silent_peer_expires_after_three_heartbeats(make_swarm):
+    peers = make_swarm(2, heartbeat_s=0.5)
+    peers[1].membership._stop.set()  # heartbeats stop, as when the process is frozen or killed
+    peers[1].membership._thread.join()
+    deadline = time.monotonic() + 10
+    while peers[1].peer_id in peers[0].membership.alive():
+        assert time.monotonic() < deadline, "a peer without heartbeats never expired"
+        time.sleep(0.1)  # polling the DHT for the expiry
