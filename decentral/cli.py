@@ -1,4 +1,4 @@
-"""`decentral` command line: demo, swarm, train."""
+"""`decentral` command line: demo, swarm, train, netlab."""
 
 from __future__ import annotations
 
@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--min-peers", type=int, default=1, help="wait until this many peers (us included) are up")
     _add_network_args(train)
     train.set_defaults(func=cmd_train)
+
+    from decentral import netlab
+
+    lab = sub.add_parser("netlab", help="emulated hosts behind capped links (network namespaces + tc tbf)")
+    netlab.add_arguments(lab)
+    lab.set_defaults(func=netlab.main)
     return parser
 
 
