@@ -1,4 +1,4 @@
-"""`decentral` command line: demo, swarm, train, netlab."""
+"""`decentral` command line: demo, swarm, train, netlab, bench, syncbench."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def cmd_train(args) -> int:
     opts = WorkerOptions(
         out=Path(args.out), join=args.join or (), data=args.data, worker_index=args.worker_index,
         num_workers=args.num_workers, host=args.host, port=args.port, announce_host=args.announce_host,
-        resume=args.resume, name=args.name, min_peers=args.min_peers, on_ready=ready, print_fn=lambda line: print(line, flush=True),
+        resume=args.resume, name=args.name, min_peers=args.min_peers,
+        island=args.island, rank=args.rank, world_size=args.world_size, on_ready=ready, print_fn=lambda line: print(line, flush=True),
     )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
     try:
@@ -119,10 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--name", default="worker", help="name in logs and metrics")
     train.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
     train.add_argument("--min-peers", type=int, default=1, help="wait until this many peers (us included) are up")
+    train.add_argument("--island", metavar="tcp://HOST:PORT",
+                       help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
+    train.add_argument("--rank", type=int, default=0)
+    train.add_argument("--world-size", type=int, default=1)
     _add_network_args(train)
     train.set_defaults(func=cmd_train)
 
-    from decentral import netlab
+    from decentral import bench, netlab, syncbench
+
+    bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.run_bench)
+
+    sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow")
+    syncbench.add_arguments(sync_parser)
+    sync_parser.set_defaults(func=syncbench.run_syncbench)
 
     lab = sub.add_parser("netlab", help="emulated hosts behind capped links (network namespaces + tc tbf)")
     netlab.add_arguments(lab)

@@ -39,8 +39,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_batches: int = 8
+    eval_every: int = 50  # inner steps between validation (and checkpoints), the same for every protocol
     seed: int = 0
-    checkpoint_every: int = 1  # outer rounds between checkpoints
 
 
 @dataclass

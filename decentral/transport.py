@@ -51,3 +51,39 @@ class Transport(Protocol):
         """(donor, (meta, tensors)) from a live peer, or None when nobody serves one."""
 
     def close(self) -> None: ...
+
+
+class SoloTransport:
+    """A transport with nobody else on it: no network, no background threads.
+
+    Used for training with no communication at all (the compute reference of benchmarks,
+    independent experts): every average is over ourselves alone.
+    """
+
+    peer_id = "solo"
+    bytes_sent = 0
+    bytes_received = 0
+
+    def join_rounds(self, round: int) -> None:
+        pass
+
+    def members(self, round: int) -> list[str]:
+        return [self.peer_id]
+
+    def set_progress(self, step: int, round: int) -> None:
+        pass
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
+        return AverageResult(tensor=tensor.detach().float().reshape(-1).clone(), group=[self.peer_id], complete=True, contributors=1)
+
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def fetch_state(self) -> None:
+        return None
+
+    def multiaddrs(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass

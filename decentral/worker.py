@@ -1,8 +1,8 @@
 """The reference worker: one swarm member training the reference GPT on local text with a protocol.
 
 Built on the library API: the protocol hooks the inner optimizer; this loop is a plain loop.
-Writes `metrics.jsonl` (a record per inner step, plus `val_loss` on outer steps) and a checkpoint
-after every `checkpoint_every` outer rounds and at the end. On divergence or Ctrl-C it stops
+Writes `metrics.jsonl` (a record per inner step; `val_loss` every `eval_every` steps; the sync's
+group on steps that synced) and a checkpoint every `eval_every` steps and at the end. On divergence or Ctrl-C it stops
 cleanly: the last good checkpoint stays on disk.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -25,6 +25,7 @@ from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.swarm import SwarmError, SwarmTransport
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol
+from decentral.transport import SoloTransport, Transport
 
 
 @dataclass
@@ -38,12 +39,14 @@ class WorkerOptions:
     port: int = 0
     announce_host: str | None = None
     resume: bool = False
+    island: str | None = None  # torch.distributed init method (tcp://HOST:PORT): sync inside a fast island
+    rank: int = 0
+    world_size: int = 1
     min_peers: int = 1  # wait until this many peers (us included) are up before training
     wait_peers_s: float = 300.0
     name: str = "worker"
     on_ready: Callable[[list[str]], None] | None = None  # gets our multiaddrs once we have joined
     print_fn: Callable[[str], None] = print
-    extra_metrics: dict = field(default_factory=dict)
 
 
 def inner_lr(step: int, recipe: Recipe) -> float:
@@ -90,6 +93,21 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> None:
     )
 
 
+def make_transport(recipe: Recipe, opts: WorkerOptions) -> Transport:
+    """No network for `local`; a torch.distributed island when `opts.island` is set; else the swarm."""
+    s = recipe.swarm
+    if recipe.protocol == "local":
+        return SoloTransport()
+    if opts.island:
+        from decentral.island import IslandTransport
+
+        return IslandTransport(opts.island, opts.rank, opts.world_size, timeout=s.timeout)
+    return SwarmTransport(
+        s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
+        timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, heartbeat_s=s.heartbeat_s,
+    )
+
+
 def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     """Train until `recipe.train.steps` inner steps; returns a summary dict. Raises DivergedError."""
     torch.set_num_threads(1)
@@ -99,11 +117,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     corpus = load_corpus(opts.data)
     model = GPT(recipe.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    s = recipe.swarm
-    transport = SwarmTransport(
-        s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
-        timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, heartbeat_s=s.heartbeat_s,
-    )
+    transport = make_transport(recipe, opts)
     try:
         protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
         if opts.resume:
@@ -120,8 +134,8 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         transport.close()
 
 
-def _wait_for_peers(transport: SwarmTransport, opts: WorkerOptions) -> None:
-    if opts.min_peers <= 1:
+def _wait_for_peers(transport: Transport, opts: WorkerOptions) -> None:
+    if opts.min_peers <= 1 or not isinstance(transport, SwarmTransport):
         return
     opts.print_fn(f"[{opts.name}] waiting for {opts.min_peers} peers")
     deadline = time.monotonic() + opts.wait_peers_s
@@ -131,21 +145,30 @@ def _wait_for_peers(transport: SwarmTransport, opts: WorkerOptions) -> None:
         time.sleep(transport.membership.heartbeat_s / 2)  # peers announce themselves by heartbeat
 
 
+def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
+    line = (f"[{name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
+            f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s")
+    if sync is not None:
+        line += f" group {len(sync.group)}{'' if sync.complete else ' (partial)'}"
+    return line
+
+
 def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches, val, transport) -> dict:
     t = recipe.train
     model, optimizer = protocol.model, protocol.optimizer
-    start = time.perf_counter()
     log = MetricsLog(opts.out / "metrics.jsonl")
     val_loss = None
+    last_sync = None
     try:
-        if opts.on_ready:
+        if opts.on_ready and isinstance(transport, SwarmTransport):
             opts.on_ready(transport.multiaddrs())
         _wait_for_peers(transport, opts)
         with protocol:
             val_loss = evaluate(model, val)
+            start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
             log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss,
                       bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                      wall_s=time.perf_counter() - start, wait_s=protocol.wait_s)
+                      wall_s=0.0, wait_s=protocol.wait_s)
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
                           f"step {protocol.step}, val {val_loss:.3f}")
             while protocol.step < t.steps:
@@ -161,20 +184,17 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches,
                 record = dict(
                     worker=opts.name, step=protocol.step, round=protocol.round, loss=loss.item(),
                     bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                    wall_s=time.perf_counter() - start, wait_s=protocol.wait_s, **opts.extra_metrics,
+                    wall_s=time.perf_counter() - start, wait_s=protocol.wait_s,
                 )
                 report = protocol.pop_report()
                 if report is not None:
-                    val_loss = evaluate(model, val)
-                    record.update(val_loss=val_loss, group_size=len(report.group), complete=report.complete,
+                    last_sync = report
+                    record.update(group_size=len(report.group), complete=report.complete,
                                   contributors=report.contributors, rejected=len(report.rejected))
-                    opts.print_fn(
-                        f"[{opts.name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
-                        f"val {val_loss:.3f} group {len(report.group)}{'' if report.complete else ' (partial)'} "
-                        f"sent {transport.bytes_sent / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s"
-                    )
-                    if protocol.round % t.checkpoint_every == 0:
-                        _save(protocol, opts, recipe)
+                if protocol.step % t.eval_every == 0:
+                    record["val_loss"] = val_loss = evaluate(model, val)
+                    opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
+                    _save(protocol, opts, recipe)
                 log.write(**record)
             val_loss = evaluate(model, val)
             log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,

@@ -19,7 +19,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 from decentral.swarm import SwarmTransport  # noqa: E402
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
-TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "eval_batches": 4}
+TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "eval_batches": 4, "eval_every": 10}
 
 
 @pytest.fixture

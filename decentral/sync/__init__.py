@@ -3,8 +3,9 @@
 from decentral.sync.base import DivergedError, SyncProtocol, SyncReport
 from decentral.sync.ddp import DDP
 from decentral.sync.diloco import DiLoCo
+from decentral.sync.local import Local
 from decentral.sync.noloco import NoLoCo
 
-PROTOCOLS: dict[str, type[SyncProtocol]] = {"ddp": DDP, "diloco": DiLoCo, "noloco": NoLoCo}
+PROTOCOLS: dict[str, type[SyncProtocol]] = {"ddp": DDP, "diloco": DiLoCo, "local": Local, "noloco": NoLoCo}
 
-__all__ = ["DDP", "DiLoCo", "DivergedError", "NoLoCo", "PROTOCOLS", "SyncProtocol", "SyncReport"]
+__all__ = ["DDP", "DiLoCo", "DivergedError", "Local", "NoLoCo", "PROTOCOLS", "SyncProtocol", "SyncReport"]
