@@ -1,0 +1,256 @@
+"""`decentral bench`: methods side by side on the same hosts, links, model, data, seed and token budget.
+
+Each method runs as one worker process per emulated host (decentral.netlab), all at once; then the
+next method runs on the same lab. First comes `local` (no communication), the compute reference:
+compute utilisation = a method's inner steps per second ÷ the reference's, so CPU that background
+machinery steals from training counts against the method. Bytes are what each host's interface
+sent (netns mode; in loopback mode, what the workers counted on their own streams).
+Writes OUT/results.json and OUT/bench.png, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+from decentral.config import default_recipe_path, load_recipe
+from decentral.metrics import human_bytes, read_metrics
+from decentral.models import GPT
+from decentral.netlab import NetLab
+
+METHODS = ("ddp", "diloco", "noloco", "hivemind")
+REFERENCE = "local"
+ISLAND_PORT = 29512
+
+
+def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
+    """The method's recipe with the shared token budget; hivemind borrows DiLoCo's training setup."""
+    recipe = load_recipe(recipes / f"{'diloco' if method == 'hivemind' else method}.yaml")
+    recipe.train.steps = steps
+    recipe.swarm.run = run
+    return recipe.to_dict()
+
+
+def _command(method: str, recipe: Path, out: Path, index: int, hosts: int, addr: str, addr0: str,
+             bootstrap: list[str], data: list[str]) -> list[str]:
+    module = "decentral.baselines.hivemind_optimizer" if method == "hivemind" else "decentral.cli"
+    cmd = [sys.executable, "-m", module] + ([] if method == "hivemind" else ["train"])
+    cmd += ["--protocol", str(recipe), "--out", str(out / f"w{index}"), "--name", f"w{index}",
+            "--worker-index", str(index), "--num-workers", str(hosts)]
+    cmd += [a for path in data for a in ("--data", path)]
+    if method == REFERENCE:
+        return cmd
+    if method == "ddp":
+        return cmd + ["--island", f"tcp://{addr0}:{ISLAND_PORT}", "--rank", str(index), "--world-size", str(hosts)]
+    cmd += ["--host", addr, "--min-peers", str(hosts)]
+    if index == 0:
+        return cmd + ["--maddr-file", str(out / "bootstrap.maddrs")]
+    return cmd + [a for m in bootstrap for a in ("--join", m)]
+
+
+def _tx_bytes(lab: NetLab) -> list[int | None]:
+    if lab.mode != "netns":
+        return [None] * len(lab.hosts)
+    return [int(h.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout) for h in lab.hosts]
+
+
+def _wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().split()
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a worker exited before {path} appeared")
+        time.sleep(0.2)  # polling a file another process writes
+    raise RuntimeError(f"{path} did not appear within {timeout:.0f}s")
+
+
+def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float, data: list[str]) -> dict:
+    """Run one method on every host of `lab`; returns its raw outcome (records, bytes, exit codes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    recipe_file = out / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    hosts, addr0 = len(lab.hosts), lab.hosts[0].address
+    logs = [open(out / f"w{h.index}.log", "w") for h in lab.hosts]
+    before = _tx_bytes(lab)
+    procs: list[subprocess.Popen] = []
+
+    def launch(host, bootstrap):
+        cmd = _command(method, recipe_file, out, host.index, hosts, host.address, addr0, bootstrap, data)
+        env = {"GLOO_SOCKET_IFNAME": "eth0"} if lab.mode == "netns" else None  # gloo: use the capped link
+        procs.append(host.popen(cmd, env=env, stdout=logs[host.index], stderr=subprocess.STDOUT))
+
+    try:
+        launch(lab.hosts[0], [])
+        needs_bootstrap = method not in (REFERENCE, "ddp")
+        bootstrap = _wait_for_file(out / "bootstrap.maddrs", procs, 180) if needs_bootstrap else []
+        for host in lab.hosts[1:]:
+            launch(host, bootstrap)
+        deadline = time.monotonic() + timeout
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        for p in procs:
+            p.kill()
+        codes = [p.wait() for p in procs]
+        print(f"bench: {method} failed: {e}", file=sys.stderr)
+    finally:
+        for f in logs:
+            f.close()
+    after = _tx_bytes(lab)
+    records = read_metrics(sorted(out.glob("w*/metrics.jsonl"))) if list(out.glob("w*/metrics.jsonl")) else []
+    return {"codes": codes, "records": records,
+            "tx_bytes": [None if b is None else a - b for a, b in zip(after, before)]}
+
+
+def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
+    """Per-method numbers from the workers' records (see results.json in the module docstring)."""
+    by_worker: dict[str, list[dict]] = {}
+    for r in raw["records"]:
+        by_worker.setdefault(r["worker"], []).append(r)
+    walls, rates, finals, curves = [], [], [], {}
+    for worker, records in by_worker.items():
+        trained = [r for r in records if "loss" in r]
+        if not trained:
+            continue
+        wall = max(r["wall_s"] for r in records)
+        walls.append(wall)
+        rates.append(trained[-1]["step"] / wall if wall > 0 else None)
+        vals = [(r["wall_s"], r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        curves[worker] = vals
+        finals.append(vals[-1][2])
+    counted = [b for b in raw["tx_bytes"] if b is not None]
+    if not counted:  # loopback mode: what the workers counted on their own streams
+        counted = [max((r.get("bytes_sent") or 0) for r in recs) for recs in by_worker.values()]
+    ok = all(c == 0 for c in raw["codes"]) and len(walls) == len(raw["codes"])
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {
+        "ok": ok,
+        "exit_codes": raw["codes"],
+        "wall_s": max(walls) if walls else None,
+        "steps_per_s": mean([r for r in rates if r]),
+        "tokens_per_s": (tokens_per_step * steps * len(walls) / max(walls)) if walls else None,
+        "final_val_loss": mean(finals),
+        "best_val_loss": min((v for c in curves.values() for _, _, v in c), default=None),
+        "bytes_sent_per_worker": mean(counted),
+        "bytes_sent_per_worker_per_step": (mean(counted) / steps) if counted else None,
+        "curves": curves,
+    }
+
+
+def time_to_loss(curves: dict[str, list], target: float) -> float | None:
+    """Seconds until every worker's validation loss was at or below `target` (None if one never got there)."""
+    times = []
+    for points in curves.values():
+        reached = [t for t, _, v in points if v <= target]
+        if not reached:
+            return None
+        times.append(reached[0])
+    return max(times) if times else None
+
+
+def plot_bench(results: dict, out_png: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    ax = fig.add_subplot()
+    for color, (method, res) in zip(("C0", "C1", "C2", "C3", "C4", "C5"), results["methods"].items()):
+        for i, points in enumerate(res["curves"].values()):
+            if points:
+                ax.plot([t for t, _, _ in points], [v for _, _, v in points], color=color, alpha=0.8,
+                        marker=".", label=method if i == 0 else None)
+    cfg = results["config"]
+    ax.set(xlabel="wall time (s)", ylabel="validation loss",
+           title=f"{cfg['hosts']} hosts, {cfg['bandwidth'] or 'uncapped'} uplinks ({cfg['mode']}), {cfg['steps']} steps")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    return out_png
+
+
+def format_table(results: dict) -> str:
+    rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "sent/worker", "sent/step")]
+    for method, r in results["methods"].items():
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        rows.append((method + ("" if r["ok"] else " (FAILED)"), f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
+                     f(r.get("compute_utilisation"), ".0%"), f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
+                     f(r.get("time_to_target_s"), ".0f"), human_bytes(r["bytes_sent_per_worker"]),
+                     human_bytes(r["bytes_sent_per_worker_per_step"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    methods = [m.strip() for m in args.protocols.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        print(f"bench: unknown method(s) {unknown}; choose from {list(METHODS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    recipes = Path(args.recipes)
+    base = load_recipe(recipes / "diloco.yaml")
+    tokens_per_step = base.train.batch_size * base.train.context
+    results = {
+        "config": {"hosts": args.hosts, "bandwidth": bandwidth, "steps": args.steps, "methods": methods,
+                   "parameters": GPT(base.model).num_parameters(), "tokens_per_step": tokens_per_step,
+                   "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}, "
+                   f"{os.cpu_count()} cores", "python": platform.python_version()},
+        "methods": {},
+    }
+    run_recipes = {m: _recipe_for(m, recipes, args.steps, f"bench-{uuid.uuid4().hex[:6]}") for m in [REFERENCE, *methods]}
+    for method, recipe in run_recipes.items():
+        for section in ("model", "train"):
+            if recipe[section] != run_recipes[REFERENCE][section]:
+                print(f"bench: {method}'s recipe has a different {section} section than local.yaml; "
+                      "methods must train the same model on the same data", file=sys.stderr)
+                return 2
+    with NetLab(args.hosts, bandwidth, mode=args.mode, name="bench") as lab:
+        results["config"]["mode"] = lab.mode
+        for method, recipe in run_recipes.items():
+            print(f"bench: {method} on {args.hosts} hosts ...", flush=True)
+            started = time.monotonic()
+            method_out = out / method
+            shutil.rmtree(method_out, ignore_errors=True)
+            raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
+            res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=args.steps)
+            results["methods"][method] = res
+            print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
+                  f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
+    reference = results["methods"][REFERENCE]["steps_per_s"]
+    target = results["methods"].get("ddp", {}).get("final_val_loss") or args.target_loss
+    results["config"]["target_loss"] = target
+    for res in results["methods"].values():
+        res["compute_utilisation"] = res["steps_per_s"] / reference if res["steps_per_s"] and reference else None
+        res["time_to_target_s"] = time_to_loss(res["curves"], target) if target else None
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot_bench(results, out / "bench.png")
+    print(format_table(results))
+    print(f"bench: target loss {target}; results in {out / 'results.json'}, plot {out / 'bench.png'}")
+    return 0 if all(r["ok"] for r in results["methods"].values()) else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
+    parser.add_argument("--protocols", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per worker (the same for every method)")
+    parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
+                        help="folder with local.yaml and one recipe per method (hivemind uses diloco.yaml)")
+    parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
+    parser.add_argument("--target-loss", type=float, help="target validation loss when ddp is not run")
+    parser.add_argument("--method-timeout", type=float, default=1200.0, help="seconds before a method is killed")

@@ -1,0 +1,155 @@
+"""`decentral syncbench`: the time of one outer synchronisation alone, DiLoCo vs NoLoCo, as hosts grow.
+
+For each host count, a lab of that many hosts (decentral.netlab) runs one peer per host; the peers
+sync a fixed-size tensor `rounds` times: DiLoCo's group average over all members, then NoLoCo's
+pair exchange (slow weights and outer gradient: twice the tensor). Reported: the median time of a
+round (the first, which waits for every peer to arrive, is dropped). Writes OUT/syncbench.json and
+OUT/syncbench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from decentral.netlab import NetLab
+
+METHODS = ("diloco", "noloco")
+
+
+def peer_main(argv: list[str]) -> int:
+    """One peer: join, wait for everyone, time `rounds` syncs; write their durations as JSON."""
+    from decentral.swarm import SwarmTransport, group_of, round_groups
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--numel", type=int, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--run", required=True)
+    p.add_argument("--join", action="append", default=[])
+    p.add_argument("--maddr-file")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    transport = SwarmTransport(a.run, a.join, host=a.host, timeout=300.0, heartbeat_s=1.0)
+    try:
+        if a.maddr_file:
+            Path(a.maddr_file + ".tmp").write_text("\n".join(transport.multiaddrs()))
+            Path(a.maddr_file + ".tmp").replace(a.maddr_file)
+        transport.join_rounds(0)
+        deadline = time.monotonic() + 300
+        while len(transport.members(0)) < a.hosts:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(transport.members(0))} of {a.hosts} peers joined")
+            time.sleep(0.5)  # peers announce themselves through the DHT
+        size = a.numel * (2 if a.method == "noloco" else 1)  # NoLoCo sends φ and Δ
+        tensor = torch.randn(size)
+        times, groups = [], []
+        for r in range(a.rounds):
+            members = transport.members(r)
+            group = members if a.method == "diloco" else group_of(transport.peer_id, round_groups(members, 0, r))
+            transport.join_rounds(r + 1)
+            start = time.perf_counter()
+            result = transport.average(tensor, group, f"{a.method}/{r}")
+            times.append(time.perf_counter() - start)
+            groups.append(len(result.group) if result.complete else -len(result.group))
+        Path(a.out).write_text(json.dumps({"times": times, "groups": groups, "bytes_sent": transport.bytes_sent}))
+    finally:
+        transport.close()
+    return 0
+
+
+def _run_sweep_point(lab: NetLab, method: str, numel: int, rounds: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    run = f"sync-{uuid.uuid4().hex[:6]}"
+    maddr_file = out / "bootstrap.maddrs"
+    procs = []
+
+    def launch(host, extra):
+        cmd = [sys.executable, "-m", "decentral.syncbench", "_peer", "--method", method, "--numel", str(numel),
+               "--rounds", str(rounds), "--hosts", str(len(lab.hosts)), "--host", host.address, "--run", run,
+               "--out", str(out / f"h{host.index}.json"), *extra]
+        log = open(out / f"h{host.index}.log", "w")
+        procs.append(host.popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+
+    launch(lab.hosts[0], ["--maddr-file", str(maddr_file)])
+    deadline = time.monotonic() + 120
+    while not maddr_file.exists():
+        if procs[0].poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the first peer did not start; see {out}/h0.log")
+        time.sleep(0.2)  # polling a file another process writes
+    join = [a for m in maddr_file.read_text().split() for a in ("--join", m)]
+    for host in lab.hosts[1:]:
+        launch(host, join)
+    codes = [p.wait(timeout=1800) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{method} peers exited with {codes}; see {out}/h*.log")
+    peers = [json.loads((out / f"h{h.index}.json").read_text()) for h in lab.hosts]
+    per_round = [max(p["times"][r] for p in peers) for r in range(1, rounds)]  # a round ends for the slowest
+    return {"median_s": statistics.median(per_round), "rounds_s": per_round,
+            "incomplete": sum(g < 0 for p in peers for g in p["groups"]),
+            "bytes_sent_per_peer_per_round": statistics.mean(p["bytes_sent"] for p in peers) / rounds}
+
+
+def run_syncbench(args: argparse.Namespace) -> int:
+    counts = [int(h) for h in args.hosts.split(",")]
+    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    out = Path(args.out)
+    results = {"config": {"hosts": counts, "bandwidth": bandwidth, "numel": args.numel, "rounds": args.rounds},
+               "points": []}
+    for count in counts:
+        with NetLab(count, bandwidth, mode=args.mode, name="sync") as lab:
+            results["config"]["mode"] = lab.mode
+            for method in METHODS:
+                print(f"syncbench: {method}, {count} hosts ...", flush=True)
+                point = _run_sweep_point(lab, method, args.numel, args.rounds, out / f"{method}-{count}")
+                results["points"].append({"method": method, "hosts": count, **point})
+                print(f"syncbench: {method}, {count} hosts: median {point['median_s']:.2f}s per sync, "
+                      f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer", flush=True)
+    (out / "syncbench.json").write_text(json.dumps(results, indent=1))
+    _plot(results, out / "syncbench.png")
+    print(f"{'hosts':>5}  " + "  ".join(f"{m:>14}" for m in METHODS))
+    for count in counts:
+        cells = [next(p for p in results["points"] if p["method"] == m and p["hosts"] == count) for m in METHODS]
+        print(f"{count:>5}  " + "  ".join(f"{c['median_s']:>13.2f}s" for c in cells))
+    return 0
+
+
+def _plot(results: dict, out_png: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.add_subplot()
+    for method in METHODS:
+        points = [p for p in results["points"] if p["method"] == method]
+        ax.plot([p["hosts"] for p in points], [p["median_s"] for p in points], marker="o", label=method)
+    cfg = results["config"]
+    ax.set(xlabel="hosts", ylabel="seconds per sync (median)",
+           title=f"one sync of {cfg['numel']:,} floats, {cfg['bandwidth'] or 'uncapped'} uplinks")
+    ax.set_xticks(cfg["hosts"])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", default="2,4,8", help="comma-separated host counts")
+    parser.add_argument("--bandwidth", default="20mbit")
+    parser.add_argument("--numel", type=int, default=1_000_000, help="model size (floats) being synced")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--out", default="runs/syncbench")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_peer"]:
+    sys.exit(peer_main(sys.argv[2:]))
