@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +39,41 @@ class TrafficStats:
             self.bytes_received += received
 
 
+class LinkShaper:
+    """Emulation the kernel cannot do here, applied to our own sends (decentral.netlab sets the variables).
+
+    DECENTRAL_LINK_LATENCY_MS: every frame waits this long before it is sent (this kernel has no
+    netem). DECENTRAL_LINK_RATE_BPS, only when DECENTRAL_NETLAB_MODE is "loopback": frames are paced
+    to this many bits per second (in netns mode tc tbf enforces the rate, for all traffic).
+    Lives on the swarm's event loop; covers our streams only, not the DHT's traffic.
+    """
+
+    def __init__(self, latency_s: float = 0.0, rate_bps: float | None = None):
+        self.latency_s, self.rate_bps = latency_s, rate_bps
+        self._next_free = 0.0
+
+    @classmethod
+    def from_env(cls) -> "LinkShaper":
+        latency = float(os.environ.get("DECENTRAL_LINK_LATENCY_MS") or 0) / 1000
+        rate = os.environ.get("DECENTRAL_LINK_RATE_BPS") or None
+        loopback = os.environ.get("DECENTRAL_NETLAB_MODE") == "loopback"
+        return cls(latency, float(rate) if rate and loopback else None)
+
+    async def before_send(self, nbytes: int) -> None:
+        wait = self.latency_s
+        if self.rate_bps:
+            now = time.monotonic()
+            self._next_free = max(self._next_free, now) + 8 * nbytes / self.rate_bps
+            wait += self._next_free - now
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+LINK = LinkShaper.from_env()
+
+
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview, stats: TrafficStats) -> None:
+    await LINK.before_send(_LEN_BYTES + len(data))
     writer.write(len(data).to_bytes(_LEN_BYTES, "big"))
     writer.write(data)
     await writer.drain()
