@@ -128,6 +128,27 @@ def test_late_joiner_downloads_slow_weights_momentum_and_round(make_swarm):
     assert torch.equal(flat(late.model), protocols[0].slow)
 
 
+def test_inner_steps_through_the_optimizer_hooks_leave_slow_weights_alone(make_swarm):
+    """Regression: θ must be a copy of φ, or every inner step also moves φ and the outer gradient is 0."""
+    (p,) = make_protocols(make_swarm(1), DiLoCo, every=4, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    start = p.slow.clone()
+    x = torch.randn(8, 5)
+    with p:
+        for _ in range(3):
+            p.model(x).pow(2).sum().backward()
+            p.optimizer.step()
+            p.optimizer.zero_grad()
+        assert torch.equal(p.slow, start)
+        fast = flat(p.model)
+        assert not torch.equal(fast, start)
+        p.model(x).pow(2).sum().backward()
+        p.optimizer.step()  # the 4th step is an outer step: alone, with lr 1 and no momentum, φ ← θ
+        fast = flat(p.model)
+    assert p.round == 1
+    assert not torch.equal(p.slow, start)
+    torch.testing.assert_close(p.slow, fast, rtol=0, atol=1e-6)
+
+
 def test_non_finite_local_weights_are_never_sent(make_swarm):
     (p,) = make_protocols(make_swarm(1), DiLoCo, every=3)
     sent = p.transport.bytes_sent

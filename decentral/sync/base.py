@@ -138,8 +138,10 @@ class OuterProtocol(SyncProtocol):
         return parameters_to_vector(self.params).detach().to(device="cpu", dtype=torch.float32)
 
     def _load_fast(self, vector: torch.Tensor) -> None:
+        """θ ← vector, by copy: `vector_to_parameters` makes the parameters views of what it is given,
+        and inner steps must never write into φ."""
         ref = self.params[0]
-        vector_to_parameters(vector.to(device=ref.device, dtype=ref.dtype), self.params)
+        vector_to_parameters(vector.to(device=ref.device, dtype=ref.dtype, copy=True), self.params)
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         """Outer state besides φ (momentum and the like), flat fp32."""
