@@ -1,0 +1,134 @@
+"""A fast island: the `Transport` interface over torch.distributed (NCCL on GPU, gloo on CPU).
+
+An island is a fixed set of `world_size` ranks that always average over all of them, e.g. the GPUs
+of one machine, or the DDP baseline of the benchmarks (gloo all-reduce over capped links). Every
+rank is a member of every round, so `join_rounds` and `set_progress` have nothing to do.
+
+Starting state: the sync protocols call `fetch_state()` and then `offer_state()` in `start()`. On an
+island rank 0 is the donor: its first `offer_state()` broadcasts that snapshot, and every other
+rank receives it in its first `fetch_state()`. Rank 0's own `fetch_state()` returns None (it keeps
+its state), so all ranks start from rank 0's state without any change to the protocols.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from decentral.transport import AverageResult
+
+Snapshot = tuple[dict, dict[str, torch.Tensor]]
+
+
+class RendezvousError(RuntimeError):
+    """The ranks of an island did not all meet at `init_method` within the timeout."""
+
+
+class IslandTransport:
+    """Join island `init_method` (e.g. "tcp://10.0.0.1:29500") as `rank` of `world_size`.
+
+    backend: "nccl" or "gloo"; None picks nccl when CUDA is available. With NCCL, set the rank's
+    CUDA device (torch.cuda.set_device) first: averages run on the current device.
+    timeout: seconds for the rendezvous and for each collective; a rank that does not show up
+    in time makes them raise rather than hang.
+    One island per process: torch.distributed holds a single default process group.
+    """
+
+    def __init__(
+        self, init_method: str, rank: int, world_size: int, *, backend: str | None = None, timeout: float = 60.0
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: one island per process")
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world_size = rank, world_size
+        self.peer_id = f"rank{rank}"
+        self._ids = [f"rank{r}" for r in range(world_size)]  # numeric order, the same on every rank
+        try:
+            dist.init_process_group(
+                self.backend, init_method=init_method, rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+        except Exception as exc:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise RendezvousError(
+                f"rank {rank} of {world_size} could not join the island at {init_method} "
+                f"(backend {self.backend}, timeout {timeout:g}s): {exc}"
+            ) from exc
+        self._group = dist.group.WORLD  # every collective names it explicitly
+        self._device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        self._state_shared = False
+        self._closed = False
+        self._bytes = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Estimated bytes this rank sent in averages (torch.distributed does not count them)."""
+        return self._bytes
+
+    @property
+    def bytes_received(self) -> int:
+        """Estimated bytes this rank received in averages; equal to bytes_sent for a ring all-reduce."""
+        return self._bytes
+
+    def join_rounds(self, round: int) -> None:
+        """Nothing to announce: every rank takes part in every round."""
+
+    def members(self, round: int) -> list[str]:
+        """All ranks' ids, rank0, rank1, … in numeric order."""
+        return list(self._ids)
+
+    def set_progress(self, step: int, round: int) -> None:
+        """Nothing to report: the collectives themselves keep the ranks in step."""
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
+        """Weighted mean of a flat tensor over all ranks: one all-reduce of [tensor * weight, weight].
+
+        `group` must be all ranks (islands average over all ranks); `tag` is unused since collectives
+        match by call order. Every rank must call it. The byte counters grow by the bandwidth-optimal
+        ring estimate 2 (k-1)/k * numel * 4 each way. Raises RuntimeError when the mean is not finite:
+        a collective cannot drop one rank's part.
+        """
+        if set(group) != set(self._ids):
+            raise ValueError(f"islands average over all ranks {self._ids}; got group {sorted(group)}")
+        values = tensor.detach().reshape(-1).to(device=self._device or "cpu", dtype=torch.float32)
+        buffer = torch.cat([values * weight, values.new_tensor([weight])])
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
+        k = self.world_size
+        self._bytes += int(2 * (k - 1) / k * buffer.numel() * buffer.element_size())
+        mean = (buffer[:-1] / buffer[-1]).cpu()
+        if not bool(torch.isfinite(mean).all()):
+            raise RuntimeError(f"island average {tag!r} is not finite (total weight {float(buffer[-1])})")
+        return AverageResult(tensor=mean, group=list(self._ids), complete=True, contributors=k)
+
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Rank 0's first offer is the island's starting state: broadcast it to the other ranks, which
+        receive it in their first `fetch_state()`. Later offers, and other ranks' offers, are not needed
+        (an island stays identical) and do nothing."""
+        if self.rank == 0 and not self._state_shared:
+            self._broadcast((meta, tensors))
+            self._state_shared = True
+
+    def fetch_state(self) -> tuple[str, Snapshot] | None:
+        """On ranks other than 0, the first call blocks until rank 0's first `offer_state()` and returns
+        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None."""
+        if self.rank == 0 or self._state_shared:
+            return None
+        snapshot = self._broadcast(None)
+        self._state_shared = True
+        return self._ids[0], snapshot
+
+    def _broadcast(self, snapshot: Snapshot | None) -> Snapshot:
+        box = [snapshot]
+        dist.broadcast_object_list(box, src=0, group=self._group, device=self._device)
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the island (destroys the process group); safe to call twice."""
+        if not self._closed and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._closed = True

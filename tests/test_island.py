@@ -1,0 +1,196 @@
+"""IslandTransport on real gloo groups over loopback: one process per rank, results checked
+against arithmetic done independently here in the parent."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+from decentral.island import IslandTransport, RendezvousError
+from decentral.sync import DDP, DiLoCo
+
+TIMEOUT = 30.0  # seconds for a whole island run; each rank's collectives time out after 20 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, queue) -> None:
+    try:
+        transport = IslandTransport(f"tcp://127.0.0.1:{port}", rank, world_size, backend="gloo", timeout=20.0)
+        try:
+            queue.put((rank, "ok", fn(transport, rank)))
+        finally:
+            transport.close()
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_island(fn, world_size: int) -> list:
+    """Run fn(transport, rank) on every rank of a fresh island; their return values, by rank."""
+    ctx = mp.get_context("forkserver")  # a clean process imports torch once; ranks fork from it
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "decentral.sync", __name__])  # optimizers load dynamo
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        results: dict[int, object] = {}
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=TIMEOUT)
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            results[rank] = value
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+# ----- weighted average and its group check (one 3-rank island) -----
+
+def rank_values(rank: int) -> torch.Tensor:
+    return torch.arange(5, dtype=torch.float32) * (rank + 1) - rank
+
+
+def _average(transport: IslandTransport, rank: int) -> dict:
+    result = transport.average(rank_values(rank), transport.members(0), "t", weight=float(rank + 1))
+    try:
+        transport.average(rank_values(rank), ["rank0", "rank1"], "subset")
+        subset_error = None
+    except ValueError as exc:
+        subset_error = str(exc)
+    return {"mean": result.tensor.tolist(), "group": result.group, "complete": result.complete,
+            "contributors": result.contributors, "members": transport.members(7),
+            "bytes": (transport.bytes_sent, transport.bytes_received), "subset_error": subset_error}
+
+
+@pytest.fixture(scope="module")
+def averaged() -> list[dict]:
+    return run_island(_average, 3)
+
+
+def test_weighted_average_over_three_ranks(averaged):
+    weights = [1.0, 2.0, 3.0]
+    expected = sum(w * rank_values(r) for r, w in enumerate(weights)) / sum(weights)
+    ring_bytes = int(2 * 2 / 3 * (5 + 1) * 4)  # 5 values and the weight, fp32
+    for out in averaged:
+        torch.testing.assert_close(torch.tensor(out["mean"]), expected)
+        assert out["group"] == out["members"] == ["rank0", "rank1", "rank2"]
+        assert out["complete"] and out["contributors"] == 3
+        assert out["bytes"] == (ring_bytes, ring_bytes)
+
+
+def test_average_over_a_subset_raises(averaged):
+    for out in averaged:
+        assert out["subset_error"] is not None and "all ranks" in out["subset_error"]
+
+
+# ----- DDP over an island equals one process stepping with the averaged gradient -----
+
+def linear(seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 2)
+
+
+def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)) for _ in range(steps)]
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+DDP_STEPS = 3
+
+
+def _ddp(transport: IslandTransport, rank: int) -> list[float]:
+    model = linear(seed=rank)  # different on each rank: start() must make them identical
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DDP(model, optimizer, transport):
+        for x, y in batches(rank, DDP_STEPS):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return flat(model).tolist()
+
+
+def test_ddp_over_island_matches_single_process_with_averaged_gradient():
+    world_size = 2
+    finals = [torch.tensor(f) for f in run_island(_ddp, world_size)]
+    assert torch.equal(finals[0], finals[1])
+
+    model = linear(seed=0)  # rank 0's start, which every rank adopts
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [batches(r, DDP_STEPS) for r in range(world_size)]
+    for step in range(DDP_STEPS):
+        loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in (d[step] for d in data)) / world_size
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(finals[0], flat(model))
+
+
+# ----- DiLoCo: identical start from different seeds, identical slow weights after an outer step -----
+
+EVERY, INNER_LR, OUTER_LR, OUTER_MOMENTUM = 2, 0.1, 0.7, 0.9
+
+
+def _diloco(transport: IslandTransport, rank: int) -> dict:
+    model = linear(seed=10 + rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    protocol = DiLoCo(model, optimizer, transport, every=EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    with protocol:
+        start = flat(model).tolist()
+        for x, y in batches(rank, EVERY):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"start": start, "slow": protocol.slow.tolist(), "model": flat(model).tolist(), "round": protocol.round}
+
+
+def test_diloco_over_island_starts_identical_and_agrees_on_slow_weights():
+    outs = run_island(_diloco, 2)
+    start = flat(linear(seed=10))  # rank 0's initial weights
+    assert not torch.equal(start, flat(linear(seed=11)))  # the seeds really differ
+    for out in outs:
+        assert torch.equal(torch.tensor(out["start"]), start)
+        assert out["round"] == 1
+    assert outs[0]["slow"] == outs[1]["slow"] == outs[0]["model"] == outs[1]["model"]
+
+    # the outer step done independently: inner SGD from the common start, then torch's Nesterov SGD
+    fasts = []
+    for rank in range(2):
+        model = linear(seed=0)
+        torch.nn.utils.vector_to_parameters(start.clone(), model.parameters())
+        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        for x, y in batches(rank, EVERY):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        fasts.append(flat(model))
+    slow = start.clone().requires_grad_(True)
+    slow.grad = sum(start - f for f in fasts) / 2
+    torch.optim.SGD([slow], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True).step()
+    torch.testing.assert_close(torch.tensor(outs[0]["slow"]), slow.detach())
+
+
+# ----- a rendezvous that cannot complete -----
+
+def test_rendezvous_without_peers_raises_within_timeout():
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    with pytest.raises(RendezvousError, match=rf"rank 0 of 2 .*{init_method}"):
+        IslandTransport(init_method, 0, 2, backend="gloo", timeout=3.0)
+    assert time.monotonic() - began < 3.0 + 5.0
+    assert not torch.distributed.is_initialized()
