@@ -1,0 +1,70 @@
+"""`decentral bench`: the numbers it reports follow from the workers' records, and a small real run
+on emulated hosts writes the results schema and the plot."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from conftest import TINY_MODEL, TINY_TRAIN
+from decentral.bench import METHODS, summarize_method, time_to_loss
+
+
+def records(worker, wall_per_step, steps, vals):
+    out = [{"worker": worker, "step": 0, "val_loss": vals[0], "wall_s": 0.0, "bytes_sent": 0}]
+    for s in range(1, steps + 1):
+        r = {"worker": worker, "step": s, "loss": 3.0, "wall_s": s * wall_per_step, "bytes_sent": 100 * s}
+        if s % 10 == 0:
+            r["val_loss"] = vals[s // 10]
+        out.append(r)
+    return out
+
+
+def test_summary_numbers_follow_from_the_records():
+    raw = {"codes": [0, 0], "tx_bytes": [1000, 3000],
+           "records": records("w0", 0.5, 20, [5.0, 4.0, 3.0]) + records("w1", 1.0, 20, [5.0, 4.5, 3.5])}
+    res = summarize_method(raw, tokens_per_step=64, steps=20)
+    assert res["ok"]
+    assert res["wall_s"] == 20.0  # the slower worker
+    assert res["steps_per_s"] == (20 / 10 + 20 / 20) / 2
+    assert res["tokens_per_s"] == 64 * 20 * 2 / 20.0
+    assert res["final_val_loss"] == (3.0 + 3.5) / 2 and res["best_val_loss"] == 3.0
+    assert res["bytes_sent_per_worker"] == 2000 and res["bytes_sent_per_worker_per_step"] == 100
+    assert time_to_loss(res["curves"], 4.0) == 20.0  # w0 reaches it at t=5, w1 only at t=20 (4.5, then 3.5)
+    assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
+
+
+def test_a_failed_worker_marks_the_method_failed():
+    raw = {"codes": [0, 1], "tx_bytes": [None, None], "records": records("w0", 0.5, 20, [5.0, 4.0, 3.0])}
+    res = summarize_method(raw, tokens_per_step=64, steps=20)
+    assert not res["ok"]
+    assert res["bytes_sent_per_worker"] == 2000  # loopback mode: the workers' own counters
+
+
+def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    train = {**TINY_TRAIN, "eval_every": 10}
+    for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
+                           "noloco": {"name": "noloco", "every": 10}}.items():
+        (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "decentral.cli", "bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
+           "--protocols", ",".join(METHODS), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"local", *METHODS}
+    for method, res in results["methods"].items():
+        assert res["ok"], method
+        for key in ("wall_s", "tokens_per_s", "final_val_loss", "best_val_loss", "bytes_sent_per_worker",
+                    "compute_utilisation", "time_to_target_s"):
+            assert key in res, (method, key)
+        assert 0 < res["compute_utilisation"] <= 1.5
+        if method != "local":
+            assert res["bytes_sent_per_worker"] > 0
+    ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
+    assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
