@@ -113,9 +113,10 @@ class IslandTransport:
             self._broadcast((meta, tensors))
             self._state_shared = True
 
-    def fetch_state(self) -> tuple[str, Snapshot] | None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None) -> tuple[str, Snapshot] | None:
         """On ranks other than 0, the first call blocks until rank 0's first `offer_state()` and returns
-        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None."""
+        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None. `have` is not used: the
+        broadcast is a collective every rank joins."""
         if self.rank == 0 or self._state_shared:
             return None
         snapshot = self._broadcast(None)

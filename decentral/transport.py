@@ -47,8 +47,11 @@ class Transport(Protocol):
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Serve this snapshot of outer state to newcomers until the next offer."""
 
-    def fetch_state(self) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
-        """(donor, (meta, tensors)) from a live peer, or None when nobody serves one."""
+    def fetch_state(
+        self, have: dict[str, torch.Tensor] | None = None
+    ) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
+        """(donor, (meta, tensors)) from a live peer, or None when nobody serves one. `have` is the state
+        we would offer ourselves: a transport may skip the download when the donor holds exactly that."""
 
     def close(self) -> None: ...
 
@@ -79,7 +82,7 @@ class SoloTransport:
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         pass
 
-    def fetch_state(self) -> None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None) -> None:
         return None
 
     def multiaddrs(self) -> list[str]:

@@ -76,6 +76,29 @@ def test_wrong_size_from_a_peer_is_rejected(make_swarm):
     assert not a.complete
 
 
+def test_a_peer_with_another_view_of_the_group_is_not_waited_for(make_swarm):
+    """A believes the group is {A, B}; B believes {A, B, C} (C is up but silent, so B waits out the
+    timeout). B's part for A has another size, so A knows B will not send the part A expects either,
+    and finishes at once instead of waiting for B's round to end."""
+    timeout = 8.0
+    a, b, c = make_swarm(3, timeout=timeout)
+    xs = [torch.randn(120), torch.randn(120)]
+    finished = {}
+
+    def run(name, peer, x, group):
+        result = peer.average(x, sorted(group), "views")
+        finished[name] = time.monotonic()
+        return result
+
+    start = time.monotonic()
+    ra, rb = run_in_threads([lambda: run("a", a, xs[0], [a.peer_id, b.peer_id]),
+                             lambda: run("b", b, xs[1], [a.peer_id, b.peer_id, c.peer_id])])
+    assert finished["a"] - start < timeout / 2  # B itself is still waiting for C
+    assert finished["b"] - start > timeout
+    assert b.peer_id in ra.rejected and "wrong size" in ra.rejected[b.peer_id] and not ra.complete
+    assert torch.isfinite(ra.tensor).all() and torch.isfinite(rb.tensor).all()
+
+
 def test_dead_peer_costs_at_most_the_timeout(make_swarm):
     peers = make_swarm(3, timeout=3.0)
     group = sorted(p.peer_id for p in peers)

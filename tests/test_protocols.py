@@ -50,6 +50,19 @@ def outer_round(protocols, fasts):
     return reports
 
 
+def test_a_newcomer_that_already_holds_the_donors_state_downloads_no_copy(make_swarm):
+    donor, newcomer = make_swarm(2)
+    state = {"slow": torch.randn(100_000), "momentum": torch.zeros(100_000)}
+    donor.offer_state({"protocol": "diloco", "round": 0}, {k: v.clone() for k, v in state.items()})
+    before = newcomer.bytes_received
+    assert newcomer.fetch_state(have={k: v.clone() for k, v in state.items()}) is None
+    assert newcomer.bytes_received - before < 4_000  # a header, not 800 kB of tensors
+    changed = {"slow": state["slow"] + 1e-3, "momentum": state["momentum"]}
+    got = newcomer.fetch_state(have=changed)  # the same donor, a state that differs: a full download
+    assert got is not None and torch.equal(got[1][1]["slow"], state["slow"])
+    assert newcomer.bytes_received - before > 800_000
+
+
 def test_replicas_start_identical_even_from_different_seeds(make_swarm):
     protocols = make_protocols(make_swarm(3), DiLoCo, seeds=[1, 2, 3], every=10)
     reference = flat(protocols[0].model)

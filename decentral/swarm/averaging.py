@@ -119,10 +119,13 @@ class GroupAverager:
         my_contributors = 1 + len(received) - len(rejected)
         averaged_mine = _quantize(total / weights, self.wire_dtype)
 
-        # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
+        # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results.
+        # A phase-1 part of another size comes from a peer that split by another member list (its view of
+        # the swarm differs from ours): it will not send us the part we expect, so we do not wait for it.
+        other_view = {p for p, msg in received.items() if msg.tensor.numel() != own[mine].numel()}
         deadline = max(deadline, loop.time() + timeout / 2)
         sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, my_contributors, deadline)) for p in others]
-        gathered = await self.mailbox.collect(f"{tag}/g", set(others), deadline)
+        gathered = await self.mailbox.collect(f"{tag}/g", set(others) - other_view, deadline)
         parts, counts = list(own), [1] * len(group)
         parts[mine], counts[mine] = averaged_mine, my_contributors
         for sender, msg in gathered.items():

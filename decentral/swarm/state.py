@@ -3,11 +3,15 @@
 The donor serves an immutable snapshot that its protocol replaces after every outer step, so serving
 never waits on training or averaging (the blocking that hivemind issue #445 describes). Newcomers
 pick a random donor among the most advanced peers, not always the same one (hivemind issue #169).
+A newcomer that already holds the donor's state (same seed, nobody has trained yet) says so with a
+fingerprint and gets no payload: on a slow uplink, N peers starting together would otherwise each pull
+a full copy of the model from someone, and the congestion delays the DHT traffic of the first round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -25,53 +29,75 @@ log = logging.getLogger(__name__)
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
 
+def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of names, dtypes, shapes and values: equal exactly when the states are bit-identical."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class StateExchange:
     """Serve our snapshot on the `state` stream and download others'."""
 
     def __init__(self, peer: SwarmPeer):
         self.peer = peer
-        self._snapshot: Snapshot | None = None
+        self._snapshot: tuple[dict, dict[str, torch.Tensor], str] | None = None
         peer.add_handler("state", self._on_request)
 
     def offer(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Make (meta, tensors) what we hand out; the tensors must not be modified afterwards."""
-        self._snapshot = (dict(meta), tensors)
+        self._snapshot = (dict(meta), tensors, fingerprint(tensors))
 
     async def _on_request(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_frame(reader, self.peer.stats)
+        request = json.loads(await read_frame(reader, self.peer.stats) or b"{}")
         snapshot = self._snapshot
         if snapshot is None:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
-        meta, tensors = snapshot
+        meta, tensors, digest = snapshot
+        if request.get("have") == digest:
+            await write_message(writer, {"ok": True, "same": True, "meta": meta}, b"", self.peer.stats)
+            return
         payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
         await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
 
-    async def _download(self, donor: str) -> Snapshot | None:
+    async def _download(self, donor: str, have: str | None) -> Snapshot | str | None:
+        """The donor's snapshot; "same" when it equals the state whose fingerprint is `have`; None if it has none."""
         reader, writer = await self.peer.open_stream(donor, "state")
         try:
-            await write_frame(writer, json.dumps({}).encode(), self.peer.stats)
+            await write_frame(writer, json.dumps({"have": have}).encode(), self.peer.stats)
             header, payload = await read_message(reader, self.peer.stats)
         finally:
             writer.close()
         if not header.get("ok"):
             return None
+        if header.get("same"):
+            return "same"
         return dict(header["meta"]), load_tensors(payload)
 
-    def fetch(self, candidates: dict[str, dict], timeout: float) -> tuple[str, Snapshot] | None:
+    def fetch(
+        self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None
+    ) -> tuple[str, Snapshot] | None:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}), most advanced first.
 
-        Returns (donor, snapshot), or None when no candidate could serve one within `timeout` each.
+        Returns (donor, snapshot), or None when no candidate could serve one within `timeout` each, or
+        when the first that could holds exactly `have` (the state we would offer ourselves).
         """
+        have_digest = fingerprint(have) if have is not None else None
         order = [p for p in candidates if p != self.peer.peer_id]
         random.shuffle(order)
         order.sort(key=lambda p: -int(candidates[p].get("round", 0)))
         for donor in order:
             try:
-                got = self.peer.call(asyncio.wait_for(self._download(donor), timeout)).result()
+                got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest), timeout)).result()
             except Exception as e:
                 log.warning("state download from %s failed: %r", donor[-8:], e)
                 continue
+            if got == "same":
+                return None
             if got is not None:
                 return donor, got
         return None

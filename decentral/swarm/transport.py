@@ -81,9 +81,10 @@ class SwarmTransport:
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         self.state.offer(meta, tensors)
 
-    def fetch_state(self) -> tuple[str, Snapshot] | None:
-        """Download outer state from a live peer (most advanced first); None when nobody serves one."""
-        return self.state.fetch(self.membership.alive(), timeout=self.timeout)
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None) -> tuple[str, Snapshot] | None:
+        """Download outer state from a live peer (most advanced first); None when nobody serves one, or
+        when the donor's state is exactly `have` (nothing to download)."""
+        return self.state.fetch(self.membership.alive(), timeout=self.timeout, have=have)
 
     def close(self) -> None:
         self.membership.close()

@@ -148,7 +148,7 @@ class OuterProtocol(SyncProtocol):
         return {}
 
     def start(self) -> None:
-        got = self.transport.fetch_state()
+        got = self.transport.fetch_state(have=self._outer_state())
         if got is not None:
             _, (meta, tensors) = got
             if meta.get("protocol") == self.name and int(meta.get("round", -1)) >= self.round:
@@ -169,9 +169,12 @@ class OuterProtocol(SyncProtocol):
         for name, value in self.outer_tensors().items():
             value.copy_(tensors[name])
 
+    def _outer_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the state newcomers download: slow weights and the protocol's outer tensors."""
+        return {"slow": self.slow.clone(), **{k: v.clone() for k, v in self.outer_tensors().items()}}
+
     def _offer(self) -> None:
-        tensors = {"slow": self.slow.clone(), **{k: v.clone() for k, v in self.outer_tensors().items()}}
-        self.transport.offer_state({"protocol": self.name, "round": self.round}, tensors)
+        self.transport.offer_state({"protocol": self.name, "round": self.round}, self._outer_state())
 
     def after_step(self) -> SyncReport | None:
         if self.step - self._round_start < self.every:

@@ -23,7 +23,7 @@ class DDP(SyncProtocol):
         self._step_report: SyncReport | None = None
 
     def start(self) -> None:
-        got = self.transport.fetch_state()
+        got = self.transport.fetch_state(have={"weights": self._weights()})
         if got is not None:
             _, (meta, tensors) = got
             vector_to_parameters(tensors["weights"].to(self.params[0]), self.params)
