@@ -5,7 +5,7 @@ next method runs on the same lab. First comes `local` (no communication), the co
 compute utilisation = a method's inner steps per second ÷ the reference's, so CPU that background
 machinery steals from training counts against the method. Bytes are what each host's interface
 sent (netns mode; in loopback mode, what the workers counted on their own streams).
-Writes OUT/results.json and OUT/bench.png, and prints a table.
+Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and prints a table.
 """
 
 from __future__ import annotations
@@ -114,7 +114,10 @@ def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float
 
 
 def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
-    """Per-method numbers from the workers' records (see results.json in the module docstring)."""
+    """One method's entry in results.json, from its workers' records: ok, exit_codes, wall_s (slowest
+    worker), steps_per_s and final_val_loss (means over workers), tokens_per_s, best_val_loss,
+    bytes_sent_per_worker (interface counters in netns mode) and per step, and the validation curves
+    ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
         by_worker.setdefault(r["worker"], []).append(r)
@@ -149,14 +152,41 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
 
 
 def time_to_loss(curves: dict[str, list], target: float) -> float | None:
-    """Seconds until every worker's validation loss was at or below `target` (None if one never got there)."""
+    """Seconds until every worker's validation loss reached `target` (None if one never did).
+
+    Evaluations are tens of seconds apart, so a worker's crossing time is interpolated linearly
+    between its last evaluation above the target and its first at or below it.
+    """
     times = []
     for points in curves.values():
-        reached = [t for t, _, v in points if v <= target]
-        if not reached:
+        crossing = points[0][0] if points and points[0][2] <= target else None
+        for (t0, _, v0), (t1, _, v1) in zip(points, points[1:]):
+            if crossing is None and v1 <= target < v0:
+                crossing = t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
+        if crossing is None:
             return None
-        times.append(reached[0])
+        times.append(crossing)
     return max(times) if times else None
+
+
+def compare(results: dict, target_loss: float | None = None) -> None:
+    """Add the cross-method numbers to `results` in place, from what each method recorded.
+
+    compute_utilisation: steps/s ÷ the no-communication reference's. time_to_target_s: time to the
+    target loss (DDP's final loss, else `target_loss`). ddp_time_to_final_s and speedup_vs_ddp: how long
+    DDP took to reach this method's final loss, and that time ÷ this method's wall time (speed-up at
+    equal quality; None when DDP never got there).
+    """
+    reference = results["methods"].get(REFERENCE, {}).get("steps_per_s")
+    ddp = results["methods"].get("ddp")
+    target = (ddp or {}).get("final_val_loss") or target_loss
+    results["config"]["target_loss"] = target
+    for res in results["methods"].values():
+        res["compute_utilisation"] = res["steps_per_s"] / reference if res["steps_per_s"] and reference else None
+        res["time_to_target_s"] = time_to_loss(res["curves"], target) if target else None
+        ddp_time = time_to_loss(ddp["curves"], res["final_val_loss"]) if ddp and res["final_val_loss"] else None
+        res["ddp_time_to_final_s"] = ddp_time
+        res["speedup_vs_ddp"] = ddp_time / res["wall_s"] if ddp_time and res["wall_s"] else None
 
 
 def plot_bench(results: dict, out_png: Path) -> Path:
@@ -180,12 +210,15 @@ def plot_bench(results: dict, out_png: Path) -> Path:
 
 
 def format_table(results: dict) -> str:
-    rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "sent/worker", "sent/step")]
+    rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "ddp_t_final", "speedup",
+             "sent/worker", "sent/step")]
     for method, r in results["methods"].items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         rows.append((method + ("" if r["ok"] else " (FAILED)"), f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
                      f(r.get("compute_utilisation"), ".0%"), f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
-                     f(r.get("time_to_target_s"), ".0f"), human_bytes(r["bytes_sent_per_worker"]),
+                     f(r.get("time_to_target_s"), ".0f"), f(r.get("ddp_time_to_final_s"), ".0f"),
+                     f(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
+                     human_bytes(r["bytes_sent_per_worker"]),
                      human_bytes(r["bytes_sent_per_worker_per_step"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
@@ -229,17 +262,31 @@ def run_bench(args: argparse.Namespace) -> int:
             results["methods"][method] = res
             print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
                   f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
-    reference = results["methods"][REFERENCE]["steps_per_s"]
-    target = results["methods"].get("ddp", {}).get("final_val_loss") or args.target_loss
-    results["config"]["target_loss"] = target
-    for res in results["methods"].values():
-        res["compute_utilisation"] = res["steps_per_s"] / reference if res["steps_per_s"] and reference else None
-        res["time_to_target_s"] = time_to_loss(res["curves"], target) if target else None
+    return report(results, out, args.target_loss)
+
+
+def report(results: dict, out: Path, target_loss: float | None = None) -> int:
+    """Compare the methods, write OUT/results.json and OUT/bench.png, print the table; 0 if all ran."""
+    compare(results, target_loss)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_bench(results, out / "bench.png")
     print(format_table(results))
-    print(f"bench: target loss {target}; results in {out / 'results.json'}, plot {out / 'bench.png'}")
+    print(f"bench: target loss {results['config']['target_loss']}; results in {out / 'results.json'}, "
+          f"plot {out / 'bench.png'}")
     return 0 if all(r["ok"] for r in results["methods"].values()) else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    """`decentral bench`: run the methods, or with --report DIR only redo the comparison of a past run."""
+    if args.report:
+        out = Path(args.report)
+        try:
+            results = json.loads((out / "results.json").read_text())
+        except (OSError, ValueError) as e:
+            print(f"bench: cannot read {out / 'results.json'}: {e}", file=sys.stderr)
+            return 2
+        return report(results, out, args.target_loss)
+    return run_bench(args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,3 +301,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=float, help="target validation loss when ddp is not run")
     parser.add_argument("--method-timeout", type=float, default=1200.0, help="seconds before a method is killed")
+    parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison, table and plot "
+                                                        "from DIR/results.json of an earlier run")

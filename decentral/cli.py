@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links")
     bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(func=bench.run_bench)
+    bench_parser.set_defaults(func=bench.main)
 
     sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow")
     syncbench.add_arguments(sync_parser)

@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN
-from decentral.bench import METHODS, summarize_method, time_to_loss
+from decentral.bench import METHODS, compare, summarize_method, time_to_loss
 
 
 def records(worker, wall_per_step, steps, vals):
@@ -31,8 +31,25 @@ def test_summary_numbers_follow_from_the_records():
     assert res["tokens_per_s"] == 64 * 20 * 2 / 20.0
     assert res["final_val_loss"] == (3.0 + 3.5) / 2 and res["best_val_loss"] == 3.0
     assert res["bytes_sent_per_worker"] == 2000 and res["bytes_sent_per_worker_per_step"] == 100
-    assert time_to_loss(res["curves"], 4.0) == 20.0  # w0 reaches it at t=5, w1 only at t=20 (4.5, then 3.5)
+    assert time_to_loss(res["curves"], 4.0) == 15.0  # w0 at t=5; w1 between 4.5 (t=10) and 3.5 (t=20)
     assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
+
+
+def test_comparison_measures_each_method_against_the_reference_and_ddp():
+    def method(wall_per_step, vals):
+        raw = {"codes": [0], "tx_bytes": [1000], "records": records("w0", wall_per_step, 20, vals)}
+        return summarize_method(raw, tokens_per_step=64, steps=20)
+
+    results = {"config": {}, "methods": {"local": method(0.5, [5.0, 4.2, 3.8]), "ddp": method(2.0, [5.0, 3.5, 3.0]),
+                                         "diloco": method(0.6, [5.0, 4.0, 3.5])}}
+    compare(results)
+    local, ddp, diloco = (results["methods"][m] for m in ("local", "ddp", "diloco"))
+    assert results["config"]["target_loss"] == 3.0  # ddp's final loss
+    assert diloco["compute_utilisation"] == (20 / 12) / (20 / 10)
+    assert diloco["time_to_target_s"] is None and ddp["time_to_target_s"] == 40.0
+    assert diloco["ddp_time_to_final_s"] == 20.0  # ddp's curve reaches 3.5 at its second evaluation, t=20
+    assert diloco["speedup_vs_ddp"] == 20.0 / 12.0
+    assert local["ddp_time_to_final_s"] == 20 * (5.0 - 3.8) / (5.0 - 3.5)  # interpolated between evaluations
 
 
 def test_a_failed_worker_marks_the_method_failed():
@@ -60,7 +77,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     for method, res in results["methods"].items():
         assert res["ok"], method
         for key in ("wall_s", "tokens_per_s", "final_val_loss", "best_val_loss", "bytes_sent_per_worker",
-                    "compute_utilisation", "time_to_target_s"):
+                    "compute_utilisation", "time_to_target_s", "ddp_time_to_final_s", "speedup_vs_ddp"):
             assert key in res, (method, key)
         assert 0 < res["compute_utilisation"] <= 1.5
         if method != "local":
@@ -68,3 +85,9 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
     assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (out / "bench.png").unlink()
+    again = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "--report", str(out)],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "results.json").read_text()) == results  # the comparison is a function of the records
+    assert (out / "bench.png").is_file() and "speedup" in again.stdout
