@@ -199,6 +199,9 @@ def plot_bench(results: dict, out_png: Path) -> Path:
             if points:
                 ax.plot([t for t, _, _ in points], [v for _, _, v in points], color=color, alpha=0.8,
                         marker=".", label=method if i == 0 else None)
+    later = [v for res in results["methods"].values() for c in res["curves"].values() for _, _, v in c[1:]]
+    if later:  # the untrained start sits far above everything else: zoom on training, start off the top
+        ax.set_ylim(min(later) - 0.02 * (max(later) - min(later)), max(later) + 0.05 * (max(later) - min(later)))
     cfg = results["config"]
     ax.set(xlabel="wall time (s)", ylabel="validation loss",
            title=f"{cfg['hosts']} hosts, {cfg['bandwidth'] or 'uncapped'} uplinks ({cfg['mode']}), {cfg['steps']} steps")
