@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,21 @@ from decentral.swarm import SwarmTransport  # noqa: E402
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
 TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "eval_batches": 4, "eval_every": 10}
+
+
+def run_in_threads(fns, timeout: float = 60.0) -> list:
+    """Call each of `fns` in its own thread (peers must meet in a round at the same time); their results in order."""
+    out = [None] * len(fns)
+
+    def go(i):
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return out
 
 
 @pytest.fixture

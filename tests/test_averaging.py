@@ -1,25 +1,11 @@
 """Group averages between real hivemind peers on loopback: exact means, bad data rejected, dead peers bounded."""
 
-import threading
 import time
 
 import torch
 
+from conftest import run_in_threads
 from decentral.swarm import check_part
-
-
-def run_in_threads(fns):
-    out = [None] * len(fns)
-
-    def go(i):
-        out[i] = fns[i]()
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return out
 
 
 def test_weighted_mean_of_three_peers_equals_independent_mean(make_swarm):

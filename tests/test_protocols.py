@@ -1,11 +1,10 @@
 """Outer-step protocols between real hivemind peers: the update rules of ALGORITHMS.md, checked against
 arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
 
-import threading
-
 import pytest
 import torch
 
+from conftest import run_in_threads
 from decentral.sync import DiLoCo, DivergedError, NoLoCo
 
 
@@ -37,17 +36,7 @@ def outer_round(protocols, fasts):
     for p, fast in zip(protocols, fasts):
         set_flat(p.model, fast)
         p.step = p._round_start + p.every
-    reports = [None] * len(protocols)
-
-    def go(i):
-        reports[i] = protocols[i].after_step()
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(protocols))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return reports
+    return run_in_threads([p.after_step for p in protocols])
 
 
 def test_a_newcomer_that_already_holds_the_donors_state_downloads_no_copy(make_swarm):
