@@ -15,6 +15,9 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is import
 from decentral.config import RecipeError, default_recipe_path, load_recipe
 
 
+DEVICE_HELP = "auto (a GPU when there is one), cpu, cuda or cuda:N (default: the recipe's train.device)"
+
+
 def _recipe(args):
     recipe = load_recipe(args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol))
     if getattr(args, "steps", None):
@@ -23,6 +26,8 @@ def _recipe(args):
         recipe.swarm.run = args.run
     if getattr(args, "timeout", None):
         recipe.swarm.timeout = args.timeout
+    if getattr(args, "device", None):
+        recipe.train.device = args.device
     return recipe
 
 
@@ -100,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, help="inner steps per worker (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--timeout", type=float, help="seconds one average may take")
+    demo.add_argument("--device", help=DEVICE_HELP)
     demo.set_defaults(func=cmd_demo, run=None)
 
     swarm = sub.add_parser("swarm", help="swarm peers without training")
@@ -114,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/train")
     train.add_argument("--steps", type=int, help="inner steps (default: the recipe's)")
     train.add_argument("--timeout", type=float, help="seconds one average may take")
+    train.add_argument("--device", help=DEVICE_HELP)
     train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     train.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
     train.add_argument("--num-workers", type=int, default=1, help="number of data shards")
@@ -147,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from decentral.checkpoint import CheckpointError
+    from decentral.device import DeviceError
     from decentral.swarm import SwarmError
 
     try:
         return args.func(args)
-    except (RecipeError, CheckpointError, SwarmError) as e:
+    except (RecipeError, CheckpointError, DeviceError, SwarmError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

@@ -41,6 +41,7 @@ class TrainConfig:
     eval_batches: int = 8
     eval_every: int = 50  # inner steps between validation (and checkpoints), the same for every protocol
     seed: int = 0
+    device: str = "auto"  # auto (CUDA when there is a GPU), cpu, cuda, cuda:N; see decentral.device
 
 
 @dataclass

@@ -21,6 +21,7 @@ from decentral.checkpoint import load_checkpoint, save_checkpoint
 from decentral.config import Recipe
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import load_corpus
+from decentral.device import pick_device
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.swarm import SwarmError, SwarmTransport
@@ -93,15 +94,17 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> None:
     )
 
 
-def make_transport(recipe: Recipe, opts: WorkerOptions) -> Transport:
-    """No network for `local`; a torch.distributed island when `opts.island` is set; else the swarm."""
+def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:
+    """No network for `local`; a torch.distributed island when `opts.island` is set (NCCL when we train on
+    a GPU, gloo otherwise); else the swarm."""
     s = recipe.swarm
     if recipe.protocol == "local":
         return SoloTransport()
     if opts.island:
         from decentral.island import IslandTransport
 
-        return IslandTransport(opts.island, opts.rank, opts.world_size, timeout=s.timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        return IslandTransport(opts.island, opts.rank, opts.world_size, backend=backend, timeout=s.timeout)
     return SwarmTransport(
         s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
         timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, heartbeat_s=s.heartbeat_s,
@@ -113,11 +116,14 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     torch.set_num_threads(1)
     t = recipe.train
     torch.manual_seed(t.seed)
+    device = pick_device(t.device, opts.rank if opts.island else (opts.worker_index or 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL collectives run on the current device
     opts.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(opts.data)
-    model = GPT(recipe.model)
+    model = GPT(recipe.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    transport = make_transport(recipe, opts)
+    transport = make_transport(recipe, opts, device)
     try:
         protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
         if opts.resume:
@@ -127,8 +133,9 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
             index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)
         shard = (index % opts.num_workers, opts.num_workers)
         batches = train_batches(corpus.train, batch_size=t.batch_size, context=t.context,
-                                worker=shard[0], num_workers=shard[1], seed=t.seed + index)
-        val = eval_batches(corpus.val, batch_size=t.batch_size, context=t.context, num_batches=t.eval_batches)
+                                worker=shard[0], num_workers=shard[1], seed=t.seed + index, device=device)
+        val = eval_batches(corpus.val, batch_size=t.batch_size, context=t.context, num_batches=t.eval_batches,
+                           device=device)
         return _train(protocol, recipe, opts, batches, val, transport)
     finally:
         transport.close()

@@ -46,6 +46,7 @@ from decentral.checkpoint import save_checkpoint
 from decentral.config import Recipe, RecipeError, default_recipe_path, load_recipe
 from decentral.data.batches import Batch, eval_batches, evaluate, train_batches
 from decentral.data.corpus import load_corpus
+from decentral.device import pick_device
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.worker import inner_lr
@@ -366,11 +367,13 @@ def run(recipe: Recipe, opts: BaselineOptions) -> dict[str, Any]:
     torch.manual_seed(t.seed)  # every peer starts from the same weights, as decentral.worker's do
     opts.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(opts.data)
-    model = GPT(recipe.model)
+    device = pick_device(t.device, opts.worker_index)
+    model = GPT(recipe.model).to(device)
     batches = train_batches(corpus.train, batch_size=t.batch_size, context=t.context,
                             worker=opts.worker_index % opts.num_workers, num_workers=opts.num_workers,
-                            seed=t.seed + opts.worker_index)
-    val = eval_batches(corpus.val, batch_size=t.batch_size, context=t.context, num_batches=t.eval_batches)
+                            seed=t.seed + opts.worker_index, device=device)
+    val = eval_batches(corpus.val, batch_size=t.batch_size, context=t.context, num_batches=t.eval_batches,
+                       device=device)
     dht = start_dht(opts)
     try:
         opt = make_optimizer(dht, model, recipe, num_workers=opts.num_workers, every=opts.every)

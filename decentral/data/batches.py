@@ -21,9 +21,11 @@ def shard_bounds(n_tokens: int, worker: int, num_workers: int) -> tuple[int, int
 
 
 def train_batches(
-    tokens: np.ndarray, *, batch_size: int, context: int, worker: int = 0, num_workers: int = 1, seed: int = 0
+    tokens: np.ndarray, *, batch_size: int, context: int, worker: int = 0, num_workers: int = 1, seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> Iterator[Batch]:
-    """Endless random windows from `worker`'s shard only; the sequence depends only on (tokens, seed, worker)."""
+    """Endless random windows from `worker`'s shard only, on `device`; the sequence depends only on
+    (tokens, seed, worker)."""
     start, end = shard_bounds(len(tokens), worker, num_workers)
     shard = tokens[start:end]
     if len(shard) < context + 1:
@@ -36,15 +38,17 @@ def train_batches(
     def batches() -> Iterator[Batch]:
         while True:
             starts = rng.integers(0, len(shard) - context, size=batch_size)
-            yield _windows(shard, starts, context)
+            yield _windows(shard, starts, context, device)
 
     return batches()
 
 
 def eval_batches(
-    tokens: np.ndarray, *, batch_size: int, context: int, num_batches: int, seed: int = 1234
+    tokens: np.ndarray, *, batch_size: int, context: int, num_batches: int, seed: int = 1234,
+    device: torch.device | str = "cpu",
 ) -> list[Batch]:
-    """`num_batches` fixed batches of windows evenly spaced over `tokens`; `seed` picks the offset of the grid."""
+    """`num_batches` fixed batches of windows evenly spaced over `tokens`, on `device`; `seed` picks the
+    offset of the grid."""
     span = len(tokens) - context  # number of valid window starts
     if span < 1:
         raise ValueError(f"{len(tokens)} tokens are fewer than context + 1 = {context + 1}")
@@ -52,7 +56,7 @@ def eval_batches(
     stride = span / count
     offset = np.random.default_rng(seed).uniform(0, stride)
     starts = np.minimum((offset + stride * np.arange(count)).astype(np.int64), span - 1)
-    return [_windows(tokens, part, context) for part in starts.reshape(num_batches, batch_size)]
+    return [_windows(tokens, part, context, device) for part in starts.reshape(num_batches, batch_size)]
 
 
 def evaluate(model: nn.Module, batches: Sequence[Batch]) -> float:
@@ -68,6 +72,6 @@ def evaluate(model: nn.Module, batches: Sequence[Batch]) -> float:
         model.train(was_training)
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, context: int) -> Batch:
-    rows = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64)
-    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+def _windows(tokens: np.ndarray, starts: np.ndarray, context: int, device: torch.device | str) -> Batch:
+    rows = torch.from_numpy(tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64)).to(device)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
