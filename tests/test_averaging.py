@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 from conftest import run_in_threads
@@ -64,8 +65,8 @@ def test_wrong_size_from_a_peer_is_rejected(make_swarm):
 
 def test_a_peer_with_another_view_of_the_group_is_not_waited_for(make_swarm):
     """A believes the group is {A, B}; B believes {A, B, C} (C is up but silent, so B waits out the
-    timeout). B's part for A has another size, so A knows B will not send the part A expects either,
-    and finishes at once instead of waiting for B's round to end."""
+    timeout). B's part carries the fingerprint of another member list, so A knows B will not send the
+    part A expects either, and finishes at once instead of waiting for B's round to end."""
     timeout = 8.0
     a, b, c = make_swarm(3, timeout=timeout)
     xs = [torch.randn(120), torch.randn(120)]
@@ -81,8 +82,61 @@ def test_a_peer_with_another_view_of_the_group_is_not_waited_for(make_swarm):
                              lambda: run("b", b, xs[1], [a.peer_id, b.peer_id, c.peer_id])])
     assert finished["a"] - start < timeout / 2  # B itself is still waiting for C
     assert finished["b"] - start > timeout
-    assert b.peer_id in ra.rejected and "wrong size" in ra.rejected[b.peer_id] and not ra.complete
+    assert "another member list" in ra.rejected[b.peer_id] and not ra.complete
+    assert "another member list" in rb.rejected[a.peer_id] and not rb.complete
     assert torch.isfinite(ra.tensor).all() and torch.isfinite(rb.tensor).all()
+
+
+def test_views_of_the_same_size_never_mix_their_chunks(make_swarm):
+    """A averages over {A, B, C}, B over {A, B, D}: the parts have the same sizes, but chunk j belongs
+    to another peer in each view. Nothing of B's may enter A's result (and the other way round)."""
+    a, b, c, d = make_swarm(4, timeout=3.0)
+    xs = [torch.randn(300), torch.randn(300)]
+    ra, rb = run_in_threads([lambda: a.average(xs[0], sorted([a.peer_id, b.peer_id, c.peer_id]), "same-size"),
+                             lambda: b.average(xs[1], sorted([a.peer_id, b.peer_id, d.peer_id]), "same-size")])
+    assert torch.equal(ra.tensor, xs[0]) and torch.equal(rb.tensor, xs[1])  # float32 on the wire: exact
+    assert "another member list" in ra.rejected[b.peer_id]
+    assert "another member list" in rb.rejected[a.peer_id]
+
+
+@pytest.mark.parametrize("first", ["insider", "outsider"])
+def test_a_peer_left_out_of_the_others_view_does_not_wait_for_them(make_swarm, first):
+    """A averages over {A, B}; B, whose view left A out, averages over {B, C} with C up but silent.
+    B answers A's push with a notice, so A stops waiting for B (whoever started first) while B waits
+    out C."""
+    timeout = 8.0
+    a, b, c = make_swarm(3, timeout=timeout)
+    xs = [torch.randn(64), torch.randn(64)]
+    finished = {}
+
+    def run(name, peer, x, group):
+        result = peer.average(x, sorted(group), "left-out")
+        finished[name] = time.monotonic()
+        return result
+
+    def outsider():
+        if first == "insider":  # B's average is under way before A's push reaches it
+            wait_until(lambda: "left-out" in b.averager._groups)
+        return run("a", a, xs[0], [a.peer_id, b.peer_id])
+
+    def insider():
+        if first == "outsider":  # A's push is waiting in B's mailbox before B starts
+            wait_until(lambda: a.peer_id in b.averager.mailbox.senders("left-out/r"))
+        return run("b", b, xs[1], [b.peer_id, c.peer_id])
+
+    start = time.monotonic()
+    ra, rb = run_in_threads([outsider, insider])
+    assert finished["a"] - start < timeout / 2
+    assert finished["b"] - start > timeout
+    assert torch.equal(ra.tensor, xs[0]) and not ra.complete
+    assert a.peer_id not in rb.rejected and torch.equal(rb.tensor, xs[1])
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)  # polling another peer's state
 
 
 def test_dead_peer_costs_at_most_the_timeout(make_swarm):

@@ -19,6 +19,7 @@ class Message:
     sender: str
     value: float  # the scalar that travels with the tensor (a weight, or a contributor count)
     tensor: torch.Tensor
+    view: str = ""  # fingerprint of the member list the sender averages over
 
 
 class Mailbox:
@@ -34,14 +35,19 @@ class Mailbox:
                 self._messages.pop(next(iter(self._messages)))
             self._arrived.notify_all()
 
-    async def collect(self, tag: str, senders: set[str], deadline: float) -> dict[str, Message]:
-        """Wait until every sender in `senders` has a message under `tag`, or the loop time `deadline`.
+    def senders(self, tag: str) -> set[str]:
+        """Who has a message waiting under `tag` (nothing is removed)."""
+        return set(self._messages.get(tag, {}))
 
-        Returns (and removes) the messages that did arrive, keyed by sender.
+    async def collect(self, tag: str, senders: set[str], deadline: float, *, unless: str | None = None) -> dict[str, Message]:
+        """Wait until every sender in `senders` has a message under `tag` (or, when given, under `unless`:
+        a sender that says it will not send), or the loop time `deadline`.
+
+        Returns (and removes) the messages under `tag` that did arrive, keyed by sender.
         """
         loop = asyncio.get_running_loop()
         async with self._arrived:
-            while not senders <= self._messages.get(tag, {}).keys():
+            while not senders <= self.senders(tag) | (self.senders(unless) if unless else set()):
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
