@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,40 @@ def test_corrupt_checkpoint_is_a_clear_error(workers):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "checksum" in done.stderr and "Traceback" not in done.stderr
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (Linux /proc)."""
+    found, todo = set(), [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = {int(k) for k in children.read_text().split()}
+            except OSError:  # the process ended while we looked
+                continue
+            todo += sorted(kids - found)
+            found |= kids
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux /proc")
+def test_a_sigkilled_worker_leaves_no_process_behind(workers):
+    """hivemind runs the DHT and its libp2p daemon in child processes; they must not outlive a worker
+    killed with SIGKILL (or by the OOM killer)."""
+    w = workers({"name": "noloco", "every": 10}, steps=100_000, num_workers=1)
+    proc = w.start(0)  # returns once the worker has joined its swarm: its DHT process and daemon are up
+    children = descendants(proc.pid)
+    assert children, "the worker has no child processes to check"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in children):
+        assert time.monotonic() < deadline, [Path(f"/proc/{p}/cmdline").read_text() for p in children if running(p)]
+        time.sleep(0.2)  # polling for other processes to exit

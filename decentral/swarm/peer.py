@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -26,6 +28,32 @@ StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awai
 
 class SwarmError(RuntimeError):
     """The swarm could not be started or reached."""
+
+
+ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
+
+
+class _DHTProcess(DHT):
+    """hivemind's DHT child process (which also runs the peer's libp2p daemon, p2pd), made to shut down
+    when the process that started it dies.
+
+    hivemind's child outlives a parent killed by SIGKILL or the OOM killer, leaving a stray DHT node and
+    daemon behind for good. Here a thread in the child watches its parent; once the parent is gone, it
+    asks the child's own loop to shut down exactly as `DHT.shutdown` does, which also stops p2pd.
+    """
+
+    def start(self) -> None:
+        self._owner_pid = os.getpid()  # set before the fork, so the child knows whom to watch
+        super().start()
+
+    def run(self) -> None:
+        threading.Thread(target=self._shut_down_when_orphaned, name="orphan-watch", daemon=True).start()
+        super().run()
+
+    def _shut_down_when_orphaned(self) -> None:
+        while os.getppid() == self._owner_pid:
+            time.sleep(ORPHAN_CHECK_S)  # no event announces a parent's death; polling getppid is the portable way
+        self._outer_pipe.send(("_shutdown", [], {}))  # the child still holds the sending end of its command pipe
 
 
 class SwarmPeer:
@@ -49,7 +77,7 @@ class SwarmPeer:
         self.stats = TrafficStats()
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
         try:
-            self.dht = DHT(
+            self.dht = _DHTProcess(
                 initial_peers=list(initial_peers),
                 start=True,
                 host_maddrs=[f"/ip4/{host}/tcp/{port}"],
