@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from decentral.config import SwarmConfig
 from decentral.netlab import NetLab
 
 METHODS = ("diloco", "noloco")
@@ -40,7 +41,7 @@ def peer_main(argv: list[str]) -> int:
     p.add_argument("--maddr-file")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    transport = SwarmTransport(a.run, a.join, host=a.host, timeout=300.0, heartbeat_s=1.0)
+    transport = SwarmTransport(a.run, a.join, host=a.host, timeout=300.0, heartbeat_s=SwarmConfig().heartbeat_s)
     try:
         if a.maddr_file:
             Path(a.maddr_file + ".tmp").write_text("\n".join(transport.multiaddrs()))

@@ -24,8 +24,9 @@ def test_a_peer_that_closes_drops_out_at_once(make_swarm):
     assert peers[2].peer_id not in peers[1].membership.alive()
 
 
-def test_a_silent_peer_expires_after_three_heartbeats(make_swarm):
-    peers = make_swarm(2, heartbeat_s=0.5)
+def test_a_silent_peer_expires_after_the_sync_timeout(make_swarm):
+    peers = make_swarm(2, heartbeat_s=0.5, timeout=3.0)
+    assert peers[0].membership.expire_s == 3.0
     peers[1].membership._stop.set()  # heartbeats stop, as when the process is frozen or killed
     peers[1].membership._thread.join()
     deadline = time.monotonic() + 10

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 class SwarmTransport:
     """Join (or start) the swarm of run `run` and offer what protocols need.
 
-    timeout: how long an average waits for late or dead peers (it takes at most 1.5x this).
+    timeout: how long an average waits for late or dead peers (it takes at most 1.5x this); also how long
+        a peer's heartbeat stays valid (at least 3 heartbeats), so a dead peer leaves every view within it.
     wire_dtype: precision of tensors on the wire (float32, float16, bfloat16).
     max_norm_ratio: a received part whose norm exceeds this multiple of our own is rejected.
     """
@@ -46,7 +47,7 @@ class SwarmTransport:
         self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host)
         self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio)
         self.state = StateExchange(self.peer)
-        self.membership = Membership(self.peer, heartbeat_s=heartbeat_s)
+        self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
 
     @property
     def peer_id(self) -> str:
