@@ -75,6 +75,7 @@ class GroupAverager:
         # tag of an average -> (its group, the loop time its pushes stop), for the notices to outsiders
         self._groups: OrderedDict[str, tuple[frozenset[str], float]] = OrderedDict()
         self._noticed: set[tuple[str, str]] = set()  # (tag, outsider) already told
+        self._notices: set[asyncio.Task] = set()  # in flight; the loop keeps only weak references to tasks
         peer.add_handler("push", self._on_push)
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -102,7 +103,9 @@ class GroupAverager:
         for outsider in pushed - group:
             if (tag, outsider) not in self._noticed:
                 self._noticed.add((tag, outsider))
-                asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), 1.0, deadline))
+                task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), 1.0, deadline))
+                self._notices.add(task)
+                task.add_done_callback(self._notices.discard)
 
     def _remember_group(self, tag: str, group: list[str], deadline: float) -> None:
         self._groups[tag] = (frozenset(group), deadline)
