@@ -157,6 +157,8 @@ def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str
             f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s")
     if sync is not None:
         line += f" group {len(sync.group)}{'' if sync.complete else ' (partial)'}"
+        if sync.spread is not None:
+            line += f" spread {sync.spread:.2e}"
     return line
 
 
@@ -198,6 +200,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches,
                     last_sync = report
                     record.update(group_size=len(report.group), complete=report.complete,
                                   contributors=report.contributors, rejected=len(report.rejected))
+                    if report.spread is not None:
+                        record["spread"] = report.spread
                 if protocol.step % t.eval_every == 0:
                     record["val_loss"] = val_loss = evaluate(model, val)
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))

@@ -97,6 +97,9 @@ def test_noloco_pair_round_is_the_section_3_update_for_both_peers(make_swarm):
         fasts = [s + 0.1 * torch.randn(n, generator=gen) for s in slows]
         reports = outer_round(protocols, fasts)
         assert all(r.complete and len(r.group) == 2 for r in reports)
+        std = torch.stack(slows).std(dim=0, unbiased=False)  # φ's spread across the two replicas
+        for r in reports:
+            assert r.spread == pytest.approx(float(std.pow(2).mean().sqrt()), rel=1e-4)
         mean_outer = ((fasts[0] - slows[0]) + (fasts[1] - slows[1])) / 2
         mean_slow = (slows[0] + slows[1]) / 2
         for i in range(2):

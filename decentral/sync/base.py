@@ -36,6 +36,7 @@ class SyncReport:
     contributors: int
     wait_s: float
     rejected: dict[str, str] = field(default_factory=dict)
+    spread: float | None = None  # RMS distance of our slow weights from the group's mean, where known
 
 
 class SyncProtocol:

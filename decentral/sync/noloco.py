@@ -54,8 +54,15 @@ class NoLoCo(OuterProtocol):
             mean, complete, contributors, rejected = result.tensor, result.complete, result.contributors, result.rejected
         else:
             mean, waited, complete, contributors, rejected = both, 0.0, True, 1, {}
+        spread = replica_spread(self.slow, mean[:n]) if complete and len(group) > 1 else None
         self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n], self.alpha, self.beta, self.gamma, self.nesterov)
-        return SyncReport(self.round, group, complete, contributors, waited, rejected)
+        return SyncReport(self.round, group, complete, contributors, waited, rejected, spread)
+
+
+def replica_spread(slow: torch.Tensor, mean_slow: torch.Tensor) -> float:
+    """RMS over parameters of φ_i − mean_group(φ): for a pair, the standard deviation of φ across the two
+    replicas. NoLoCo's replicas never become identical; the paper bounds this spread by (inner lr)² (§3)."""
+    return float((slow - mean_slow).pow(2).mean().sqrt())
 
 
 def noloco_update(
