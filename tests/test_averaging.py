@@ -71,15 +71,9 @@ def test_a_peer_with_another_view_of_the_group_is_not_waited_for(make_swarm):
     a, b, c = make_swarm(3, timeout=timeout)
     xs = [torch.randn(120), torch.randn(120)]
     finished = {}
-
-    def run(name, peer, x, group):
-        result = peer.average(x, sorted(group), "views")
-        finished[name] = time.monotonic()
-        return result
-
     start = time.monotonic()
-    ra, rb = run_in_threads([lambda: run("a", a, xs[0], [a.peer_id, b.peer_id]),
-                             lambda: run("b", b, xs[1], [a.peer_id, b.peer_id, c.peer_id])])
+    ra, rb = run_in_threads([lambda: timed_average(finished, "a", a, xs[0], [a.peer_id, b.peer_id], "views"),
+                             lambda: timed_average(finished, "b", b, xs[1], [a.peer_id, b.peer_id, c.peer_id], "views")])
     assert finished["a"] - start < timeout / 2  # B itself is still waiting for C
     assert finished["b"] - start > timeout
     assert "another member list" in ra.rejected[b.peer_id] and not ra.complete
@@ -109,20 +103,15 @@ def test_a_peer_left_out_of_the_others_view_does_not_wait_for_them(make_swarm, f
     xs = [torch.randn(64), torch.randn(64)]
     finished = {}
 
-    def run(name, peer, x, group):
-        result = peer.average(x, sorted(group), "left-out")
-        finished[name] = time.monotonic()
-        return result
-
     def outsider():
         if first == "insider":  # B's average is under way before A's push reaches it
             wait_until(lambda: "left-out" in b.averager._groups)
-        return run("a", a, xs[0], [a.peer_id, b.peer_id])
+        return timed_average(finished, "a", a, xs[0], [a.peer_id, b.peer_id], "left-out")
 
     def insider():
         if first == "outsider":  # A's push is waiting in B's mailbox before B starts
             wait_until(lambda: a.peer_id in b.averager.mailbox.senders("left-out/r"))
-        return run("b", b, xs[1], [b.peer_id, c.peer_id])
+        return timed_average(finished, "b", b, xs[1], [b.peer_id, c.peer_id], "left-out")
 
     start = time.monotonic()
     ra, rb = run_in_threads([outsider, insider])
@@ -130,6 +119,13 @@ def test_a_peer_left_out_of_the_others_view_does_not_wait_for_them(make_swarm, f
     assert finished["b"] - start > timeout
     assert torch.equal(ra.tensor, xs[0]) and not ra.complete
     assert a.peer_id not in rb.rejected and torch.equal(rb.tensor, xs[1])
+
+
+def timed_average(finished: dict, name: str, peer, x, group, tag):
+    """peer.average(x) over `group`, noting in finished[name] when it returned."""
+    result = peer.average(x, sorted(group), tag)
+    finished[name] = time.monotonic()
+    return result
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
