@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +22,13 @@ from decentral.swarm import SwarmTransport  # noqa: E402
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
 TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "eval_batches": 4, "eval_every": 10}
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_in_threads(fns, timeout: float = 60.0) -> list:

@@ -5,13 +5,12 @@ covers the CPU path, and on a GPU machine every worker test runs on the GPU, sin
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from conftest import TINY_MODEL, TINY_TRAIN
+from conftest import TINY_MODEL, TINY_TRAIN, free_port
 from decentral.cli import main as cli_main
 from decentral.config import parse_recipe
 from decentral.data import eval_batches
@@ -20,12 +19,6 @@ from decentral.models import GPT, GPTConfig
 from decentral.sync import DiLoCo
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_auto_is_the_gpu_when_there_is_one_else_the_cpu():

@@ -4,23 +4,17 @@ against arithmetic done independently here in the parent."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 
+from conftest import free_port
 from decentral.island import IslandTransport, RendezvousError
 from decentral.sync import DDP, DiLoCo
 
 TIMEOUT = 30.0  # seconds for a whole island run; each rank's collectives time out after 20 s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, queue) -> None:

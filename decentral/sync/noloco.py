@@ -61,7 +61,7 @@ class NoLoCo(OuterProtocol):
 
 def replica_spread(slow: torch.Tensor, mean_slow: torch.Tensor) -> float:
     """RMS over parameters of φ_i − mean_group(φ): for a pair, the standard deviation of φ across the two
-    replicas. NoLoCo's replicas never become identical; the paper bounds this spread by (inner lr)² (§3)."""
+    replicas. NoLoCo's replicas never become identical; the paper finds the spread ∝ (inner lr)² (§3)."""
     return float((slow - mean_slow).pow(2).mean().sqrt())
 
 
