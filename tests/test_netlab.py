@@ -178,17 +178,23 @@ def test_signal_tears_down(name, sig):
         lab = NetLab(2, "20mbit", name={name!r}, mode="netns")
         print("up", flush=True)
         try:
-            time.sleep(60)
+            for _ in range(600):  # short sleeps: the handler runs within 0.1 s however the signal lands
+                time.sleep(0.1)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "up"
     assert len(leftovers(name)) == 5
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=90)  # teardown runs `ip` commands, each allowed 30 s
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the lab did not exit within 90 s of signal {sig!r}; stdout {out!r}, stderr:\n{err}")
     if sig == signal.SIGINT:
-        assert proc.returncode == 0 and "interrupted" in out
+        assert proc.returncode == 0 and "interrupted" in out, err
     else:
         assert proc.returncode == -signal.SIGTERM
     assert leftovers(name) == []
