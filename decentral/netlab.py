@@ -319,6 +319,8 @@ class NetLab:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is signal.SIG_IGN:  # e.g. SIGINT in a background job: keep ignoring it
+                continue
             self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:

@@ -173,13 +173,14 @@ def test_cleanup_stale_removes_a_crashed_lab(name):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_tears_down(name, sig):
     script = textwrap.dedent(f"""
-        import time
+        import signal, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal; a background job
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)             # (like CI's) inherits SIGINT ignored
         from decentral.netlab import NetLab
         lab = NetLab(2, "20mbit", name={name!r}, mode="netns")
         print("up", flush=True)
         try:
-            for _ in range(600):  # short sleeps: the handler runs within 0.1 s however the signal lands
-                time.sleep(0.1)
+            time.sleep(60)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
     """)
@@ -210,4 +211,18 @@ def test_cli_runs_command_in_every_host(name, capsys):
     lines = capsys.readouterr().out.splitlines()
     for i in range(3):
         assert f"[h{i}] {i} 10.213.0.{i + 1} 10.213.0.1" in lines
+    assert leftovers(name) == []
+
+
+@needs_netns
+def test_a_signal_the_process_ignores_stays_ignored(name):
+    """A background job starts with SIGINT ignored; a lab must not turn that SIGINT into a teardown
+    while the process itself goes on running."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with NetLab(1, None, name=name, mode="netns"):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # this one still tears down
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert leftovers(name) == []
