@@ -72,9 +72,8 @@ class GroupAverager:
         self.wire_dtype = wire_dtype
         self.max_norm_ratio = max_norm_ratio
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
-        # tag of an average -> (its group, the loop time its pushes stop), for the notices to outsiders
-        self._groups: OrderedDict[str, tuple[frozenset[str], float]] = OrderedDict()
-        self._noticed: set[tuple[str, str]] = set()  # (tag, outsider) already told
+        # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
+        self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
         self._notices: set[asyncio.Task] = set()  # in flight; the loop keeps only weak references to tasks
         peer.add_handler("push", self._on_push)
 
@@ -98,20 +97,18 @@ class GroupAverager:
         will send it nothing (it stops waiting for us)."""
         if tag not in self._groups:
             return
-        group, deadline = self._groups[tag]
+        group, deadline, told = self._groups[tag]
         pushed = self.mailbox.senders(f"{tag}/r") | self.mailbox.senders(f"{tag}/g")
-        for outsider in pushed - group:
-            if (tag, outsider) not in self._noticed:
-                self._noticed.add((tag, outsider))
-                task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), 1.0, deadline))
-                self._notices.add(task)
-                task.add_done_callback(self._notices.discard)
+        for outsider in pushed - group - told:
+            told.add(outsider)
+            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), 1.0, deadline))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
 
     def _remember_group(self, tag: str, group: list[str], deadline: float) -> None:
-        self._groups[tag] = (frozenset(group), deadline)
+        self._groups[tag] = (frozenset(group), deadline, set())
         while len(self._groups) > _REMEMBERED_VIEWS:
-            old, _ = self._groups.popitem(last=False)
-            self._noticed = {(t, p) for t, p in self._noticed if t != old}
+            self._groups.popitem(last=False)
 
     async def _push(
         self, target: str, tag: str, tensor: torch.Tensor, value: float, deadline: float, view: str = ""
