@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from decentral.data.corpus import DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y): int64 (batch_size, context), y is x shifted by one token
 
@@ -21,24 +24,40 @@ def shard_bounds(n_tokens: int, worker: int, num_workers: int) -> tuple[int, int
 
 
 def train_batches(
-    tokens: np.ndarray, *, batch_size: int, context: int, worker: int = 0, num_workers: int = 1, seed: int = 0,
-    device: torch.device | str = "cpu",
+    tokens: np.ndarray | Sequence[np.ndarray], *, batch_size: int, context: int, worker: int = 0,
+    num_workers: int = 1, seed: int = 0, device: torch.device | str = "cpu",
 ) -> Iterator[Batch]:
     """Endless random windows from `worker`'s shard only, on `device`; the sequence depends only on
-    (tokens, seed, worker)."""
-    start, end = shard_bounds(len(tokens), worker, num_workers)
-    shard = tokens[start:end]
-    if len(shard) < context + 1:
-        raise ValueError(
-            f"worker {worker}'s shard has {len(shard)} tokens, fewer than context + 1 = {context + 1}; "
-            f"use more data, fewer workers or a shorter context"
-        )
+    (tokens, seed, worker).
+
+    `tokens` may be a list of streams (domains): then every batch is domain-balanced, each stream giving
+    batch_size // n rows and the remainder rows rotating over the streams from batch to batch, and each
+    stream is sharded on its own.
+    """
+    streams = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+    if not streams:
+        raise ValueError("train_batches needs at least one token stream")
+    shards = []
+    for index, stream in enumerate(streams):
+        start, end = shard_bounds(len(stream), worker, num_workers)
+        shards.append(stream[start:end])
+        if end - start < context + 1:
+            which = f"worker {worker}'s shard" + (f" of stream {index}" if len(streams) > 1 else "")
+            raise DataError(
+                f"{which} has {end - start} tokens, fewer than context + 1 = {context + 1}; "
+                f"use more data, fewer workers or a shorter context"
+            )
     rng = np.random.default_rng([seed, worker])
+    n = len(shards)
 
     def batches() -> Iterator[Batch]:
-        while True:
-            starts = rng.integers(0, len(shard) - context, size=batch_size)
-            yield _windows(shard, starts, context, device)
+        for batch in itertools.count():
+            rows = []
+            for index, shard in enumerate(shards):
+                count = batch_size // n + ((index - batch) % n < batch_size % n)
+                starts = rng.integers(0, len(shard) - context, size=count)
+                rows.append(_windows(shard, starts, context, device))
+            yield (rows[0] if n == 1 else tuple(torch.cat(part) for part in zip(*rows)))
 
     return batches()
 
@@ -51,7 +70,7 @@ def eval_batches(
     offset of the grid."""
     span = len(tokens) - context  # number of valid window starts
     if span < 1:
-        raise ValueError(f"{len(tokens)} tokens are fewer than context + 1 = {context + 1}")
+        raise DataError(f"{len(tokens)} tokens are fewer than context + 1 = {context + 1}")
     count = batch_size * num_batches
     stride = span / count
     offset = np.random.default_rng(seed).uniform(0, stride)

@@ -1,11 +1,13 @@
-"""Load text files as byte-token streams, split into train and validation by file."""
+"""Load text files as documents and byte-token streams, split into train and validation by file."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,10 @@ import numpy as np
 
 SEPARATOR = b"\n\n"  # placed between files in a stream
 MIN_SPLIT_BYTES = 4 * 1024  # the smallest train or val stream load_corpus accepts
+
+
+class DataError(ValueError):
+    """Training text is missing, unreadable or too small; the message says which and what to do."""
 
 
 @dataclass
@@ -36,24 +42,32 @@ def default_corpus_paths() -> list[Path]:
     return sorted(found)
 
 
-def load_corpus(
-    paths: Sequence[Path | str] | None = None,
-    *,
-    val_fraction: float = 0.05,
-    max_bytes: int = 8_000_000,
-    seed: int = 0,
-) -> Corpus:
-    """Read `paths` (files, or folders walked recursively; None = `default_corpus_paths()`) into a Corpus.
+@dataclass
+class Document:
+    """One distinct text file's contribution to a corpus."""
 
-    Files that are not UTF-8 text or contain NUL bytes are skipped inside folders and rejected when named
-    directly; empty files and hidden names (".git", ...) inside folders are skipped; `*.jsonl` files
-    contribute the "text" field of each line. Identical contents count once. Files are taken in the order of
-    their content hash (salted with `seed`) until `max_bytes` are read, so the subset is a fair sample; a file
-    goes to val when that hash falls in the lowest `val_fraction` of its range. The result depends only on
-    the files' contents, not on where they live. Raises ValueError for missing paths or a too-small result.
+    key: str  # sha256 of the content salted with the corpus seed: orders documents and picks their split
+    text: bytes
+    path: Path
+
+    def split_point(self) -> float:
+        """Where this document falls in [0, 1): uniform over documents, fixed by content and seed."""
+        return int(self.key[:8], 16) % 10_000 / 10_000
+
+
+def load_documents(
+    paths: Sequence[Path | str] | None = None, *, max_bytes: int = 8_000_000, seed: int = 0, strict: bool = True
+) -> tuple[list[Document], str]:
+    """The distinct text documents under `paths` (files, or folders walked recursively; None =
+    `default_corpus_paths()`), in the order of their content hash salted with `seed`, until `max_bytes`
+    are taken; and a description of where they came from, for messages.
+
+    Files that are not UTF-8 text or contain NUL bytes are skipped inside folders, and rejected when named
+    directly unless `strict` is False; empty files and hidden names (".git", ...) inside folders are skipped; `*.gz` files are
+    decompressed first; `*.jsonl` files contribute the "text" field of each line. Identical contents count
+    once. The result depends only on the files' contents, not on where they live. Raises DataError for
+    missing paths.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if paths is None:
@@ -63,6 +77,8 @@ def load_corpus(
     else:
         files, named = _expand(paths)
         source = ", ".join(str(p) for p in paths)
+        if not strict:
+            named = set()
 
     keys: dict[str, Path] = {}  # salted content hash -> first file with that content
     for path in files:
@@ -71,24 +87,49 @@ def load_corpus(
             digest = hashlib.sha256(text).hexdigest()
             keys.setdefault(hashlib.sha256(f"{seed}:{digest}".encode()).hexdigest(), path)
 
-    splits: dict[bool, list[bytes]] = {False: [], True: []}
+    documents: list[Document] = []
     total = 0
     for key in sorted(keys):
         if total >= max_bytes:
             break
         text = _read_text(keys[key], True)
-        splits[int(key[:8], 16) % 10_000 < val_fraction * 10_000].append(text)
+        documents.append(Document(key, text, keys[key]))
         total += len(text)
+    return documents, source
 
-    train, val = (np.frombuffer(SEPARATOR.join(splits[v]), dtype=np.uint8).copy() for v in (False, True))
+
+def join_documents(documents: Sequence[Document]) -> np.ndarray:
+    """The token stream of `documents`, separated by SEPARATOR."""
+    return np.frombuffer(SEPARATOR.join(d.text for d in documents), dtype=np.uint8).copy()
+
+
+def load_corpus(
+    paths: Sequence[Path | str] | None = None,
+    *,
+    val_fraction: float = 0.05,
+    max_bytes: int = 8_000_000,
+    seed: int = 0,
+) -> Corpus:
+    """Read `paths` into a Corpus (see `load_documents` for what is read and in which order).
+
+    A document goes to val when its `split_point` falls below `val_fraction`, so the split is a fair
+    sample and does not depend on where files live. Raises DataError for missing paths or a too-small
+    result.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    documents, source = load_documents(paths, max_bytes=max_bytes, seed=seed)
+    val_docs = [d for d in documents if d.split_point() < val_fraction]
+    train_docs = [d for d in documents if d.split_point() >= val_fraction]
+    train, val = join_documents(train_docs), join_documents(val_docs)
     if min(len(train), len(val)) < MIN_SPLIT_BYTES:
-        raise ValueError(
+        raise DataError(
             f"corpus from {source} is too small: train has {len(train)} bytes and val {len(val)} bytes "
-            f"from {len(splits[False]) + len(splits[True])} distinct text files; each needs at least "
+            f"from {len(documents)} distinct text files; each needs at least "
             f"{MIN_SPLIT_BYTES}. The split is by file: give more files or a larger val_fraction "
             f"(now {val_fraction})."
         )
-    return Corpus(train=train, val=val, num_files=len(splits[False]) + len(splits[True]), source=source)
+    return Corpus(train=train, val=val, num_files=len(documents), source=source)
 
 
 def _expand(paths: Sequence[Path | str]) -> tuple[list[Path], set[Path]]:
@@ -103,7 +144,7 @@ def _expand(paths: Sequence[Path | str]) -> tuple[list[Path], set[Path]]:
             files.append(path)
             named.add(path)
         else:
-            raise ValueError(f"corpus path does not exist or is not a file or folder: {given}")
+            raise DataError(f"corpus path does not exist or is not a file or folder: {given}")
     return files, named
 
 
@@ -117,14 +158,16 @@ def _read_text(path: Path, required: bool) -> bytes | None:
     """The UTF-8 text `path` contributes, or None when it is not text (a ValueError instead if `required`)."""
     data = path.read_bytes()
     try:
+        if path.suffix == ".gz":
+            data = _gunzip(data)
         if b"\0" in data:
             raise ValueError("contains NUL bytes")
         text = data.decode("utf-8")
     except ValueError as e:  # UnicodeDecodeError is a ValueError
         if required:
-            raise ValueError(f"corpus file is not UTF-8 text: {path} ({e})") from None
+            raise DataError(f"corpus file is not UTF-8 text: {path} ({e})") from None
         return None
-    if path.suffix != ".jsonl":
+    if path.suffix != ".jsonl" and path.suffixes[-2:] != [".jsonl", ".gz"]:
         return data
     records = []
     for number, line in enumerate(text.split("\n"), 1):
@@ -135,6 +178,13 @@ def _read_text(path: Path, required: bool) -> bytes | None:
         except (ValueError, TypeError, KeyError):
             record = None
         if not isinstance(record, str):
-            raise ValueError(f"{path}:{number}: expected a JSON object with a string field \"text\"")
+            raise DataError(f"{path}:{number}: expected a JSON object with a string field \"text\"")
         records.append(record.encode("utf-8"))
     return SEPARATOR.join(records)
+
+
+def _gunzip(data: bytes) -> bytes:
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"not a valid gzip file ({e})") from None
