@@ -1,4 +1,4 @@
-"""`decentral` command line: demo, swarm, train, netlab, bench, syncbench."""
+"""`decentral` command line: demo, swarm, train, experts, merge, netlab, bench, syncbench."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is import
 from decentral.config import RecipeError, default_recipe_path, load_recipe
 
 
+DOMAIN_HELP = ("a text domain, repeatable: batches are balanced over the domains and validation uses each "
+               "one's dev split. Built in: code, legal, manuals, headers, changelogs; your own: NAME=PATH[,PATH]")
 DEVICE_HELP = "auto (a GPU when there is one), cpu, cuda or cuda:N (default: the recipe's train.device)"
 
 
@@ -31,11 +33,11 @@ def _recipe(args):
     return recipe
 
 
-def cmd_train(args) -> int:
+def train_worker(recipe, args, **overrides) -> int:
+    """Run one worker with `recipe`, the options of the train command's `args` and `overrides`
+    (WorkerOptions fields); print its outcome and return the exit code."""
     from decentral.sync import DivergedError
     from decentral.worker import WorkerOptions, run_worker
-
-    recipe = _recipe(args)
 
     def ready(maddrs: list[str]) -> None:
         print(f"[{args.name}] others join with --join {maddrs[0]}", flush=True)
@@ -44,15 +46,16 @@ def cmd_train(args) -> int:
             tmp.write_text("\n".join(maddrs) + "\n")
             tmp.replace(args.maddr_file)
 
-    opts = WorkerOptions(
+    options = dict(
         out=Path(args.out), join=args.join or (), data=args.data, worker_index=args.worker_index,
         num_workers=args.num_workers, host=args.host, port=args.port, announce_host=args.announce_host,
-        resume=args.resume, name=args.name, min_peers=args.min_peers,
+        resume=args.resume, name=args.name, min_peers=args.min_peers, domains=args.domain,
+        init_from=Path(args.init_from) if getattr(args, "init_from", None) else None, stop_at=args.stop_at,
         island=args.island, rank=args.rank, world_size=args.world_size, on_ready=ready, print_fn=lambda line: print(line, flush=True),
     )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
     try:
-        summary = run_worker(recipe, opts)
+        summary = run_worker(recipe, WorkerOptions(**{**options, **overrides}))
     except DivergedError:
         return 3
     except KeyboardInterrupt:
@@ -60,6 +63,10 @@ def cmd_train(args) -> int:
     print(f"[{args.name}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
           f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s", flush=True)
     return 0
+
+
+def cmd_train(args) -> int:
+    return train_worker(_recipe(args), args)
 
 
 def cmd_swarm_start(args) -> int:
@@ -86,7 +93,29 @@ def cmd_demo(args) -> int:
     return run_demo(_recipe(args), workers=args.workers, out=Path(args.out), protocol_arg=args.protocol)
 
 
-def _add_network_args(p: argparse.ArgumentParser) -> None:
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """What every command that runs a training worker takes, besides --protocol, --out and the start point."""
+    p.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
+    p.add_argument("--domain", action="append", metavar="NAME[=PATH]", help=DOMAIN_HELP)
+    p.add_argument("--steps", type=int, help="inner steps: the LR schedule's length (default: the recipe's)")
+    p.add_argument("--stop-at", type=int, metavar="STEP", help="stop at this inner step (the LR schedule still "
+                   "spans --steps); a later run continues with --resume or --init-from")
+    p.add_argument("--timeout", type=float, help="seconds one average may take")
+    p.add_argument("--device", help=DEVICE_HELP)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
+    p.add_argument("--num-workers", type=int, default=1, help="number of data shards")
+    p.add_argument("--name", default="worker", help="name in logs and metrics")
+    p.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
+    p.add_argument("--min-peers", type=int, default=1, help="wait until this many peers (us included) are up")
+    p.add_argument("--island", metavar="tcp://HOST:PORT",
+                   help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    add_network_arguments(p)
+
+
+def add_network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", action="append", metavar="MADDR", help="multiaddr of any swarm member (repeatable)")
     p.add_argument("--run", help="run name: peers of different runs ignore each other (default: the recipe's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other machines")
@@ -111,28 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     swarm = sub.add_parser("swarm", help="swarm peers without training")
     swarm_sub = swarm.add_subparsers(dest="swarm_command", required=True)
     start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr")
-    _add_network_args(start)
+    add_network_arguments(start)
     start.set_defaults(func=cmd_swarm_start, run="decentral")
 
     train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)")
     train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
-    train.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
     train.add_argument("--out", default="runs/train")
-    train.add_argument("--steps", type=int, help="inner steps (default: the recipe's)")
-    train.add_argument("--timeout", type=float, help="seconds one average may take")
-    train.add_argument("--device", help=DEVICE_HELP)
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    train.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
-    train.add_argument("--num-workers", type=int, default=1, help="number of data shards")
-    train.add_argument("--name", default="worker", help="name in logs and metrics")
-    train.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
-    train.add_argument("--min-peers", type=int, default=1, help="wait until this many peers (us included) are up")
-    train.add_argument("--island", metavar="tcp://HOST:PORT",
-                       help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
-    train.add_argument("--rank", type=int, default=0)
-    train.add_argument("--world-size", type=int, default=1)
-    _add_network_args(train)
+    train.add_argument("--init-from", metavar="DIR", help="start from this checkpoint or expert folder: its weights, "
+                       "inner optimizer state and step (the LR schedule continues)")
+    add_worker_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    from decentral.experts import cli as experts_cli
+
+    experts = sub.add_parser("experts", help="branch-train-merge: seed, branch, registry, swarm sharing, ensemble",
+                             description=experts_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    experts_cli.add_arguments(experts)
+
+    merge = sub.add_parser("merge", help="merge experts as a recipe says (merges/*.yaml)",
+                           description=experts_cli.MERGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    experts_cli.add_merge_arguments(merge)
 
     from decentral import bench, netlab, syncbench
 
@@ -154,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from decentral.checkpoint import CheckpointError
+    from decentral.data import DataError
     from decentral.device import DeviceError
+    from decentral.experts.registry import RegistryError
     from decentral.swarm import SwarmError
 
     try:
         return args.func(args)
-    except (RecipeError, CheckpointError, DeviceError, SwarmError) as e:
+    except (RecipeError, CheckpointError, DataError, DeviceError, RegistryError, SwarmError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

@@ -4,10 +4,16 @@ Built on the library API: the protocol hooks the inner optimizer; this loop is a
 Writes `metrics.jsonl` (a record per inner step; `val_loss` every `eval_every` steps; the sync's
 group on steps that synced) and a checkpoint every `eval_every` steps and at the end. On divergence or Ctrl-C it stops
 cleanly: the last good checkpoint stays on disk.
+
+Data is one corpus (`data`), or several domains (`domains`) mixed in balanced batches and validated on
+each domain's dev split. A run may start from another model (`init_from`: weights, inner optimizer state
+and step, so the LR schedule continues) and stop early (`stop_at`); checkpoints record the lineage (the
+start model's hash, the step it started at, tokens seen) that expert folders carry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -20,8 +26,11 @@ import torch
 from decentral.checkpoint import load_checkpoint, save_checkpoint
 from decentral.config import Recipe
 from decentral.data.batches import eval_batches, evaluate, train_batches
-from decentral.data.corpus import load_corpus
+from decentral.data.corpus import DataError, load_corpus
+from decentral.data.domains import balanced_eval_batches, load_domains
 from decentral.device import pick_device
+from decentral.experts.branch import StartPoint, load_start_point, optimizer_state_dict, optimizer_tensors
+from decentral.experts.registry import RegistryError
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.swarm import SwarmError, SwarmTransport
@@ -43,6 +52,9 @@ class WorkerOptions:
     island: str | None = None  # torch.distributed init method (tcp://HOST:PORT): sync inside a fast island
     rank: int = 0
     world_size: int = 1
+    domains: Sequence[str] | None = None  # NAME or NAME=PATH (decentral.data.domains): balanced batches
+    init_from: Path | None = None  # a checkpoint or expert folder to start from (ignored when resuming)
+    stop_at: int | None = None  # stop at this inner step; the LR schedule still spans train.steps
     min_peers: int = 1  # wait until this many peers (us included) are up before training
     wait_peers_s: float = 300.0
     name: str = "worker"
@@ -59,39 +71,41 @@ def inner_lr(step: int, recipe: Recipe) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe) -> None:
+def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: dict) -> None:
     state = protocol.state_dict()
     tensors = {f"model.{k}": v for k, v in protocol.model.state_dict().items()}
     tensors.update({f"outer.{k}": v for k, v in state["tensors"].items()})
-    meta = {"sync": state["meta"], "recipe": recipe.to_dict(), "inner_optimizer": _optimizer_meta(protocol.optimizer)}
-    tensors.update(_optimizer_tensors(protocol.optimizer))
+    tokens = lineage["start_tokens"] + (protocol.step - lineage["start_step"]) * recipe.train.batch_size * recipe.train.context
+    meta = {"sync": state["meta"], "recipe": recipe.to_dict(), "lineage": {**lineage, "tokens": tokens},
+            "inner_optimizer": {"param_groups": protocol.optimizer.state_dict()["param_groups"]}}
+    tensors.update(optimizer_tensors(protocol.optimizer))
     save_checkpoint(opts.out / "checkpoint", tensors, meta)
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for index, state in optimizer.state_dict()["state"].items():
-        for key, value in state.items():
-            out[f"inner.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    return out
-
-
-def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict:
-    return {"param_groups": optimizer.state_dict()["param_groups"]}
-
-
-def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> None:
+def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> dict:
+    """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage."""
     tensors, meta = load_checkpoint(opts.out / "checkpoint")
     protocol.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    inner: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("inner."):
-            _, index, name = key.split(".", 2)
-            inner.setdefault(int(index), {})[name] = value
-    protocol.optimizer.load_state_dict({"state": inner, "param_groups": meta["inner_optimizer"]["param_groups"]})
+    protocol.optimizer.load_state_dict(optimizer_state_dict(
+        {k: v for k, v in tensors.items() if k.startswith("inner.")}, meta["inner_optimizer"]["param_groups"]))
     protocol.load_state_dict(
         {"meta": meta["sync"], "tensors": {k[6:]: v for k, v in tensors.items() if k.startswith("outer.")}}
     )
+    return meta.get("lineage", {"parent": None, "start_step": 0, "start_tokens": 0})
+
+
+def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
+    """Load a start point's weights (and inner optimizer state, when it has one) into a fresh model."""
+    ours = dataclasses.asdict(recipe.model)
+    if start.model_config != ours:
+        raise RegistryError(f"--init-from {start.source}: its model {start.model_config} differs from the "
+                            f"recipe's {ours}")
+    if start.step >= recipe.train.steps:
+        raise RegistryError(f"--init-from {start.source} is at step {start.step}, the end of a {recipe.train.steps}-step "
+                            f"schedule: give more --steps (the schedule's total, the start point's steps included)")
+    model.load_state_dict(start.model)
+    if start.optimizer is not None:
+        optimizer.load_state_dict(start.optimizer)
 
 
 def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:
@@ -112,7 +126,9 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
 
 
 def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
-    """Train until `recipe.train.steps` inner steps; returns a summary dict. Raises DivergedError."""
+    """Train until `recipe.train.steps` (or `opts.stop_at`) inner steps; returns a summary dict.
+
+    Raises DivergedError, DataError (bad data), RegistryError (a bad start point)."""
     torch.set_num_threads(1)
     t = recipe.train
     torch.manual_seed(t.seed)
@@ -120,23 +136,35 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL collectives run on the current device
     opts.out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(opts.data)
+    if opts.data and opts.domains:
+        raise DataError("give either --data (one corpus) or --domain (balanced domains), not both")
+    domains = load_domains(opts.domains) if opts.domains else None
+    corpus = None if domains else load_corpus(opts.data)
+    start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
     model = GPT(recipe.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    lineage = {"parent": None, "start_step": 0, "start_tokens": 0}
+    if start is not None:
+        _start_from(start, model, optimizer, recipe)
+        lineage = {"parent": start.parent, "start_step": start.step, "start_tokens": start.tokens}
     transport = make_transport(recipe, opts, device)
     try:
         protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
+        protocol.step = lineage["start_step"]
         if opts.resume:
-            _restore(protocol, opts)
+            lineage = _restore(protocol, opts)
         index = opts.worker_index
         if index is None:  # a stranger joining: its own random windows over all the data
             index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)
         shard = (index % opts.num_workers, opts.num_workers)
-        batches = train_batches(corpus.train, batch_size=t.batch_size, context=t.context,
-                                worker=shard[0], num_workers=shard[1], seed=t.seed + index, device=device)
-        val = eval_batches(corpus.val, batch_size=t.batch_size, context=t.context, num_batches=t.eval_batches,
-                           device=device)
-        return _train(protocol, recipe, opts, batches, val, transport)
+        sizes = dict(batch_size=t.batch_size, context=t.context, device=device)
+        streams = [d.train for d in domains] if domains else corpus.train
+        batches = train_batches(streams, worker=shard[0], num_workers=shard[1], seed=t.seed + index, **sizes)
+        if domains:
+            val = balanced_eval_batches(domains, "dev", num_batches=t.eval_batches, **sizes)
+        else:
+            val = eval_batches(corpus.val, num_batches=t.eval_batches, **sizes)
+        return _train(protocol, recipe, opts, batches, val, transport, lineage)
     finally:
         transport.close()
 
@@ -162,8 +190,9 @@ def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str
     return line
 
 
-def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches, val, transport) -> dict:
+def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches, val, transport, lineage: dict) -> dict:
     t = recipe.train
+    last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
     model, optimizer = protocol.model, protocol.optimizer
     log = MetricsLog(opts.out / "metrics.jsonl")
     val_loss = None
@@ -180,7 +209,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches,
                       wall_s=0.0, wait_s=protocol.wait_s)
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
                           f"step {protocol.step}, val {val_loss:.3f}")
-            while protocol.step < t.steps:
+            while protocol.step < last_step:
                 for group in optimizer.param_groups:
                     group["lr"] = inner_lr(protocol.step, recipe)
                 x, y = next(batches)
@@ -205,18 +234,18 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches,
                 if protocol.step % t.eval_every == 0:
                     record["val_loss"] = val_loss = evaluate(model, val)
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
-                    _save(protocol, opts, recipe)
+                    _save(protocol, opts, recipe, lineage)
                 log.write(**record)
             val_loss = evaluate(model, val)
             log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
                       bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
                       wall_s=time.perf_counter() - start, wait_s=protocol.wait_s)
-            _save(protocol, opts, recipe)
+            _save(protocol, opts, recipe, lineage)
     except DivergedError as e:
         opts.print_fn(f"[{opts.name}] stopped: {e}; the last good checkpoint is in {opts.out / 'checkpoint'}")
         raise
     except KeyboardInterrupt:
-        _save(protocol, opts, recipe)
+        _save(protocol, opts, recipe, lineage)
         opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in {opts.out / 'checkpoint'}")
         raise
     finally:

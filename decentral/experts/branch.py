@@ -1,0 +1,79 @@
+"""Where a model starts training: a checkpoint or an expert, with its step and lineage.
+
+Branch-train-merge (Li et al. 2022, arXiv 2208.03306, §3.1): an expert branches from the seed model
+with the seed's inner optimizer state and learning-rate schedule continued, so `decentral train
+--init-from` takes the weights, the inner optimizer state (when the start point has one) and the
+inner step from either
+- a `decentral train` checkpoint folder (`tensors.safetensors` + `meta.json`), or
+- an expert folder (`model.safetensors` + `expert.json`, optionally `optimizer.safetensors`).
+A new expert may also branch from a weighted average of existing experts (`decentral experts branch`
+with several parents): the average is an expert folder without optimizer state, so AdamW restarts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from decentral.checkpoint import CheckpointError, load_checkpoint
+from decentral.experts.registry import META_FILE, RegistryError, model_sha256, read_expert, verify_expert
+
+
+@dataclass
+class StartPoint:
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None  # a torch optimizer state_dict; None: the inner optimizer starts fresh
+    step: int  # the inner step training continues from (the LR schedule's position)
+    parent: str  # sha256 of the model's canonical safetensors bytes (decentral.experts.registry)
+    tokens: int  # tokens the start model has seen
+    model_config: dict[str, Any]
+    source: str
+
+
+def load_start_point(path: str | Path) -> StartPoint:
+    """Read a checkpoint folder or an expert folder (its hashes checked); RegistryError when it is neither
+    or is corrupt."""
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        expert = read_expert(path)
+        verify_expert(expert)
+        optimizer = None
+        if expert.optimizer_file is not None:
+            optimizer = optimizer_state_dict(load_file(expert.optimizer_file), expert.optimizer["param_groups"])
+        return StartPoint(load_file(expert.model_file), optimizer, expert.steps, expert.sha256, expert.tokens,
+                          expert.model, f"expert {expert.name!r} at {path}")
+    try:
+        tensors, meta = load_checkpoint(path)
+    except CheckpointError as e:
+        raise RegistryError(f"--init-from {path}: neither an expert folder nor a usable checkpoint ({e})") from None
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if not model or "recipe" not in meta:
+        raise RegistryError(f"--init-from {path}: not a `decentral train` checkpoint (no model tensors or recipe)")
+    optimizer = None
+    if "inner_optimizer" in meta:
+        optimizer = optimizer_state_dict({k: v for k, v in tensors.items() if k.startswith("inner.")},
+                                     meta["inner_optimizer"]["param_groups"])
+    return StartPoint(model, optimizer, int(meta["sync"]["step"]), model_sha256(model),
+                      int(meta.get("lineage", {}).get("tokens", 0)), meta["recipe"]["model"], f"checkpoint {path}")
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as flat named tensors: `inner.{param index}.{key}`."""
+    out = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"inner.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def optimizer_state_dict(tensors: dict[str, torch.Tensor], param_groups: list) -> dict[str, Any]:
+    """Inverse of `optimizer_tensors`, plus the param groups: a state dict for `load_state_dict`."""
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": param_groups}

@@ -1,0 +1,281 @@
+"""Branch-train-merge from the command line: train a seed on all domains, branch an expert per domain,
+keep them in a registry, share them through a swarm, and evaluate their ensemble.
+
+example (3 domains that exist on every machine, 800-step schedule, the seed takes half):
+  decentral experts seed --domain code --domain legal --domain manuals --steps 800
+  decentral experts branch code --from seed --domain code
+  decentral experts branch legal --from seed --domain legal
+  decentral experts branch manuals --from seed --domain manuals
+  decentral experts eval --experts code,legal,manuals --domain code --domain legal --domain manuals
+  decentral merge merges/linear.yaml --out runs/btm/experts/uniform
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, train_worker
+from decentral.config import parse_recipe
+from decentral.experts.registry import Registry, RegistryError
+
+DEFAULT_REGISTRY = "runs/btm/experts"
+MERGE_HELP = """Merge experts as a recipe (merges/*.yaml) says: linear, posterior, task_arithmetic, ties, dare,
+slerp, model_stock. Tensors stream one at a time from safetensors; the output is an expert folder,
+written to a temporary folder and renamed into place, so nothing is left half-written.
+
+example:
+  decentral merge merges/ties.yaml --out runs/btm/experts/ties
+  decentral experts eval --experts ties --domain code --domain legal --domain manuals"""
+
+
+def _registry_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", default=DEFAULT_REGISTRY, help=f"folder of experts (default: {DEFAULT_REGISTRY})")
+
+
+def _run_worker(recipe, args, name: str, domain: str | None, with_optimizer: bool, **overrides) -> int:
+    """Train, then add the final checkpoint to the registry as `name`."""
+    args.name = args.name or name
+    code = train_worker(recipe, args, **overrides)
+    if code != 0:
+        return code
+    expert = Registry(args.registry).add_checkpoint(Path(args.out) / "checkpoint", name, domain, with_optimizer)
+    print(f"experts: {expert.name} ({expert.sha256[:12]}, step {expert.steps}, {expert.tokens:,} tokens) is in "
+          f"{expert.folder}", flush=True)
+    return 0
+
+
+def cmd_seed(args) -> int:
+    if not args.domain or len(args.domain) < 2:
+        raise RegistryError("a seed trains on all domains: give two or more --domain")
+    if not 0 < args.share <= 1:
+        raise RegistryError(f"--share must be in (0, 1], got {args.share}")
+    recipe = _recipe(args)
+    stop_at = args.stop_at or max(1, round(args.share * recipe.train.steps))
+    args.out = args.out or f"runs/btm/{args.expert}"
+    print(f"experts: seed on {', '.join(args.domain)} (balanced) until step {stop_at} of a "
+          f"{recipe.train.steps}-step schedule", flush=True)
+    return _run_worker(recipe, args, args.expert, ",".join(args.domain), True, stop_at=stop_at)
+
+
+def cmd_branch(args) -> int:
+    registry = Registry(args.registry)
+    parents = [registry.get(name) for name in args.parent]
+    if not args.domain:
+        raise RegistryError("an expert trains on its own domain: give --domain")
+    recipe = _recipe(args)
+    first = parents[0]
+    if first.recipe:  # the model and the schedule follow the parent; protocol and swarm come from --protocol
+        inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")
+        recipe.model = inherited.model
+        recipe.train = dataclasses.replace(inherited.train, steps=args.steps or inherited.train.steps,
+                                           device=args.device or inherited.train.device)
+    else:
+        recipe.model = first.config()
+    args.out = args.out or f"runs/btm/{args.expert}"
+    if len(parents) == 1:
+        start = first.folder
+    else:
+        from decentral.experts.average import averaged_start
+
+        start = averaged_start(parents, args.domain, Path(args.out) / "init", registry)
+    print(f"experts: {args.expert} branches from {', '.join(p.name for p in parents)} and trains on "
+          f"{', '.join(args.domain)}", flush=True)
+    return _run_worker(recipe, args, args.expert, ",".join(args.domain), args.with_optimizer, init_from=start)
+
+
+def cmd_add(args) -> int:
+    expert = Registry(args.registry).add_checkpoint(args.checkpoint, args.name, args.domain_name, args.with_optimizer)
+    print(f"experts: {expert.name} ({expert.sha256[:12]}) is in {expert.folder}")
+    return 0
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _describe(expert, publishers: int | None = None) -> list[str]:
+    row = [expert.name, expert.domain or "-", expert.sha256[:12], f"{expert.size / 2**20:.1f} MiB",
+           str(expert.steps), f"{expert.tokens:,}", (expert.parent or "-")[:12],
+           expert.merge["method"] if expert.merge else ("+optimizer" if expert.optimizer else "")]
+    return row + ([str(publishers)] if publishers is not None else [])
+
+
+def _peer(args):
+    from decentral.swarm import SwarmPeer
+
+    return SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host)
+
+
+def cmd_list(args) -> int:
+    header = ["name", "domain", "sha256", "size", "steps", "tokens", "parent", "notes"]
+    if not args.join:
+        experts = Registry(args.registry).experts()
+        print(_table([header] + [_describe(e) for e in experts]) if experts else f"no experts in {args.registry}")
+        return 0
+    from decentral.experts.sharing import ExpertSharing
+
+    peer = _peer(args)
+    try:
+        found = ExpertSharing(peer, Registry(args.registry)).available()
+    finally:
+        peer.shutdown()
+    rows = [_describe(v.expert, len(v.peers)) for versions in found.values() for v in versions]
+    print(_table([header + ["publishers"]] + rows) if rows else "nobody in the swarm publishes experts")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from decentral.experts.sharing import ExpertSharing
+
+    registry = Registry(args.registry)
+    names = args.names or registry.names()
+    if not names:
+        raise RegistryError(f"no experts in {args.registry} to publish")
+    peer = _peer(args)
+    sharing = ExpertSharing(peer, registry)
+    try:
+        for expert in sharing.publish(names):
+            print(f"experts: publishing {expert.name} ({expert.sha256[:12]}, {expert.size / 2**20:.1f} MiB)")
+        print("experts: others fetch with:")
+        for maddr in peer.multiaddrs():
+            print(f"  decentral experts fetch {' '.join(names)} --join {maddr} --run {args.run}")
+        print("Ctrl-C to stop.", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    finally:
+        sharing.close()
+        peer.shutdown()
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from tqdm import tqdm
+
+    from decentral.experts.sharing import ExpertSharing
+
+    if not args.join:
+        raise RegistryError("fetch needs --join: the multiaddr of any peer of the swarm that publishes")
+    peer = _peer(args)
+    sharing = ExpertSharing(peer, Registry(args.registry))
+    try:
+        for name in args.names:
+            with tqdm(unit="B", unit_scale=True, desc=name, file=sys.stderr) as bar:
+                expert = sharing.fetch(name, sha256=args.sha256, with_optimizer=not args.no_optimizer, progress=bar.update)
+            print(f"experts: fetched {expert.name} ({expert.sha256[:12]}, hash checked) into {expert.folder}", flush=True)
+    finally:
+        sharing.close()
+        peer.shutdown()
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from decentral.data.domains import load_domains
+    from decentral.experts.ensemble import PriorCache
+    from decentral.experts.evaluate import EvalConfig, ensemble_report, format_report, score_experts
+
+    registry = Registry(args.registry)
+    names = args.experts.split(",") if args.experts else registry.names()
+    experts = [registry.get(name) for name in names]
+    if not experts:
+        raise RegistryError(f"no experts in {args.registry}")
+    if not args.domain:
+        raise RegistryError("give the domains to evaluate on with --domain")
+    domains = load_domains(args.domain)
+    config = EvalConfig(context=experts[0].config().context, test_batches=args.batches, mode=args.mode, top_k=args.top_k)
+    scores = score_experts(experts, domains, config,
+                           progress=lambda e: print(f"experts: scored {e.name}", file=sys.stderr, flush=True))
+    report = ensemble_report(experts, domains, scores, config, PriorCache(registry.root / "priors.json"))
+    print(format_report(report, experts))
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from decentral.merge import load_merge_recipe, merge
+
+    recipe = load_merge_recipe(args.recipe, registry=args.registry)
+    expert = merge(recipe, Path(args.out))
+    print(f"merge: {recipe.method} of {len(recipe.experts)} experts -> {expert.folder} ({expert.sha256[:12]})")
+    return 0
+
+
+def add_merge_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="a merge recipe (merges/*.yaml)")
+    p.add_argument("--out", required=True, help="the merged expert's folder (its name is the expert's name)")
+    p.add_argument("--registry", help="folder of experts that names in the recipe refer to (default: the recipe's)")
+    p.set_defaults(func=cmd_merge)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="experts_command", required=True)
+
+    def command(name: str, help: str, example: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    seed = command("seed", "train the seed model on all domains with balanced batches, for a share of the budget",
+                   "decentral experts seed --domain code --domain legal --domain manuals --steps 800 --share 0.5", cmd_seed)
+    seed.add_argument("--share", type=float, default=0.5, help="the seed's share of the schedule (default 0.5)")
+    seed.add_argument("--as", dest="expert", default="seed", help="its name in the registry (default: seed)")
+
+    branch = command("branch", "train an expert on its domain, starting from one expert or a posterior-weighted "
+                     "average of several", "decentral experts branch legal --from seed --domain legal", cmd_branch)
+    branch.add_argument("expert", help="the new expert's name in the registry")
+    branch.add_argument("--from", dest="parent", action="append", required=True, metavar="EXPERT",
+                        help="the parent expert; several: start from their average weighted by the new domain's "
+                             "posterior on its dev split")
+    branch.add_argument("--with-optimizer", action="store_true",
+                        help="keep the inner optimizer state in the registry (for experts others branch from)")
+    for p in (seed, branch):
+        p.add_argument("--protocol", default="local", help="how the model trains: local (alone, the default) or a "
+                       "swarm recipe (protocols/*.yaml) with --join")
+        p.add_argument("--out", help="the training run's folder (default: runs/btm/NAME)")
+        _registry_argument(p)
+        add_worker_arguments(p)
+        p.set_defaults(name=None)  # the name in logs: the expert's
+
+    add = command("add", "add a `decentral train` checkpoint to the registry",
+                  "decentral experts add runs/train/checkpoint --name code --domain-name code", cmd_add)
+    add.add_argument("checkpoint")
+    add.add_argument("--name", required=True)
+    add.add_argument("--domain-name", help="the domain it was trained on")
+    add.add_argument("--with-optimizer", action="store_true", help="keep the inner optimizer state too")
+    _registry_argument(add)
+
+    lister = command("list", "list the experts of the registry, or with --join those a swarm publishes",
+                     "decentral experts list --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...", cmd_list)
+    publish = command("publish", "publish experts of the registry to a swarm and serve them until Ctrl-C",
+                      "decentral experts publish code legal --host 0.0.0.0 --announce-host 203.0.113.5 --port 31337",
+                      cmd_publish)
+    publish.add_argument("names", nargs="*", help="experts to publish (default: all)")
+    fetch = command("fetch", "download experts a swarm publishes into the registry, checked against their sha256",
+                    "decentral experts fetch code legal --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...", cmd_fetch)
+    fetch.add_argument("names", nargs="+")
+    fetch.add_argument("--sha256", help="which version, when publishers disagree (a prefix is enough)")
+    fetch.add_argument("--no-optimizer", action="store_true", help="skip the inner optimizer state")
+    for p in (lister, publish, fetch):
+        _registry_argument(p)
+        add_network_arguments(p)
+        p.set_defaults(run="decentral")
+
+    evaluate = command("eval", "test perplexity of experts and their ensembles on each domain (priors from dev data)",
+                       "decentral experts eval --experts code,legal,manuals --domain code --domain legal --top-k 2",
+                       cmd_eval)
+    evaluate.add_argument("--experts", help="comma-separated names (default: every expert in the registry)")
+    evaluate.add_argument("--domain", action="append", metavar="NAME[=PATH]", help="a domain to evaluate on (repeatable)")
+    evaluate.add_argument("--mode", choices=("previous", "prefix"), default="previous",
+                          help="the posterior from the previous token (default) or the whole prefix")
+    evaluate.add_argument("--top-k", type=int, help="also report the ensemble of the k experts with the largest prior")
+    evaluate.add_argument("--batches", type=int, default=16, help="test batches per domain")
+    _registry_argument(evaluate)

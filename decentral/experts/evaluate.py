@@ -1,0 +1,108 @@
+"""Perplexity of experts and of their ensembles on each domain's test split, priors from its dev split.
+
+Every expert is loaded once, one at a time, and scores fixed batches of every domain
+(`score_experts`); the ensemble variants are then combinations of those scores (decentral.experts.
+ensemble): each expert alone, the mixtures with fixed uniform or prior weights, the argmax-prior
+expert, the posterior ensemble and its top-k. Perplexity is per token (a byte here): exp(mean negative log-likelihood).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decentral.data.domains import Domain
+from decentral.experts.ensemble import PriorCache, ensemble_nll, estimate_prior, score_batches, top_k_prior
+from decentral.experts.registry import Expert
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 16
+    context: int = 128
+    dev_batches: int = 8
+    test_batches: int = 16
+    mode: str = "previous"  # the posterior's form: previous or prefix (decentral.experts.ensemble)
+    top_k: int | None = None
+
+    def batches_key(self) -> str:
+        return f"{self.batch_size}x{self.context}x{self.dev_batches}"
+
+
+@dataclass
+class DomainScores:
+    dev: torch.Tensor  # (k, dev_batches, batch, context): log-likelihood of every dev target under each expert
+    test: torch.Tensor
+
+
+def score_experts(experts: Sequence[Expert], domains: Sequence[Domain], config: EvalConfig,
+                  progress=None) -> dict[str, DomainScores]:
+    """Every expert's log-likelihoods on every domain's dev and test batches; `progress(expert)` is called
+    after each expert."""
+    batches = {d.name: {split: d.eval_batches(split, batch_size=config.batch_size, context=config.context,
+                                              num_batches=getattr(config, f"{split}_batches"))
+                        for split in ("dev", "test")} for d in domains}
+    scores: dict[str, dict[str, list[torch.Tensor]]] = {d.name: {"dev": [], "test": []} for d in domains}
+    for expert in experts:
+        model = expert.load_model()
+        for name, splits in batches.items():
+            for split, data in splits.items():
+                scores[name][split].append(score_batches(model, data))
+        del model
+        if progress:
+            progress(expert)
+    return {name: DomainScores(torch.stack(s["dev"]), torch.stack(s["test"])) for name, s in scores.items()}
+
+
+def domain_prior(experts: Sequence[Expert], domain: Domain, scores: DomainScores, config: EvalConfig,
+                 cache: PriorCache | None = None) -> torch.Tensor:
+    """The domain's prior over `experts`, estimated on its dev split (cached when `cache` is given)."""
+    key = PriorCache.key([e.sha256 for e in experts], domain.dev.tobytes(), config.mode, config.batches_key())
+    cached = cache.get(key) if cache else None
+    if cached is not None and len(cached) == len(experts):
+        return torch.tensor(cached)
+    prior = estimate_prior(scores.dev, config.mode)
+    if cache:
+        cache.put(key, prior.tolist())
+    return prior
+
+
+def perplexity(nll: float) -> float:
+    return math.exp(nll)
+
+
+def ensemble_report(experts: Sequence[Expert], domains: Sequence[Domain], scores: dict[str, DomainScores],
+                    config: EvalConfig, cache: PriorCache | None = None) -> dict[str, dict]:
+    """Per domain: the prior, and the test perplexity of each expert alone and of each way to combine them."""
+    k = len(experts)
+    report = {}
+    for domain in domains:
+        test = scores[domain.name].test
+        prior = domain_prior(experts, domain, scores[domain.name], config, cache)
+        uniform = torch.full((k,), 1.0 / k)
+        best = torch.zeros(k)
+        best[int(prior.argmax())] = 1.0
+        rows = {f"expert {e.name}": perplexity(float(-test[j].mean())) for j, e in enumerate(experts)}
+        rows["uniform mixture"] = perplexity(ensemble_nll(test, uniform, config.mode, posterior=False))
+        rows["prior mixture"] = perplexity(ensemble_nll(test, prior, config.mode, posterior=False))
+        rows["argmax-prior expert"] = perplexity(ensemble_nll(test, best, config.mode, posterior=False))
+        rows["ensemble"] = perplexity(ensemble_nll(test, prior, config.mode))
+        if config.top_k and config.top_k < k:
+            rows[f"ensemble top-{config.top_k}"] = perplexity(ensemble_nll(test, top_k_prior(prior, config.top_k), config.mode))
+        report[domain.name] = {"prior": prior.tolist(), "perplexity": rows}
+    return report
+
+
+def format_report(report: dict[str, dict], experts: Sequence[Expert]) -> str:
+    """A text table: one row per method, one column per domain (test perplexity), then the priors."""
+    domains = list(report)
+    methods = list(next(iter(report.values()))["perplexity"]) if report else []
+    header = ["test perplexity"] + domains
+    rows = [header] + [[m] + [f"{report[d]['perplexity'][m]:.3f}" for d in domains] for m in methods]
+    rows += [[f"prior of {e.name}"] + [f"{report[d]['prior'][j]:.3f}" for d in domains] for j, e in enumerate(experts)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+                     for r in rows)

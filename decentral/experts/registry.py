@@ -1,0 +1,281 @@
+"""A registry of experts: a folder with one sub-folder per expert.
+
+An expert folder holds `model.safetensors` (the model's state dict, tensor names as in
+`decentral.models.GPT`), optionally `optimizer.safetensors` (the inner AdamW state, so an expert
+branched from it continues the optimizer as well as the weights), and `expert.json`:
+
+    {"format": 1, "name": "code", "domain": "code",
+     "model": {GPTConfig fields},          how to build the model that loads these tensors
+     "sha256": "...", "size": 1589136,    of model.safetensors: downloads and merges check it
+     "parent": "..." | null,              sha256 of the model it was branched from (the seed)
+     "start_step": 300, "steps": 600,     the step it branched at, and the step it reached
+     "tokens": 1228800,                   tokens this replica has seen, its ancestors' included
+     "recipe": {...} | null,              the training recipe, as `decentral train` ran it
+     "optimizer": {"sha256", "size", "param_groups"} | null,   of optimizer.safetensors
+     "merge": {...} | null}               for merged models: method, parameters, inputs
+
+A model's hash is the sha256 of its safetensors bytes as `safetensors.torch.save` writes them
+(sorted names, no metadata), so the same weights always have the same hash, whichever path
+(a training checkpoint, a merge, a download) produced them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import save as save_tensors
+
+from decentral.checkpoint import CheckpointError, load_checkpoint
+from decentral.models import GPT, GPTConfig
+
+FORMAT = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+META_FILE = "expert.json"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class RegistryError(ValueError):
+    """An expert or registry folder is missing, malformed or fails its checksum."""
+
+
+@dataclass
+class Expert:
+    """The metadata of one expert folder (`expert.json`), and where it lives."""
+
+    name: str
+    sha256: str
+    size: int
+    model: dict[str, Any]
+    domain: str | None = None
+    parent: str | None = None
+    start_step: int = 0
+    steps: int = 0
+    tokens: int = 0
+    recipe: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+    merge: dict[str, Any] | None = None
+    path: Path | None = field(default=None, compare=False)
+
+    @property
+    def model_file(self) -> Path:
+        return self.folder / MODEL_FILE
+
+    @property
+    def optimizer_file(self) -> Path | None:
+        return self.folder / OPTIMIZER_FILE if self.optimizer else None
+
+    def files(self) -> dict[str, tuple[str, int]]:
+        """{file name: (sha256, size)} of the files that make up this expert, expert.json aside."""
+        out = {MODEL_FILE: (self.sha256, self.size)}
+        if self.optimizer:
+            out[OPTIMIZER_FILE] = (self.optimizer["sha256"], self.optimizer["size"])
+        return out
+
+    @property
+    def folder(self) -> Path:
+        if self.path is None:
+            raise RegistryError(f"expert {self.name!r} has no folder (it is a remote record)")
+        return self.path
+
+    def to_json(self) -> dict[str, Any]:
+        meta = {k: v for k, v in asdict(self).items() if k != "path"}
+        return {"format": FORMAT, **meta}
+
+    def config(self) -> GPTConfig:
+        try:
+            return GPTConfig(**self.model)
+        except (TypeError, ValueError) as e:
+            raise RegistryError(f"expert {self.name!r}: bad model config {self.model}: {e}") from None
+
+    def load_model(self, device: torch.device | str = "cpu", verify: bool = False) -> GPT:
+        """Build the model from `model` and load the weights (checking the hash first when `verify`)."""
+        from safetensors.torch import load_file
+
+        if verify:
+            verify_expert(self)
+        model = GPT(self.config())
+        try:
+            model.load_state_dict(load_file(self.model_file))
+        except (RuntimeError, OSError) as e:
+            raise RegistryError(f"expert {self.name!r}: {self.model_file} does not fit its model config: {e}") from None
+        return model.to(device).eval()
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.match(name):
+        raise RegistryError(f"expert name {name!r} must be 1-64 letters, digits, '.', '_' or '-', not starting with a symbol")
+    return name
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """The canonical safetensors bytes of a model state dict (contiguous CPU copies, sorted names)."""
+    return save_tensors({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
+
+
+def model_sha256(state: dict[str, torch.Tensor]) -> str:
+    """The hash an expert folder holding `state` records: sha256 of `model_bytes(state)`."""
+    return hashlib.sha256(model_bytes(state)).hexdigest()
+
+
+def read_expert(folder: str | Path) -> Expert:
+    """The expert stored in `folder`; RegistryError naming the file when anything is missing or malformed."""
+    folder = Path(folder)
+    meta_path = folder / META_FILE
+    if not meta_path.is_file():
+        raise RegistryError(f"{folder} is not an expert folder: {META_FILE} is missing")
+    if not (folder / MODEL_FILE).is_file():
+        raise RegistryError(f"{folder} is not an expert folder: {MODEL_FILE} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RegistryError(f"{meta_path}: not valid JSON ({e})") from None
+    return expert_from_json(meta, str(meta_path), path=folder)
+
+
+def expert_from_json(meta: Any, where: str, path: Path | None = None) -> Expert:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise RegistryError(f"{where}: not a format-{FORMAT} expert record")
+    known = {f.name for f in fields(Expert)} - {"path"}
+    try:
+        expert = Expert(**{k: v for k, v in meta.items() if k in known}, path=path)
+    except TypeError as e:
+        raise RegistryError(f"{where}: {e}") from None
+    if not isinstance(expert.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", expert.sha256):
+        raise RegistryError(f"{where}: sha256 must be 64 hex digits")
+    if not isinstance(expert.model, dict):
+        raise RegistryError(f"{where}: model must be a mapping of GPTConfig fields")
+    if expert.optimizer is not None and not (
+        isinstance(expert.optimizer, dict) and {"sha256", "size", "param_groups"} <= set(expert.optimizer)
+    ):
+        raise RegistryError(f"{where}: optimizer must be null or have sha256, size and param_groups")
+    check_name(expert.name)
+    return expert
+
+
+def verify_expert(expert: Expert) -> None:
+    """Raise RegistryError unless each of the expert's files has its recorded size and sha256."""
+    for name, (sha256, size) in expert.files().items():
+        path = expert.folder / name
+        if not path.is_file() or path.stat().st_size != size or file_sha256(path) != sha256:
+            raise RegistryError(f"expert {expert.name!r}: {path} does not match its recorded sha256 (missing, corrupt or changed)")
+
+
+@contextlib.contextmanager
+def staging(folder: str | Path) -> Iterator[Path]:
+    """A temporary folder beside `folder` that replaces `folder` when the block ends without an error,
+    and is removed when it raises: whoever reads `folder` sees the old version or the whole new one."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:12]}"
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_meta(folder: Path, expert: Expert) -> None:
+    (folder / META_FILE).write_text(json.dumps(expert.to_json(), indent=1) + "\n")
+
+
+def write_expert(folder: str | Path, write_model, meta: Expert,
+                 optimizer: tuple[dict[str, torch.Tensor], list] | None = None) -> Expert:
+    """Create expert folder `folder` atomically (see `staging`): `write_model(path)` writes
+    model.safetensors, `optimizer` (inner optimizer tensors, param_groups) goes to
+    optimizer.safetensors, and their sizes and hashes are filled into `meta` before expert.json is
+    written. A failure leaves nothing behind."""
+    with staging(folder) as tmp:
+        write_model(tmp / MODEL_FILE)
+        meta.size = (tmp / MODEL_FILE).stat().st_size
+        meta.sha256 = file_sha256(tmp / MODEL_FILE)
+        if optimizer is not None:
+            tensors, param_groups = optimizer
+            (tmp / OPTIMIZER_FILE).write_bytes(model_bytes(tensors))
+            meta.optimizer = {"sha256": file_sha256(tmp / OPTIMIZER_FILE), "size": (tmp / OPTIMIZER_FILE).stat().st_size,
+                              "param_groups": param_groups}
+        write_meta(tmp, meta)
+    meta.path = Path(folder)
+    return meta
+
+
+def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: str, domain: str | None,
+                           with_optimizer: bool = False) -> Expert:
+    """Write the model of a `decentral train` checkpoint as an expert folder, with its lineage (and its
+    inner optimizer state when `with_optimizer`, for experts that others will branch from)."""
+    try:
+        tensors, meta = load_checkpoint(checkpoint)
+    except CheckpointError as e:
+        raise RegistryError(str(e)) from None
+    state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if not state or "recipe" not in meta:
+        raise RegistryError(f"{checkpoint} is not a `decentral train` checkpoint (no model tensors or recipe)")
+    lineage = meta.get("lineage", {})
+    data = model_bytes(state)
+    expert = Expert(
+        name=check_name(name), domain=domain, sha256="", size=0, model=meta["recipe"]["model"],
+        parent=lineage.get("parent"), start_step=int(lineage.get("start_step", 0)),
+        steps=int(meta["sync"]["step"]), tokens=int(lineage.get("tokens", 0)), recipe=meta["recipe"],
+    )
+    optimizer = None
+    if with_optimizer:
+        optimizer = ({k: v for k, v in tensors.items() if k.startswith("inner.")},
+                     meta["inner_optimizer"]["param_groups"])
+    return write_expert(folder, lambda path: path.write_bytes(data), expert, optimizer)
+
+
+class Registry:
+    """A folder of expert folders, one per name."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / META_FILE).is_file() and not p.name.startswith("."))
+
+    def experts(self) -> list[Expert]:
+        return [self.get(name) for name in self.names()]
+
+    def folder(self, name: str) -> Path:
+        return self.root / check_name(name)
+
+    def get(self, name: str) -> Expert:
+        folder = self.folder(name)
+        if not folder.is_dir():
+            known = ", ".join(self.names()) or "none"
+            raise RegistryError(f"no expert {name!r} in {self.root} (there: {known})")
+        expert = read_expert(folder)
+        if expert.name != name:
+            raise RegistryError(f"{folder / META_FILE} names expert {expert.name!r}, not {name!r}")
+        return expert
+
+    def add_checkpoint(self, checkpoint: str | Path, name: str, domain: str | None = None,
+                       with_optimizer: bool = False) -> Expert:
+        return expert_from_checkpoint(checkpoint, self.folder(name), name=name, domain=domain,
+                                      with_optimizer=with_optimizer)

@@ -1,0 +1,168 @@
+"""Publish experts to a swarm and fetch them from it: a DHT record per expert, files over direct streams.
+
+A publisher stores `experts` → `{name}/{peer id}` → the expert's `expert.json` record in the swarm's
+DHT (refreshed while it serves; gone within `RECORD_TTL_S` after it stops) and answers `expert`
+streams: a request names an expert and a file, the answer is the file in chunks. A fetcher reads the
+records, picks a publisher, downloads each file into a staging folder while hashing it, and installs
+the expert in its registry only when every file has the size and sha256 of the record; anything else
+(a publisher that died mid-transfer, bytes that do not match) leaves the registry as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from decentral.experts.registry import (
+    Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
+)
+from decentral.swarm.peer import SwarmPeer
+from decentral.swarm.wire import read_frame, write_frame
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL_S = 30.0
+CHUNK_BYTES = 1 << 20
+CHUNK_TIMEOUT_S = 30.0  # a publisher that sends nothing for this long is given up on
+
+
+@dataclass
+class Published:
+    """An expert as the swarm's records describe it, and who serves it."""
+
+    expert: Expert
+    peers: list[str]
+
+
+class ExpertSharing:
+    """Serve the experts of `registry` that we publish, and fetch others' into it, over `peer`."""
+
+    def __init__(self, peer: SwarmPeer, registry: Registry):
+        self.peer = peer
+        self.registry = registry
+        self._published: dict[str, Expert] = {}
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+        peer.add_handler("expert", self._serve)
+
+    # ----- publishing -----
+    def publish(self, names: list[str]) -> list[Expert]:
+        """Verify and announce these experts of our registry; keeps announcing them until `close`."""
+        experts = [self.registry.get(name) for name in names]
+        for expert in experts:
+            verify_expert(expert)
+            self._published[expert.name] = expert
+        self._announce()
+        if self._refresher is None:
+            self._refresher = threading.Thread(target=self._refresh, name="expert-records", daemon=True)
+            self._refresher.start()
+        return experts
+
+    def _announce(self) -> None:
+        for name, expert in list(self._published.items()):
+            self.peer.publish("experts", f"{name}/{self.peer.peer_id}", expert.to_json(), ttl=RECORD_TTL_S)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(RECORD_TTL_S / 3):
+            try:
+                self._announce()
+            except Exception as e:  # the next refresh may go through
+                log.warning("could not refresh expert records: %s", e)
+
+    async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S))
+        expert = self._published.get(str(request.get("name")))
+        name = request.get("file")
+        if expert is None or name not in expert.files():
+            await write_frame(writer, json.dumps({"ok": False}).encode(), self.peer.stats)
+            return
+        await write_frame(writer, json.dumps({"ok": True}).encode(), self.peer.stats)
+        loop = asyncio.get_running_loop()
+        with open(expert.folder / name, "rb") as f:
+            while chunk := await loop.run_in_executor(None, f.read, CHUNK_BYTES):
+                await write_frame(writer, chunk, self.peer.stats)
+        await write_frame(writer, b"", self.peer.stats)
+
+    # ----- finding and fetching -----
+    def available(self) -> dict[str, list[Published]]:
+        """What the swarm publishes now: {name: [one entry per distinct sha256, with its publishers]}."""
+        found: dict[str, dict[str, Published]] = {}
+        for subkey, record in self.peer.lookup("experts").items():
+            name, _, peer = subkey.rpartition("/")
+            try:
+                expert = expert_from_json(record, f"record {subkey}")
+            except RegistryError as e:
+                log.warning("ignoring a malformed expert record: %s", e)
+                continue
+            if expert.name != name:
+                continue
+            entry = found.setdefault(name, {}).setdefault(expert.sha256, Published(expert, []))
+            entry.peers.append(peer)
+        return {name: list(by_hash.values()) for name, by_hash in sorted(found.items())}
+
+    def fetch(self, name: str, *, sha256: str | None = None, with_optimizer: bool = True,
+              progress: Callable[[int], None] | None = None) -> Expert:
+        """Download expert `name` into our registry, checked against its record's hashes; returns it.
+
+        When publishers disagree on what `name` is, `sha256` picks one. Tries publishers in random order
+        until one delivers; RegistryError when none does."""
+        versions = self.available().get(name, [])
+        if sha256:
+            versions = [v for v in versions if v.expert.sha256.startswith(sha256)]
+        if not versions:
+            raise RegistryError(f"nobody in the swarm publishes expert {name!r}" + (f" with sha256 {sha256}" if sha256 else ""))
+        if len(versions) > 1:
+            hashes = ", ".join(v.expert.sha256[:12] for v in versions)
+            raise RegistryError(f"expert {name!r} is published with different contents ({hashes}): pick one with --sha256")
+        published = versions[0]
+        expert = published.expert
+        if not with_optimizer:
+            expert.optimizer = None
+        errors = []
+        for peer in random.sample(published.peers, len(published.peers)):
+            try:
+                with staging(self.registry.folder(name)) as tmp:
+                    for file, (digest, size) in expert.files().items():
+                        self.peer.call(self._download(peer, name, file, tmp / file, digest, size, progress)).result()
+                    write_meta(tmp, expert)
+                return self.registry.get(name)
+            except Exception as e:
+                errors.append(f"{peer[-8:]}: {e}")
+                log.warning("fetching %s from %s failed: %s", name, peer[-8:], e)
+        raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors))
+
+    async def _download(self, peer: str, name: str, file: str, path: Path, digest: str, size: int,
+                        progress: Callable[[int], None] | None) -> None:
+        reader, writer = await self.peer.open_stream(peer, "expert")
+        try:
+            await write_frame(writer, json.dumps({"name": name, "file": file}).encode(), self.peer.stats)
+            answer = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S))
+            if not answer.get("ok"):
+                raise RegistryError(f"the publisher no longer serves {name}/{file}")
+            hasher, received = hashlib.sha256(), 0
+            with open(path, "wb") as f:
+                while chunk := await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S):
+                    received += len(chunk)
+                    if received > size:
+                        raise RegistryError(f"{name}/{file}: the publisher sent more than the recorded {size} bytes")
+                    hasher.update(chunk)
+                    f.write(chunk)
+                    if progress:
+                        progress(len(chunk))
+        finally:
+            writer.close()
+        if received != size or hasher.hexdigest() != digest:
+            raise RegistryError(f"{name}/{file}: downloaded {received} bytes whose sha256 does not match the record")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=5)
+

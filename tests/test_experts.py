@@ -1,0 +1,123 @@
+"""Expert folders and the registry; seed → branch → train → ensemble through the real CLI."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_MODEL, TINY_TRAIN
+from decentral.checkpoint import load_checkpoint
+from decentral.data.domains import balanced_eval_batches, load_domains
+from decentral.experts.ensemble import ensemble_nll, estimate_prior, score_batches
+from decentral.experts.registry import (
+    Expert, Registry, RegistryError, model_bytes, model_sha256, read_expert, verify_expert, write_expert,
+)
+from decentral.models import GPT, GPTConfig
+
+import yaml
+
+
+def tiny_expert(folder, name="e", seed=0):
+    torch.manual_seed(seed)
+    config = GPTConfig(n_layer=1, n_head=2, d_model=16, context=16)
+    state = GPT(config).state_dict()
+    meta = Expert(name=name, sha256="", size=0, model=dataclasses.asdict(config), domain="d")
+    return write_expert(folder / name, lambda path: path.write_bytes(model_bytes(state)), meta), state
+
+
+def test_expert_folder_round_trip_and_hash(tmp_path):
+    expert, state = tiny_expert(tmp_path)
+    again = read_expert(tmp_path / "e")
+    assert again == expert and again.sha256 == model_sha256(state)
+    model = again.load_model(verify=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    data = bytearray((tmp_path / "e" / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "e" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RegistryError, match="does not match its recorded sha256"):
+        verify_expert(read_expert(tmp_path / "e"))
+
+
+def test_failed_write_leaves_nothing_and_bad_folders_are_clear(tmp_path):
+    tiny_expert(tmp_path)
+
+    def broken(path):
+        path.write_bytes(b"half")
+        raise OSError("disk full")
+
+    meta = Expert(name="e", sha256="", size=0, model={})
+    with pytest.raises(OSError):
+        write_expert(tmp_path / "e", broken, meta)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]  # the old expert stands, no temp folder is left
+    verify_expert(read_expert(tmp_path / "e"))
+    registry = Registry(tmp_path)
+    with pytest.raises(RegistryError, match="no expert 'nope'.*there: e"):
+        registry.get("nope")
+    with pytest.raises(RegistryError, match="name"):
+        registry.get("../e")
+    (tmp_path / "e" / "expert.json").write_text("{not json")
+    with pytest.raises(RegistryError, match="not valid JSON"):
+        registry.get("e")
+
+
+def run_cli(*args, cwd):
+    done = subprocess.run([sys.executable, "-m", "decentral.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_seed_branch_train_ensemble_end_to_end(tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
+                                      "train": {**TINY_TRAIN, "steps": 80, "eval_every": 20}}))
+    common = ["--protocol", str(recipe), "--registry", "reg"]
+    run_cli("experts", "seed", "--domain", "code", "--domain", "legal", "--share", "0.5", *common, cwd=tmp_path)
+    for name in ("code", "legal"):
+        run_cli("experts", "branch", name, "--from", "seed", "--domain", name, *common, cwd=tmp_path)
+
+    registry = Registry(tmp_path / "reg")
+    seed, code, legal = registry.get("seed"), registry.get("code"), registry.get("legal")
+    assert seed.steps == 40 and seed.optimizer is not None and seed.parent is None
+    for expert in (code, legal):
+        verify_expert(expert)
+        assert expert.parent == seed.sha256 and expert.start_step == 40 and expert.steps == 80
+        assert expert.tokens == 80 * TINY_TRAIN["batch_size"] * TINY_TRAIN["context"]
+    # the branch continued the seed's optimizer and schedule: AdamW has taken 80 steps, metrics start at 41
+    tensors, meta = load_checkpoint(tmp_path / "runs/btm/legal/checkpoint")
+    assert int(tensors["inner.0.step"]) == 80
+    records = [json.loads(line) for line in (tmp_path / "runs/btm/legal/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][0] == 41
+    assert meta["lineage"]["parent"] == seed.sha256
+    seed_model = load_file(seed.model_file)
+    assert not all(torch.equal(seed_model[k], v) for k, v in load_file(code.model_file).items())
+
+    # each expert is best on its own domain, and the ensemble beats the worse expert on a mixed dev set
+    domains = load_domains(["code", "legal"])
+    kw = dict(batch_size=8, context=TINY_MODEL["context"], num_batches=8)
+    models = [code.load_model(), legal.load_model()]
+    own = [[float(-score_batches(m, d.eval_batches("test", **kw)).mean()) for d in domains] for m in models]
+    assert own[0][0] < own[1][0] and own[1][1] < own[0][1], own
+    mixed = torch.stack([score_batches(m, balanced_eval_batches(domains, "dev", **kw)) for m in models])
+    alone = [float(-s.mean()) for s in mixed]
+    ensemble = ensemble_nll(mixed, estimate_prior(mixed))
+    assert ensemble < max(alone), (ensemble, alone)
+
+    out = run_cli("experts", "eval", "--experts", "code,legal", "--domain", "code", "--domain", "legal",
+                  "--registry", "reg", "--batches", "4", cwd=tmp_path)
+    assert "ensemble" in out and "prior of legal" in out
+    assert (tmp_path / "reg" / "priors.json").is_file()
+
+
+def test_init_from_refuses_a_different_model_and_a_finished_schedule(tmp_path):
+    expert, _ = tiny_expert(tmp_path)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
+                                      "train": {**TINY_TRAIN, "steps": 20}}))
+    done = subprocess.run([sys.executable, "-m", "decentral.cli", "train", "--protocol", str(recipe), "--init-from",
+                           str(expert.folder), "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "differs from the recipe" in done.stderr and "Traceback" not in done.stderr
