@@ -24,6 +24,8 @@ def _recipe(args):
     recipe = load_recipe(args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol))
     if getattr(args, "steps", None):
         recipe.train.steps = args.steps
+    if getattr(args, "batch_size", None):
+        recipe.train.batch_size = args.batch_size
     if getattr(args, "run", None):
         recipe.swarm.run = args.run
     if getattr(args, "timeout", None):
@@ -98,6 +100,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
     p.add_argument("--domain", action="append", metavar="NAME[=PATH]", help=DOMAIN_HELP)
     p.add_argument("--steps", type=int, help="inner steps: the LR schedule's length (default: the recipe's)")
+    p.add_argument("--batch-size", type=int, help="sequences per inner step (default: the recipe's)")
     p.add_argument("--stop-at", type=int, metavar="STEP", help="stop at this inner step (the LR schedule still "
                    "spans --steps); a later run continues with --resume or --init-from")
     p.add_argument("--timeout", type=float, help="seconds one average may take")
@@ -161,11 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
                            description=experts_cli.MERGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     experts_cli.add_merge_arguments(merge)
 
-    from decentral import bench, netlab, syncbench
+    from decentral import bench, btmbench, netlab, syncbench
 
-    bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links")
+    bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
+                                  "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
+    suites = bench_parser.add_subparsers(dest="suite", title="other benchmarks")
+    btm = suites.add_parser("btm", help="branch-train-merge against a dense model of equal compute",
+                            description=btmbench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    btmbench.add_arguments(btm)
+    from decentral.merge import bench as merge_bench
+
+    merge_parser = suites.add_parser("merge", help="merge time and peak memory against reading the inputs once",
+                                     description=merge_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    merge_bench.add_arguments(merge_parser)
 
     sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow")
     syncbench.add_arguments(sync_parser)
@@ -184,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.data import DataError
     from decentral.device import DeviceError
     from decentral.experts.registry import RegistryError
+    from decentral.merge import MergeError
     from decentral.swarm import SwarmError
 
     try:
         return args.func(args)
-    except (RecipeError, CheckpointError, DataError, DeviceError, RegistryError, SwarmError) as e:
+    except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

@@ -236,3 +236,46 @@ def test_routing_needs_no_sklearn_until_it_embeds(tmp_path, monkeypatch, corpus,
         loaded.weights(texts[:2])
     with pytest.raises(ImportError, match=r"pip install 'decentral\[cluster\]'"):
         fit_router(texts, 3)
+
+
+def test_routed_ensemble_weights_each_window_by_the_text_before_it(tmp_path):
+    """c-BTM evaluation: every test window is scored by the experts mixed with the router's weights
+    of the bytes just before it, found here by searching the stream for the window."""
+    import dataclasses
+
+    import torch
+
+    from decentral.data.domains import load_domain
+    from decentral.experts.evaluate import ROUTE_BYTES, EvalConfig, routed_report, score_experts
+    from decentral.experts.registry import Expert, model_bytes, write_expert
+    from decentral.models import GPT, GPTConfig
+
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(400)]  # windows are unique
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(120):
+        (folder / f"{i}.txt").write_text(" ".join(rng.choice(words[:200] if i % 2 else words[200:], 300)))
+    domain = load_domain(f"mixed={folder}", dev_fraction=0.2, test_fraction=0.2)
+    router, _ = fit_router([p.read_text() for p in sorted(folder.iterdir())], 2)
+    config = GPTConfig(n_layer=1, n_head=2, d_model=16, context=32)
+    experts = []
+    for j in range(2):
+        torch.manual_seed(j)
+        state = GPT(config).state_dict()
+        meta = Expert(name=f"c{j}", sha256="", size=0, model=dataclasses.asdict(config))
+        experts.append(write_expert(tmp_path / "reg" / f"c{j}", lambda p, s=state: p.write_bytes(model_bytes(s)), meta))
+    eval_config = EvalConfig(batch_size=4, context=32, test_batches=3)
+    scores = score_experts(experts, [domain], eval_config, splits=("test",))
+    report = routed_report(router, [domain], scores, eval_config)["mixed"]
+
+    stream = domain.test.tobytes()
+    batches = domain.eval_batches("test", batch_size=4, context=32, num_batches=3)
+    nll = []
+    for b, (x, _) in enumerate(batches):
+        for row in range(4):
+            start = stream.find(bytes(x[row].tolist()))
+            weights = router.weights([stream[max(0, start - ROUTE_BYTES):start].decode("utf-8", "replace")])[0]
+            mixture = sum(w * scores["mixed"].test[j, b, row].exp() for j, w in enumerate(weights))
+            nll.append(-mixture.log())
+    assert report["perplexity"] == pytest.approx(float(torch.stack(nll).mean().exp()), rel=1e-4)

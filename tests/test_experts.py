@@ -112,6 +112,29 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path):
     assert "ensemble" in out and "prior of legal" in out
     assert (tmp_path / "reg" / "priors.json").is_file()
 
+    # a merge recipe through the CLI
+    (tmp_path / "ties.yaml").write_text(yaml.safe_dump({"method": "ties", "registry": "reg", "base": "seed",
+                                                        "experts": ["code", "legal"]}))
+    run_cli("merge", "ties.yaml", "--out", "reg/ties", "--verify", cwd=tmp_path)
+    ties = registry.get("ties")
+    ties.load_model(verify=True)
+    assert ties.parent == seed.sha256 and [e["name"] for e in ties.merge["experts"]] == ["code", "legal"]
+
+    # a new expert branched from the average of two, weighted by its domain's posterior
+    run_cli("experts", "branch", "legal2", "--from", "code", "--from", "legal", "--domain", "legal", *common,
+            cwd=tmp_path)
+    start = read_expert(tmp_path / "runs/btm/legal2/init")
+    weights = {e["name"]: e["weight"] for e in start.merge["experts"]}
+    assert start.merge["method"] == "posterior" and weights["legal"] > weights["code"], weights
+    averaged = load_file(start.model_file)
+    code_state, legal_state = load_file(code.model_file), load_file(legal.model_file)
+    total = weights["code"] + weights["legal"]
+    for name, value in averaged.items():
+        expected = (weights["code"] * code_state[name] + weights["legal"] * legal_state[name]) / total
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    legal2 = registry.get("legal2")
+    assert (legal2.parent, legal2.start_step, legal2.steps) == (start.sha256, 40, 80)
+
 
 def test_init_from_refuses_a_different_model_and_a_finished_schedule(tmp_path):
     expert, _ = tiny_expert(tmp_path)

@@ -62,19 +62,22 @@ def train_batches(
     return batches()
 
 
+def eval_starts(n_tokens: int, *, context: int, count: int, seed: int = 1234) -> np.ndarray:
+    """Where `eval_batches`' `count` windows start: evenly spaced over the stream, `seed` picks the offset."""
+    span = n_tokens - context  # number of valid window starts
+    if span < 1:
+        raise DataError(f"{n_tokens} tokens are fewer than context + 1 = {context + 1}")
+    stride = span / count
+    offset = np.random.default_rng(seed).uniform(0, stride)
+    return np.minimum((offset + stride * np.arange(count)).astype(np.int64), span - 1)
+
+
 def eval_batches(
     tokens: np.ndarray, *, batch_size: int, context: int, num_batches: int, seed: int = 1234,
     device: torch.device | str = "cpu",
 ) -> list[Batch]:
-    """`num_batches` fixed batches of windows evenly spaced over `tokens`, on `device`; `seed` picks the
-    offset of the grid."""
-    span = len(tokens) - context  # number of valid window starts
-    if span < 1:
-        raise DataError(f"{len(tokens)} tokens are fewer than context + 1 = {context + 1}")
-    count = batch_size * num_batches
-    stride = span / count
-    offset = np.random.default_rng(seed).uniform(0, stride)
-    starts = np.minimum((offset + stride * np.arange(count)).astype(np.int64), span - 1)
+    """`num_batches` fixed batches of windows evenly spaced over `tokens`, on `device` (see `eval_starts`)."""
+    starts = eval_starts(len(tokens), context=context, count=batch_size * num_batches, seed=seed)
     return [_windows(tokens, part, context, device) for part in starts.reshape(num_batches, batch_size)]
 
 

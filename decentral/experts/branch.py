@@ -6,8 +6,10 @@ with the seed's inner optimizer state and learning-rate schedule continued, so `
 inner step from either
 - a `decentral train` checkpoint folder (`tensors.safetensors` + `meta.json`), or
 - an expert folder (`model.safetensors` + `expert.json`, optionally `optimizer.safetensors`).
-A new expert may also branch from a weighted average of existing experts (`decentral experts branch`
-with several parents): the average is an expert folder without optimizer state, so AdamW restarts.
+A new expert may also branch from a weighted average of existing experts (§3.1; `decentral experts
+branch` with several parents, `averaged_start`): θ = Σ_j π_j θ_j with π the new domain's prior over the
+parents on its dev split. The average is an expert folder without optimizer state (AdamW restarts), at
+the step the parents branched at, so the new expert gets the same share of the schedule as they did.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from decentral.checkpoint import CheckpointError, load_checkpoint
-from decentral.experts.registry import META_FILE, RegistryError, model_sha256, read_expert, verify_expert
+from decentral.experts.registry import (
+    META_FILE, Expert, RegistryError, model_sha256, read_expert, verify_expert, write_meta,
+)
 
 
 @dataclass
@@ -77,3 +81,16 @@ def optimizer_state_dict(tensors: dict[str, torch.Tensor], param_groups: list) -
         _, index, name = key.split(".", 2)
         state.setdefault(int(index), {})[name] = value
     return {"state": state, "param_groups": param_groups}
+
+
+def averaged_start(parents: list[Expert], domain: str, folder: Path) -> Expert:
+    """Write Σ_j π_j θ_j of `parents` to expert folder `folder` (the `posterior` merge: π is the new
+    `domain`'s prior over them, from its dev split), at the step the parents branched at."""
+    from decentral.merge import merge, parse_merge_recipe
+
+    recipe = parse_merge_recipe({"method": "posterior", "experts": [str(p.folder) for p in parents],
+                                 "parameters": {"domain": domain}}, "the branch's average")
+    expert = merge(recipe, folder, progress=False)
+    expert.steps = min(p.start_step for p in parents)
+    write_meta(folder, expert)
+    return expert

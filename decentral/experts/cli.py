@@ -25,8 +25,9 @@ from decentral.experts.registry import Registry, RegistryError
 
 DEFAULT_REGISTRY = "runs/btm/experts"
 MERGE_HELP = """Merge experts as a recipe (merges/*.yaml) says: linear, posterior, task_arithmetic, ties, dare,
-slerp, model_stock. Tensors stream one at a time from safetensors; the output is an expert folder,
-written to a temporary folder and renamed into place, so nothing is left half-written.
+slerp, model_stock. Tensors stream one at a time from safetensors, so memory holds a few tensors,
+not the models; the output is an expert folder, written to a temporary folder and renamed into
+place, so nothing is left half-written.
 
 example:
   decentral merge merges/ties.yaml --out runs/btm/experts/ties
@@ -73,6 +74,7 @@ def cmd_branch(args) -> int:
         inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")
         recipe.model = inherited.model
         recipe.train = dataclasses.replace(inherited.train, steps=args.steps or inherited.train.steps,
+                                           batch_size=args.batch_size or inherited.train.batch_size,
                                            device=args.device or inherited.train.device)
     else:
         recipe.model = first.config()
@@ -80,9 +82,15 @@ def cmd_branch(args) -> int:
     if len(parents) == 1:
         start = first.folder
     else:
-        from decentral.experts.average import averaged_start
+        from decentral.experts.branch import averaged_start
 
-        start = averaged_start(parents, args.domain, Path(args.out) / "init", registry)
+        if len(args.domain) != 1:
+            raise RegistryError("branching from several experts weights them by one new domain's posterior: "
+                                "give exactly one --domain")
+        average = averaged_start(parents, args.domain[0], Path(args.out) / "init")
+        print("experts: starts from the average weighted by the domain's posterior: " +
+              ", ".join(f"{e['name']} {e['weight']:.3f}" for e in average.merge["experts"]), flush=True)
+        start = average.folder
     print(f"experts: {args.expert} branches from {', '.join(p.name for p in parents)} and trains on "
           f"{', '.join(args.domain)}", flush=True)
     return _run_worker(recipe, args, args.expert, ",".join(args.domain), args.with_optimizer, init_from=start)
@@ -195,7 +203,37 @@ def cmd_eval(args) -> int:
     scores = score_experts(experts, domains, config,
                            progress=lambda e: print(f"experts: scored {e.name}", file=sys.stderr, flush=True))
     report = ensemble_report(experts, domains, scores, config, PriorCache(registry.root / "priors.json"))
+    if args.router:
+        from decentral.experts.clusters import Router
+        from decentral.experts.evaluate import routed_report
+
+        routed = routed_report(Router.load(args.router), domains, scores, config)
+        for name, row in routed.items():
+            report[name]["perplexity"]["c-BTM routed" + (f" top-{args.top_k}" if args.top_k else "")] = row["perplexity"]
     print(format_report(report, experts))
+    return 0
+
+
+def cmd_cluster(args) -> int:
+    from decentral.data.corpus import load_documents
+    from decentral.experts.clusters import fit_router
+
+    documents, source = load_documents(args.data, max_bytes=args.max_bytes)
+    if len(documents) < 2 * args.k:
+        raise RegistryError(f"{len(documents)} documents from {source} are too few for {args.k} clusters")
+    print(f"experts: clustering {len(documents)} documents from {source} into {args.k}", file=sys.stderr, flush=True)
+    router, assignment = fit_router([d.text.decode("utf-8", "replace") for d in documents], args.k, seed=args.seed)
+    out = Path(args.out)
+    for j in range(args.k):
+        (out / f"c{j}").mkdir(parents=True, exist_ok=True)
+    for document, cluster in zip(documents, assignment):
+        (out / f"c{cluster}" / f"{document.key[:16]}{document.path.suffix if document.path.suffix != '.gz' else ''}"
+         ).write_bytes(document.text)
+    router.save(out / "router.npz")
+    for j in range(args.k):
+        members = [d for d, c in zip(documents, assignment) if c == j]
+        print(f"c{j}: {len(members)} documents, {sum(len(d.text) for d in members) / 2**20:.1f} MiB, e.g. {members[0].path}")
+    print(f"experts: router in {out / 'router.npz'}; train one expert per cluster with --domain cJ={out}/cJ")
     return 0
 
 
@@ -203,6 +241,8 @@ def cmd_merge(args) -> int:
     from decentral.merge import load_merge_recipe, merge
 
     recipe = load_merge_recipe(args.recipe, registry=args.registry)
+    if args.verify:
+        recipe.verify = True
     expert = merge(recipe, Path(args.out))
     print(f"merge: {recipe.method} of {len(recipe.experts)} experts -> {expert.folder} ({expert.sha256[:12]})")
     return 0
@@ -212,6 +252,8 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="a merge recipe (merges/*.yaml)")
     p.add_argument("--out", required=True, help="the merged expert's folder (its name is the expert's name)")
     p.add_argument("--registry", help="folder of experts that names in the recipe refer to (default: the recipe's)")
+    p.add_argument("--verify", action="store_true", help="check every input's sha256 against its expert.json "
+                   "(as the recipe's `verify: true` does)")
     p.set_defaults(func=cmd_merge)
 
 
@@ -278,4 +320,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="the posterior from the previous token (default) or the whole prefix")
     evaluate.add_argument("--top-k", type=int, help="also report the ensemble of the k experts with the largest prior")
     evaluate.add_argument("--batches", type=int, default=16, help="test batches per domain")
+    evaluate.add_argument("--router", help="c-BTM: also route by this router (decentral experts cluster); --experts "
+                          "must then name one expert per cluster, in cluster order")
     _registry_argument(evaluate)
+
+    cluster = command("cluster", "c-BTM: cluster unlabelled documents (tf-idf, SVD, balanced k-means) into one folder "
+                      "per cluster, plus a router", "decentral experts cluster --data mytexts/ --k 4 --out runs/cbtm/clusters",
+                      cmd_cluster)
+    cluster.add_argument("--data", action="append", required=True, metavar="PATH", help="text files or folders")
+    cluster.add_argument("--k", type=int, required=True, help="number of clusters (experts)")
+    cluster.add_argument("--out", required=True, help="writes OUT/c0 ... OUT/c{k-1} and OUT/router.npz")
+    cluster.add_argument("--max-bytes", type=int, default=8_000_000, help="read at most this much text")
+    cluster.add_argument("--seed", type=int, default=0)

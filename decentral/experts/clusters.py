@@ -14,7 +14,8 @@ per cluster; at inference a context is routed to the experts by its distance to 
 - `Router.save` / `Router.load` use one `.npz` of plain arrays (no pickle).
 
 The hashing vectorizer is stateless, so a router holds only arrays: the idf weights, the SVD
-components of the hashed terms the fit saw (the others' are zero) and the centres. scikit-learn and scipy are optional dependencies of decentral
+components of the hashed terms the fit saw (the others' are zero) and the centres. scikit-learn
+and scipy are optional dependencies of decentral
 (`pip install 'decentral[cluster]'`); they are imported by the functions that need them.
 """
 

@@ -206,13 +206,13 @@ def write_meta(folder: Path, expert: Expert) -> None:
 def write_expert(folder: str | Path, write_model, meta: Expert,
                  optimizer: tuple[dict[str, torch.Tensor], list] | None = None) -> Expert:
     """Create expert folder `folder` atomically (see `staging`): `write_model(path)` writes
-    model.safetensors, `optimizer` (inner optimizer tensors, param_groups) goes to
-    optimizer.safetensors, and their sizes and hashes are filled into `meta` before expert.json is
-    written. A failure leaves nothing behind."""
+    model.safetensors (and may return its sha256, when it hashed the bytes as it wrote them),
+    `optimizer` (inner optimizer tensors, param_groups) goes to optimizer.safetensors, and their sizes
+    and hashes are filled into `meta` before expert.json is written. A failure leaves nothing behind."""
     with staging(folder) as tmp:
-        write_model(tmp / MODEL_FILE)
+        digest = write_model(tmp / MODEL_FILE)
         meta.size = (tmp / MODEL_FILE).stat().st_size
-        meta.sha256 = file_sha256(tmp / MODEL_FILE)
+        meta.sha256 = digest if isinstance(digest, str) else file_sha256(tmp / MODEL_FILE)
         if optimizer is not None:
             tensors, param_groups = optimizer
             (tmp / OPTIMIZER_FILE).write_bytes(model_bytes(tensors))

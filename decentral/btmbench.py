@@ -1,0 +1,258 @@
+"""`decentral bench btm`: branch-train-merge against a dense model of the same training compute.
+
+Compute is matched the way the BTM paper matches it (Li et al. 2022, §4: the dense model trains on
+all the GPUs, each expert on its share of them, for the same number of steps): with k training
+domains, b sequences per expert step and a schedule of S + B inner steps (ALGORITHMS.md §6), per seed
+- seed: S steps of k·b sequences, balanced over the k domains (`decentral experts seed`), the first
+  part of an (S + B)-step schedule;
+- experts: one per domain, from the seed's weights, optimizer state and step on to S + B with b
+  sequences of its domain a step (`decentral experts branch`);
+- dense: S + B steps of k·b sequences, balanced over all domains: k·b·(S + B) sequences, like the
+  seed and the k experts together;
+- no-seed experts: S + B steps of b sequences each on its domain from their own random start: the
+  same compute again, without the shared seed phase.
+Every model trains as its own `decentral train` process (`--jobs` at a time); each runs alone, as an
+expert would on its own machine. Then every model, ensemble and merge is scored on the test split of
+each training domain and of a held-out domain (priors from each domain's dev split): the BTM
+ensemble (previous-token posterior, the default, and full-prefix), the uniform mixture, the
+uniform parameter average, the posterior-weighted parameter average (weights = the domain's prior)
+and the same for the no-seed experts. Writes OUT/results.json and OUT/btm.png and prints the
+test perplexities, mean ± std over seeds, and the ratios the targets are about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from decentral.config import default_recipe_path, load_recipe
+from decentral.data.domains import load_domains
+from decentral.experts.ensemble import PriorCache, ensemble_nll
+from decentral.experts.evaluate import DomainScores, EvalConfig, domain_prior, perplexity, score_experts
+from decentral.experts.registry import Registry
+from decentral.merge import merge, parse_merge_recipe
+
+PLOTTED = ("dense", "BTM ensemble", "BTM ensemble (prefix)", "BTM posterior average", "BTM uniform average",
+           "no-seed ensemble", "no-seed uniform average")
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    cmd: list[str]
+    after: tuple[str, ...] = ()
+
+
+def run_jobs(jobs: list[Job], out: Path, parallel: int) -> dict[str, int]:
+    """Run `jobs` as subprocesses, at most `parallel` at once, each after the jobs it names; returns exit
+    codes (a job whose dependency failed is skipped, code None). Logs go to OUT/NAME.log."""
+    codes: dict[str, int | None] = {}
+    running: dict[str, subprocess.Popen] = {}
+    waiting = list(jobs)
+    while waiting or running:
+        for job in [j for j in waiting if all(codes.get(a) == 0 for a in j.after)][: parallel - len(running)]:
+            waiting.remove(job)
+            log = open(out / f"{job.name}.log", "w")
+            running[job.name] = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            print(f"bench btm: started {job.name}", flush=True)
+        for job in [j for j in waiting if any(a in codes and codes[a] != 0 for a in j.after)]:
+            waiting.remove(job)
+            codes[job.name] = None
+            print(f"bench btm: skipped {job.name} (a job it needs failed)", flush=True)
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                codes[name] = proc.returncode
+                del running[name]
+                print(f"bench btm: {name} {'done' if proc.returncode == 0 else f'FAILED ({proc.returncode}), see {out / name}.log'}",
+                      flush=True)
+        if running:
+            time.sleep(0.5)  # polling child processes
+    return codes
+
+
+def plan_seed(out: Path, seed: int, domains: list[str], seed_steps: int, branch_steps: int) -> list[Job]:
+    """The training jobs of one seed; the recipe is protocols/local.yaml with `train.seed = seed`, its
+    batch size b is each expert's and k·b the seed's and the dense model's."""
+    recipe = load_recipe(default_recipe_path("local")).to_dict()
+    recipe["train"].update(seed=seed, eval_every=100)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe_file = out / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    cli = [sys.executable, "-m", "decentral.cli"]
+    common = ["--protocol", str(recipe_file)]
+    each = [a for d in domains for a in ("--domain", d)]
+    registry = ["--registry", str(out / "experts")]
+    total = str(seed_steps + branch_steps)
+    batch, wide = recipe["train"]["batch_size"], str(len(domains) * recipe["train"]["batch_size"])
+    jobs = [Job("seed", cli + ["experts", "seed", *each, "--steps", total, "--share", str(seed_steps / int(total)),
+                              "--batch-size", wide, "--out", str(out / "seed"), *registry, *common]),
+            Job("dense", cli + ["train", *each, "--steps", total, "--batch-size", wide, "--out", str(out / "dense"),
+                                *common])]
+    jobs += [Job(f"expert-{d}", cli + ["experts", "branch", d, "--from", "seed", "--domain", d, "--batch-size",
+                                       str(batch), "--out", str(out / d), *registry, *common], after=("seed",))
+             for d in domains]
+    jobs += [Job(f"noseed-{d}", cli + ["train", "--domain", d, "--steps", total, "--out", str(out / f"noseed-{d}"),
+                                       *common]) for d in domains]
+    return jobs
+
+
+def _merged(registry: Registry, name: str, experts: list, method: str = "linear", **parameters):
+    recipe = parse_merge_recipe({"method": method, "experts": [str(e.folder) for e in experts],
+                                 "parameters": parameters}, f"the bench's {name}")
+    return merge(recipe, registry.folder(name), progress=False)
+
+
+def evaluate_seed(out: Path, train_domains: list[str], heldout: str, config: EvalConfig) -> dict[str, dict[str, float]]:
+    """{method: {domain: test perplexity}} for one seed's trained models."""
+    registry = Registry(out / "experts")
+    registry.add_checkpoint(out / "dense" / "checkpoint", "dense")
+    for d in train_domains:
+        registry.add_checkpoint(out / f"noseed-{d}" / "checkpoint", f"noseed-{d}", d)
+    domains = load_domains([*train_domains, heldout])
+    experts = [registry.get(d) for d in train_domains]
+    noseed = [registry.get(f"noseed-{d}") for d in train_domains]
+    k = len(experts)
+    merged = [_merged(registry, "uniform", experts), _merged(registry, "noseed-uniform", noseed)]
+    cache = PriorCache(registry.root / "priors.json")
+    models = [registry.get("dense"), *experts, *noseed, *merged]
+    scores = score_experts(models, domains, config)
+    prior_config = dataclasses.replace(config, mode="prefix")
+    rows: dict[str, dict[str, float]] = {}
+
+    def put(method: str, domain: str, value: float) -> None:
+        rows.setdefault(method, {})[domain] = value
+
+    posterior_models = []
+    for domain in domains:
+        s = scores[domain.name]
+        part = lambda lo, hi: DomainScores(s.dev[lo:hi], s.test[lo:hi])  # noqa: E731
+        btm, ns = part(1, 1 + k), part(1 + k, 1 + 2 * k)
+        prior = domain_prior(experts, domain, config, cache, btm)
+        prefix_prior = domain_prior(experts, domain, prior_config, cache, btm)
+        ns_prior = domain_prior(noseed, domain, config, cache, ns)
+        put("dense", domain.name, perplexity(float(-s.test[0].mean())))
+        for j, expert in enumerate(experts):
+            put(f"expert {expert.name}", domain.name, perplexity(float(-btm.test[j].mean())))
+        put("BTM ensemble", domain.name, perplexity(ensemble_nll(btm.test, prior, "previous")))
+        put("BTM ensemble (prefix)", domain.name, perplexity(ensemble_nll(btm.test, prefix_prior, "prefix")))
+        put("BTM uniform mixture", domain.name, perplexity(ensemble_nll(btm.test, torch.full((k,), 1 / k), posterior=False)))
+        put("BTM uniform average", domain.name, perplexity(float(-s.test[1 + 2 * k].mean())))
+        put("no-seed ensemble", domain.name, perplexity(ensemble_nll(ns.test, ns_prior, "previous")))
+        put("no-seed uniform average", domain.name, perplexity(float(-s.test[2 + 2 * k].mean())))
+        for label, mode in (("BTM posterior average", "previous"), ("BTM posterior average (prefix prior)", "prefix")):
+            posterior_models.append((label, domain, _merged(registry, f"posterior-{domain.name}-{mode}", experts,
+                                                            "posterior", domain=domain.name, mode=mode)))
+    for label, domain, model in posterior_models:
+        put(label, domain.name, perplexity(float(-score_experts([model], [domain], config)[domain.name].test.mean())))
+    return rows
+
+
+def aggregate(per_seed: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """{method: {domain: {"mean", "std", "values"}}} over seeds."""
+    out: dict[str, dict[str, dict]] = {}
+    for method in per_seed[0]:
+        for domain in per_seed[0][method]:
+            values = [rows[method][domain] for rows in per_seed]
+            out.setdefault(method, {})[domain] = {"mean": statistics.fmean(values), "values": values,
+                                                  "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+    return out
+
+
+def targets(summary: dict, train_domains: list[str]) -> dict[str, dict[str, float]]:
+    """The issue's ratios per domain: ensemble / dense (target ≤ 0.95 on every training domain) and
+    posterior average / uniform average (target < 1), on the means over seeds."""
+    mean = lambda method, d: summary[method][d]["mean"]  # noqa: E731
+    domains = list(summary["dense"])
+    return {
+        "ensemble / dense": {d: mean("BTM ensemble", d) / mean("dense", d) for d in domains},
+        "ensemble (prefix) / dense": {d: mean("BTM ensemble (prefix)", d) / mean("dense", d) for d in domains},
+        "posterior avg / uniform avg": {d: mean("BTM posterior average", d) / mean("BTM uniform average", d) for d in domains},
+        "no-seed uniform avg / BTM uniform avg": {d: mean("no-seed uniform average", d) / mean("BTM uniform average", d)
+                                                  for d in domains},
+    }
+
+
+def format_table(summary: dict, ratios: dict, heldout: str) -> str:
+    domains = list(summary["dense"])
+    header = ["test perplexity (mean ± std)"] + [f"{d} (held out)" if d == heldout else d for d in domains]
+    rows = [header] + [[m] + [f"{summary[m][d]['mean']:.3f} ± {summary[m][d]['std']:.3f}" for d in domains]
+                       for m in summary]
+    rows += [[name] + [f"{values[d]:.3f}" for d in domains] for name, values in ratios.items()]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
+def plot(summary: dict, heldout: str, out_png: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    domains = list(summary["dense"])
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / len(PLOTTED)
+    for i, method in enumerate(PLOTTED):
+        xs = [j + (i - (len(PLOTTED) - 1) / 2) * width for j in range(len(domains))]
+        ax.bar(xs, [summary[method][d]["mean"] for d in domains], width, yerr=[summary[method][d]["std"] for d in domains],
+               label=method, color=f"C{i}", capsize=2)
+    ax.set_xticks(range(len(domains)), [f"{d}\n(held out)" if d == heldout else d for d in domains])
+    ax.set_yscale("log")
+    ax.set_ylabel("test perplexity per byte (log scale)")
+    ax.set_title("branch-train-merge vs dense at equal training compute")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    fig.savefig(out_png, dpi=120)
+    return out_png
+
+
+def run_btm_bench(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    domains = args.domains.split(",")
+    start = time.monotonic()
+    per_seed = []
+    for seed in range(args.seeds):
+        seed_out = out / f"seed{seed}"
+        jobs = plan_seed(seed_out, seed, domains, args.seed_steps, args.branch_steps)
+        codes = run_jobs(jobs, seed_out, args.jobs)
+        if any(code != 0 for code in codes.values()):
+            print(f"bench btm: seed {seed} failed: {codes}", file=sys.stderr)
+            return 1
+        per_seed.append(evaluate_seed(seed_out, domains, args.heldout, EvalConfig(test_batches=args.test_batches)))
+        print(f"bench btm: seed {seed} evaluated ({time.monotonic() - start:.0f}s so far)", flush=True)
+    summary = aggregate(per_seed)
+    ratios = targets(summary, domains)
+    results = {
+        "date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {platform.processor() or ''}".strip(", "),
+        "command": " ".join(sys.argv), "domains": domains, "heldout": args.heldout, "seeds": args.seeds,
+        "seed_steps": args.seed_steps, "branch_steps": args.branch_steps, "wall_s": time.monotonic() - start,
+        "per_seed": per_seed, "summary": summary, "ratios": ratios,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(summary, args.heldout, out / "btm.png")
+    print(format_table(summary, ratios, args.heldout))
+    print(f"bench btm: {time.monotonic() - start:.0f}s; results {out / 'results.json'}, plot {out / 'btm.png'}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--domains", default="code,legal,manuals", help="training domains, comma-separated")
+    parser.add_argument("--heldout", default="changelogs", help="a domain no model trains on")
+    parser.add_argument("--seed-steps", type=int, default=300, help="S: the seed phase's inner steps")
+    parser.add_argument("--branch-steps", type=int, default=300, help="B: each expert's inner steps after the seed")
+    parser.add_argument("--seeds", type=int, default=3, help="repeat with this many seeds; tables show mean ± std")
+    parser.add_argument("--jobs", type=int, default=2, help="training processes at a time")
+    parser.add_argument("--test-batches", type=int, default=32, help="test batches (16 × 128 bytes) per domain")
+    parser.add_argument("--out", default="runs/bench-btm")
+    parser.set_defaults(func=run_btm_bench)
