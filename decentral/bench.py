@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from decentral.config import default_recipe_path, load_recipe
-from decentral.metrics import human_bytes, read_metrics
+from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import GPT
 from decentral.netlab import NetLab
 
@@ -212,7 +212,7 @@ def plot_bench(results: dict, out_png: Path) -> Path:
     return out_png
 
 
-def format_table(results: dict) -> str:
+def format_results(results: dict) -> str:
     rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "ddp_t_final", "speedup",
              "sent/worker", "sent/step")]
     for method, r in results["methods"].items():
@@ -223,8 +223,7 @@ def format_table(results: dict) -> str:
                      f(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
                      human_bytes(r["bytes_sent_per_worker"]),
                      human_bytes(r["bytes_sent_per_worker_per_step"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+    return format_table(rows, numeric=False)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -273,7 +272,7 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     compare(results, target_loss)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_bench(results, out / "bench.png")
-    print(format_table(results))
+    print(format_results(results))
     print(f"bench: target loss {results['config']['target_loss']}; results in {out / 'results.json'}, "
           f"plot {out / 'bench.png'}")
     return 0 if all(r["ok"] for r in results["methods"].values()) else 1

@@ -42,9 +42,12 @@ from decentral.experts.ensemble import PriorCache, ensemble_nll
 from decentral.experts.evaluate import DomainScores, EvalConfig, domain_prior, perplexity, score_experts
 from decentral.experts.registry import Registry
 from decentral.merge import merge, parse_merge_recipe
+from decentral.metrics import format_table
 
 PLOTTED = ("dense", "BTM ensemble", "BTM ensemble (prefix)", "BTM posterior average", "BTM uniform average",
            "no-seed ensemble", "no-seed uniform average")
+ROWS = ("dense", "expert", "BTM ensemble", "BTM ensemble (prefix)", "BTM prior mixture", "BTM uniform mixture",
+        "BTM posterior average", "BTM uniform average", "no-seed ensemble", "no-seed uniform average")  # table order
 
 
 @dataclasses.dataclass
@@ -128,7 +131,6 @@ def evaluate_seed(out: Path, train_domains: list[str], heldout: str, config: Eva
     cache = PriorCache(registry.root / "priors.json")
     models = [registry.get("dense"), *experts, *noseed, *merged]
     scores = score_experts(models, domains, config)
-    prior_config = dataclasses.replace(config, mode="prefix")
     rows: dict[str, dict[str, float]] = {}
 
     def put(method: str, domain: str, value: float) -> None:
@@ -140,23 +142,24 @@ def evaluate_seed(out: Path, train_domains: list[str], heldout: str, config: Eva
         part = lambda lo, hi: DomainScores(s.dev[lo:hi], s.test[lo:hi])  # noqa: E731
         btm, ns = part(1, 1 + k), part(1 + k, 1 + 2 * k)
         prior = domain_prior(experts, domain, config, cache, btm)
-        prefix_prior = domain_prior(experts, domain, prior_config, cache, btm)
         ns_prior = domain_prior(noseed, domain, config, cache, ns)
         put("dense", domain.name, perplexity(float(-s.test[0].mean())))
         for j, expert in enumerate(experts):
             put(f"expert {expert.name}", domain.name, perplexity(float(-btm.test[j].mean())))
         put("BTM ensemble", domain.name, perplexity(ensemble_nll(btm.test, prior, "previous")))
-        put("BTM ensemble (prefix)", domain.name, perplexity(ensemble_nll(btm.test, prefix_prior, "prefix")))
+        put("BTM ensemble (prefix)", domain.name, perplexity(ensemble_nll(btm.test, prior, "prefix")))
+        put("BTM prior mixture", domain.name, perplexity(ensemble_nll(btm.test, prior, posterior=False)))
         put("BTM uniform mixture", domain.name, perplexity(ensemble_nll(btm.test, torch.full((k,), 1 / k), posterior=False)))
         put("BTM uniform average", domain.name, perplexity(float(-s.test[1 + 2 * k].mean())))
         put("no-seed ensemble", domain.name, perplexity(ensemble_nll(ns.test, ns_prior, "previous")))
         put("no-seed uniform average", domain.name, perplexity(float(-s.test[2 + 2 * k].mean())))
-        for label, mode in (("BTM posterior average", "previous"), ("BTM posterior average (prefix prior)", "prefix")):
-            posterior_models.append((label, domain, _merged(registry, f"posterior-{domain.name}-{mode}", experts,
-                                                            "posterior", domain=domain.name, mode=mode)))
-    for label, domain, model in posterior_models:
-        put(label, domain.name, perplexity(float(-score_experts([model], [domain], config)[domain.name].test.mean())))
-    return rows
+        posterior_models.append((domain, _merged(registry, f"posterior-{domain.name}", experts, "posterior",
+                                                 domain=domain.name)))
+    for domain, model in posterior_models:
+        score = score_experts([model], [domain], config, splits=("test",))[domain.name]
+        put("BTM posterior average", domain.name, perplexity(float(-score.test.mean())))
+    return dict(sorted(rows.items(), key=lambda row: ROWS.index(row[0].split()[0] if row[0].startswith("expert ")
+                                                                 else row[0])))
 
 
 def aggregate(per_seed: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -184,15 +187,13 @@ def targets(summary: dict, train_domains: list[str]) -> dict[str, dict[str, floa
     }
 
 
-def format_table(summary: dict, ratios: dict, heldout: str) -> str:
+def format_results(summary: dict, ratios: dict, heldout: str) -> str:
     domains = list(summary["dense"])
     header = ["test perplexity (mean ± std)"] + [f"{d} (held out)" if d == heldout else d for d in domains]
     rows = [header] + [[m] + [f"{summary[m][d]['mean']:.3f} ± {summary[m][d]['std']:.3f}" for d in domains]
                        for m in summary]
     rows += [[name] + [f"{values[d]:.3f}" for d in domains] for name, values in ratios.items()]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    return format_table(rows)
 
 
 def plot(summary: dict, heldout: str, out_png: Path) -> Path:
@@ -217,6 +218,8 @@ def plot(summary: dict, heldout: str, out_png: Path) -> Path:
 
 
 def run_btm_bench(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(json.loads((Path(args.report) / "results.json").read_text()), Path(args.report))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     domains = args.domains.split(",")
@@ -240,19 +243,25 @@ def run_btm_bench(args: argparse.Namespace) -> int:
         "per_seed": per_seed, "summary": summary, "ratios": ratios,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(summary, args.heldout, out / "btm.png")
-    print(format_table(summary, ratios, args.heldout))
-    print(f"bench btm: {time.monotonic() - start:.0f}s; results {out / 'results.json'}, plot {out / 'btm.png'}")
+    return report(results, out)
+
+
+def report(results: dict, out: Path) -> int:
+    """Print the table and draw OUT/btm.png from a run's results."""
+    plot(results["summary"], results["heldout"], out / "btm.png")
+    print(format_results(results["summary"], results["ratios"], results["heldout"]))
+    print(f"bench btm: {results['wall_s']:.0f}s; results {out / 'results.json'}, plot {out / 'btm.png'}")
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domains", default="code,legal,manuals", help="training domains, comma-separated")
     parser.add_argument("--heldout", default="changelogs", help="a domain no model trains on")
-    parser.add_argument("--seed-steps", type=int, default=300, help="S: the seed phase's inner steps")
-    parser.add_argument("--branch-steps", type=int, default=300, help="B: each expert's inner steps after the seed")
+    parser.add_argument("--seed-steps", type=int, default=500, help="S: the seed phase's inner steps")
+    parser.add_argument("--branch-steps", type=int, default=500, help="B: each expert's inner steps after the seed")
     parser.add_argument("--seeds", type=int, default=3, help="repeat with this many seeds; tables show mean ± std")
     parser.add_argument("--jobs", type=int, default=2, help="training processes at a time")
     parser.add_argument("--test-batches", type=int, default=32, help="test batches (16 × 128 bytes) per domain")
     parser.add_argument("--out", default="runs/bench-btm")
+    parser.add_argument("--report", metavar="DIR", help="run nothing: redo the table and plot of DIR/results.json")
     parser.set_defaults(func=run_btm_bench)

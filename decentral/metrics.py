@@ -132,10 +132,16 @@ def format_summary(summary: dict[str, dict]) -> str:
         )
         for worker, s in summary.items()
     ]
-    widths = [max(len(row[col]) for row in rows) for col in range(len(header))]
+    return format_table(rows)
+
+
+def format_table(rows: list, numeric: bool = True) -> str:
+    """Rows of strings as aligned text columns: the first column left-aligned, the others right-aligned
+    (`numeric`) or left-aligned."""
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(cell.ljust(w) if col == 0 else cell.rjust(w) for col, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
+        "  ".join(cell.rjust(w) if col and numeric else cell.ljust(w) for col, (cell, w) in enumerate(zip(row, widths)))
+        .rstrip() for row in rows
     )
 
 

@@ -40,14 +40,15 @@ def test_prefix_posterior_and_prior_by_hand():
     assert fixed == pytest.approx(-sum(math.log(0.8 * a + 0.2 * b) for a, b in zip(P_A, P_B)) / 3, rel=1e-6)
 
 
-def test_estimate_prior_is_the_ema_of_last_position_posteriors():
+def test_estimate_prior_is_the_ema_of_whole_sequence_posteriors():
     batch = scores().expand(2, 2, 3)  # two sequences alike
     both = torch.stack([batch, batch], dim=1)  # (k, 2 batches, 2, 3)
-    # batch 1 under the uniform prior: last-position posterior (previous token) = [1/3, 2/3]
-    pi1 = 0.3 * torch.tensor([1 / 3, 2 / 3]) + 0.7 * torch.tensor([0.5, 0.5])
-    w = torch.tensor([pi1[0] * 0.25, pi1[1] * 0.5])
+    # each sequence's likelihood: A 0.5·0.25·0.5 = 1/16, B 0.25·0.5·0.125 = 1/64
+    # batch 1 under the uniform prior: posterior [0.8, 0.2]; π ← 0.3·q + 0.7·π
+    pi1 = 0.3 * torch.tensor([0.8, 0.2]) + 0.7 * torch.tensor([0.5, 0.5])
+    w = torch.tensor([pi1[0] / 16, pi1[1] / 64])
     pi2 = 0.3 * w / w.sum() + 0.7 * pi1
-    assert torch.allclose(estimate_prior(both, "previous"), pi2, atol=1e-6)
+    assert torch.allclose(estimate_prior(both), pi2, atol=1e-6)
 
 
 def test_log_space_survives_tiny_likelihoods():
@@ -88,10 +89,10 @@ def test_ensemble_module_agrees_with_scores_and_normalises():
 
 def test_prior_cache_round_trip(tmp_path):
     cache = PriorCache(tmp_path / "priors.json")
-    key = PriorCache.key(["a" * 64, "b" * 64], b"dev tokens", "previous", "16x128x8")
+    key = PriorCache.key(["a" * 64, "b" * 64], b"dev tokens", "16x128x8")
     assert cache.get(key) is None
     cache.put(key, [0.25, 0.75])
     assert PriorCache(tmp_path / "priors.json").get(key) == [0.25, 0.75]
-    assert key != PriorCache.key(["a" * 64, "b" * 64], b"other dev tokens", "previous", "16x128x8")
+    assert key != PriorCache.key(["a" * 64, "b" * 64], b"other dev tokens", "16x128x8")
     (tmp_path / "priors.json").write_text("{broken")
     assert cache.get(key) is None  # a damaged cache is recomputed, not trusted

@@ -1,11 +1,12 @@
 """Branch-train-merge from the command line: train a seed on all domains, branch an expert per domain,
 keep them in a registry, share them through a swarm, and evaluate their ensemble.
 
-example (3 domains that exist on every machine, 800-step schedule, the seed takes half):
-  decentral experts seed --domain code --domain legal --domain manuals --steps 800
-  decentral experts branch code --from seed --domain code
-  decentral experts branch legal --from seed --domain legal
-  decentral experts branch manuals --from seed --domain manuals
+example (3 domains that exist on every machine; the seed takes the first half of a 600-step
+schedule with batches of 48, each expert the second half with 16 of its own domain):
+  decentral experts seed --domain code --domain legal --domain manuals --steps 600 --batch-size 48
+  decentral experts branch code --from seed --domain code --batch-size 16
+  decentral experts branch legal --from seed --domain legal --batch-size 16
+  decentral experts branch manuals --from seed --domain manuals --batch-size 16
   decentral experts eval --experts code,legal,manuals --domain code --domain legal --domain manuals
   decentral merge merges/linear.yaml --out runs/btm/experts/uniform
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, train_worker
 from decentral.config import parse_recipe
+from decentral.metrics import format_table
 from decentral.experts.registry import Registry, RegistryError
 
 DEFAULT_REGISTRY = "runs/btm/experts"
@@ -102,11 +104,6 @@ def cmd_add(args) -> int:
     return 0
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
 def _describe(expert, publishers: int | None = None) -> list[str]:
     row = [expert.name, expert.domain or "-", expert.sha256[:12], f"{expert.size / 2**20:.1f} MiB",
            str(expert.steps), f"{expert.tokens:,}", (expert.parent or "-")[:12],
@@ -124,7 +121,7 @@ def cmd_list(args) -> int:
     header = ["name", "domain", "sha256", "size", "steps", "tokens", "parent", "notes"]
     if not args.join:
         experts = Registry(args.registry).experts()
-        print(_table([header] + [_describe(e) for e in experts]) if experts else f"no experts in {args.registry}")
+        print(format_table([header] + [_describe(e) for e in experts], numeric=False) if experts else f"no experts in {args.registry}")
         return 0
     from decentral.experts.sharing import ExpertSharing
 
@@ -134,7 +131,7 @@ def cmd_list(args) -> int:
     finally:
         peer.shutdown()
     rows = [_describe(v.expert, len(v.peers)) for versions in found.values() for v in versions]
-    print(_table([header + ["publishers"]] + rows) if rows else "nobody in the swarm publishes experts")
+    print(format_table([header + ["publishers"]] + rows, numeric=False) if rows else "nobody in the swarm publishes experts")
     return 0
 
 

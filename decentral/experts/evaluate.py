@@ -22,6 +22,7 @@ from decentral.experts.ensemble import (
     PriorCache, ensemble_nll, estimate_prior, mixture_scores, score_batches, top_k_prior,
 )
 from decentral.experts.registry import Expert
+from decentral.metrics import format_table
 
 
 @dataclass
@@ -30,7 +31,7 @@ class EvalConfig:
     context: int = 128
     dev_batches: int = 8
     test_batches: int = 16
-    mode: str = "previous"  # the posterior's form: previous or prefix (decentral.experts.ensemble)
+    mode: str = "previous"  # the test-time posterior's form: previous or prefix (decentral.experts.ensemble)
     top_k: int | None = None
 
     def batches_key(self) -> str:
@@ -71,13 +72,13 @@ def domain_prior(experts: Sequence[Expert], domain: Domain, config: EvalConfig, 
                  scores: DomainScores | None = None) -> torch.Tensor:
     """The domain's prior over `experts`, estimated on its dev split from `scores` (scored here when not
     given, and not at all when `cache` holds the estimate)."""
-    key = PriorCache.key([e.sha256 for e in experts], domain.dev.tobytes(), config.mode, config.batches_key())
+    key = PriorCache.key([e.sha256 for e in experts], domain.dev.tobytes(), config.batches_key())
     cached = cache.get(key) if cache else None
     if cached is not None and len(cached) == len(experts):
         return torch.tensor(cached)
     if scores is None:
         scores = score_experts(experts, [domain], config, splits=("dev",))[domain.name]
-    prior = estimate_prior(scores.dev, config.mode)
+    prior = estimate_prior(scores.dev)
     if cache:
         cache.put(key, prior.tolist())
     return prior
@@ -135,6 +136,4 @@ def format_report(report: dict[str, dict], experts: Sequence[Expert]) -> str:
     header = ["test perplexity"] + domains
     rows = [header] + [[m] + [f"{report[d]['perplexity'][m]:.3f}" for d in domains] for m in methods]
     rows += [[f"prior of {e.name}"] + [f"{report[d]['prior'][j]:.3f}" for d in domains] for j, e in enumerate(experts)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    return format_table(rows)
