@@ -78,6 +78,13 @@ def cmd_swarm_start(args) -> int:
     print(f"swarm {args.run!r} is up. Peers join with:")
     for maddr in peer.multiaddrs():
         print(f"  decentral train --join {maddr} --run {args.run} --protocol protocols/noloco.yaml")
+    serve_until_stopped()
+    peer.shutdown()
+    return 0
+
+
+def serve_until_stopped() -> None:
+    """Say how to stop, then block until Ctrl-C or SIGTERM."""
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -85,8 +92,6 @@ def cmd_swarm_start(args) -> int:
         stop.wait()
     except KeyboardInterrupt:
         pass
-    peer.shutdown()
-    return 0
 
 
 def cmd_demo(args) -> int:

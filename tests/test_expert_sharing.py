@@ -13,51 +13,42 @@ from test_experts import tiny_expert
 
 
 @pytest.fixture
-def two_peers():
+def sharing(tmp_path):
+    """(publisher, fetcher): ExpertSharing on two real swarm peers, with registries tmp/a and tmp/b."""
     run = f"experts-{os.getpid()}"
     first = SwarmPeer(run)
     second = SwarmPeer(run, first.multiaddrs())
-    yield first, second
-    second.shutdown()
-    first.shutdown()
+    publisher, fetcher = ExpertSharing(first, Registry(tmp_path / "a")), ExpertSharing(second, Registry(tmp_path / "b"))
+    yield publisher, fetcher
+    for side in (publisher, fetcher):
+        side.close()
+        side.peer.shutdown()
 
 
-def test_publish_on_one_peer_fetch_on_the_other(tmp_path, two_peers):
-    publisher_peer, fetcher_peer = two_peers
+def test_publish_on_one_peer_fetch_on_the_other(tmp_path, sharing):
+    publisher, fetcher = sharing
     expert, state = tiny_expert(tmp_path / "a", name="legal")
-    publisher = ExpertSharing(publisher_peer, Registry(tmp_path / "a"))
-    fetcher = ExpertSharing(fetcher_peer, Registry(tmp_path / "b"))
-    try:
-        publisher.publish(["legal"])
-        listed = fetcher.available()
-        assert list(listed) == ["legal"] and listed["legal"][0].peers == [publisher_peer.peer_id]
-        assert listed["legal"][0].expert.sha256 == expert.sha256
-        sizes = []
-        got = fetcher.fetch("legal", progress=sizes.append)
-        assert sum(sizes) == expert.size
-        verify_expert(got)
-        assert got.sha256 == expert.sha256 and got.folder == tmp_path / "b" / "legal"
-        assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
-        with pytest.raises(RegistryError, match="nobody in the swarm publishes expert 'code'"):
-            fetcher.fetch("code")
-    finally:
-        publisher.close()
-        fetcher.close()
+    publisher.publish(["legal"])
+    listed = fetcher.available()
+    assert list(listed) == ["legal"] and listed["legal"][0].peers == [publisher.peer.peer_id]
+    assert listed["legal"][0].expert.sha256 == expert.sha256
+    sizes = []
+    got = fetcher.fetch("legal", progress=sizes.append)
+    assert sum(sizes) == expert.size
+    verify_expert(got)
+    assert got.sha256 == expert.sha256 and got.folder == tmp_path / "b" / "legal"
+    assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
+    with pytest.raises(RegistryError, match="nobody in the swarm publishes expert 'code'"):
+        fetcher.fetch("code")
 
 
-def test_bytes_that_do_not_match_the_record_are_refused(tmp_path, two_peers):
-    publisher_peer, fetcher_peer = two_peers
+def test_bytes_that_do_not_match_the_record_are_refused(tmp_path, sharing):
+    publisher, fetcher = sharing
     expert, _ = tiny_expert(tmp_path / "a", name="code")
-    publisher = ExpertSharing(publisher_peer, Registry(tmp_path / "a"))
-    fetcher = ExpertSharing(fetcher_peer, Registry(tmp_path / "b"))
-    try:
-        publisher.publish(["code"])
-        data = bytearray(expert.model_file.read_bytes())
-        data[-1] ^= 0xFF  # the file changes under the publisher after it announced its hash
-        expert.model_file.write_bytes(bytes(data))
-        with pytest.raises(RegistryError, match="sha256 does not match the record"):
-            fetcher.fetch("code")
-        assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())  # nothing installed, no temp folder
-    finally:
-        publisher.close()
-        fetcher.close()
+    publisher.publish(["code"])
+    data = bytearray(expert.model_file.read_bytes())
+    data[-1] ^= 0xFF  # the file changes under the publisher after it announced its hash
+    expert.model_file.write_bytes(bytes(data))
+    with pytest.raises(RegistryError, match="sha256 does not match the record"):
+        fetcher.fetch("code")
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())  # nothing installed, no temp folder

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 import sys
-import threading
 from pathlib import Path
 
-from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, train_worker
+from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, serve_until_stopped, train_worker
 from decentral.config import parse_recipe
 from decentral.metrics import format_table
 from decentral.experts.registry import Registry, RegistryError
@@ -150,13 +148,7 @@ def cmd_publish(args) -> int:
         print("experts: others fetch with:")
         for maddr in peer.multiaddrs():
             print(f"  decentral experts fetch {' '.join(names)} --join {maddr} --run {args.run}")
-        print("Ctrl-C to stop.", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
+        serve_until_stopped()
     finally:
         sharing.close()
         peer.shutdown()
