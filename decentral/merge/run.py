@@ -171,15 +171,16 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
     """Stream the merged tensors into `path`; the output's sha256. With `recipe.verify`, check every
     input's sha256 on the way.
 
-    Each input is read into a buffer of its own, reused for every tensor (faulting in fresh pages
-    took 4x as long as reading cached file data into touched ones, measured). When verifying, an
-    input whose tensors the merge visits in file order, the usual case, is hashed from those same
-    buffers by a helper thread while the tensor is merged: the check covers exactly the bytes that
-    were merged, and every file is read once. Any other input's file is hashed again on that thread.
-    Only model.safetensors is checked, not an optimizer.safetensors beside it, which a merge does
-    not use. The arithmetic runs on one torch thread: it is memory-bound, and next to the hashing
-    thread two OpenMP threads made elementwise ops 3-6x slower than one on the 2-core machine this
-    was built on.
+    Three stages run on threads of their own and overlap (file reads, hashing and torch's arithmetic
+    all release the GIL): reading tensor i+1 of every input, merging tensor i, and hashing and
+    writing merged tensor i−1. Reads alternate between two sets of buffers, one buffer per input each,
+    reused for every tensor (faulting in fresh pages took 4x as long as reading cached file data into
+    touched ones, measured). When verifying, an input whose tensors the merge visits in file order,
+    the usual case, is hashed from those same buffers by a fourth thread while the tensor is merged:
+    the check covers exactly the bytes that were merged, and every file is read once. Any other
+    input's file is hashed again on that thread. Only model.safetensors is checked, not an
+    optimizer.safetensors beside it, which a merge does not use. The arithmetic runs on one torch
+    thread: it is memory-bound, and the other stages keep the second core busy.
     """
     base = inputs[0] if recipe.base else None
     experts = [i for i in inputs if i.role == "expert"]
@@ -187,33 +188,50 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
     order = write_order(specs)
     checked = inputs if recipe.verify else []
     streamed = {id(i): hashlib.sha256(i.reader.header) for i in checked if _in_file_order(i.reader, order)}
-    buffers = {id(i): torch.empty(max((t.nbytes for t in i.reader.tensors.values()), default=0), dtype=torch.uint8)
-               for i in inputs}
+    buffer_sets = [{id(i): torch.empty(max((t.nbytes for t in i.reader.tensors.values()), default=0),
+                                       dtype=torch.uint8) for i in inputs} for _ in range(2)]
+    owned = {b.untyped_storage().data_ptr() for buffers in buffer_sets for b in buffers.values()}
+    stages = {name: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"merge-{name}")
+              for name in ("read", "write", "verify")}
+
+    def read(name: str, buffers: dict) -> list[torch.Tensor]:
+        return [i.reader.get(name, buffers[id(i)]) for i in inputs]
+
     threads = torch.get_num_threads()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-verify")
     try:
         torch.set_num_threads(1)
-        rereads = {pool.submit(file_sha256, i.expert.model_file): i for i in checked if id(i) not in streamed}
+        rereads = {stages["verify"].submit(file_sha256, i.expert.model_file): i for i in checked if id(i) not in streamed}
         hashing: list[Future] = []
+        writing: Future | None = None
+        reading = stages["read"].submit(read, order[0], buffer_sets[0]) if order else None
         total = sum(DTYPES[code].itemsize * torch.Size(shape).numel() for code, shape in specs.values())
         with SafetensorsWriter(path, specs) as writer, \
                 tqdm(total=total, unit="B", unit_scale=True, desc=f"merge {recipe.method.name}",
                      disable=not progress) as bar:
-            for name in writer.order:
+            for index, name in enumerate(order):
                 _raise_if_corrupt(rereads, wait=False)
-                for future in hashing:  # the buffers are about to be overwritten
+                versions = reading.result()
+                buffers = buffer_sets[index % 2]
+                for future in hashing:  # the other buffer set is about to be refilled
                     future.result()
-                versions = [i.reader.get(name, buffers[id(i)]) for i in inputs]
-                hashing = [pool.submit(streamed[id(i)].update, buffers[id(i)][:i.reader.tensors[name].nbytes].numpy())
+                hashing = [stages["verify"].submit(streamed[id(i)].update,
+                                                   buffers[id(i)][:i.reader.tensors[name].nbytes].numpy())
                            for i in inputs if id(i) in streamed]
+                if index + 1 < len(order):
+                    reading = stages["read"].submit(read, order[index + 1], buffer_sets[(index + 1) % 2])
                 versions = [v.to(torch.float32) for v in versions]
                 base_tensor, tensors = (versions[0], versions[1:]) if base else (None, versions)
                 merged = recipe.method.merge(base_tensor, tensors, weights, name=name, **recipe.parameters)
                 _check_finite(name, merged, versions, inputs)
                 del versions, base_tensor, tensors
                 out = merged.to(DTYPES[specs[name][0]])
-                writer.write(name, out)
-                bar.update(out.nbytes)
+                if out.untyped_storage().data_ptr() in owned:  # a read buffer: refilled before it is written
+                    out = out.clone()
+                if writing is not None:
+                    writing.result()
+                writing = stages["write"].submit(_write, writer, bar, name, out)
+            if writing is not None:
+                writing.result()
             digest = writer.close()
         for future in hashing:
             future.result()
@@ -223,8 +241,14 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
         _raise_if_corrupt(rereads, wait=True)
         return digest
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        for stage in stages.values():  # a read may still be running on an input about to be closed
+            stage.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads)
+
+
+def _write(writer: SafetensorsWriter, bar: tqdm, name: str, tensor: torch.Tensor) -> None:
+    writer.write(name, tensor)
+    bar.update(tensor.nbytes)
 
 
 def _in_file_order(reader: SafetensorsReader, order: list[str]) -> bool:
