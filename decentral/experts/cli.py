@@ -233,7 +233,8 @@ def cmd_merge(args) -> int:
     if args.verify:
         recipe.verify = True
     expert = merge(recipe, Path(args.out))
-    print(f"merge: {recipe.method} of {len(recipe.experts)} experts -> {expert.folder} ({expert.sha256[:12]})")
+    weights = ", ".join(f"{e['name']} {e['weight']:.3g}" for e in expert.merge["experts"])
+    print(f"merge: {recipe.method.name} of {weights} -> {expert.folder} ({expert.sha256[:12]})")
     return 0
 
 
