@@ -49,7 +49,8 @@ class SwarmConfig:
     run: str = "decentral"
     timeout: float = 60.0  # the most one average may take, dead peers included
     wire_dtype: str = "float32"
-    max_norm_ratio: float = 100.0
+    max_norm_ratio: float = 4.0  # a part above this multiple of its chunk's lower-median norm is rejected
+    aggregation: str = "mean"  # or "trimmed": each coordinate without its extremes, in groups of 3+
     heartbeat_s: float = 2.0
 
 

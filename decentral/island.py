@@ -85,8 +85,8 @@ class IslandTransport:
     def set_progress(self, step: int, round: int) -> None:
         """Nothing to report: the collectives themselves keep the ranks in step."""
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
-        """Weighted mean of a flat tensor over all ranks: one all-reduce of [tensor * weight, weight].
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+        """Mean of a flat tensor over all ranks: one all-reduce of the sum, divided by the rank count.
 
         `group` must be all ranks (islands average over all ranks); `tag` is unused since collectives
         match by call order. Every rank must call it. The byte counters grow by the bandwidth-optimal
@@ -96,13 +96,13 @@ class IslandTransport:
         if set(group) != set(self._ids):
             raise ValueError(f"islands average over all ranks {self._ids}; got group {sorted(group)}")
         values = tensor.detach().reshape(-1).to(device=self._device or "cpu", dtype=torch.float32)
-        buffer = torch.cat([values * weight, values.new_tensor([weight])])
+        buffer = values.clone()
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
         k = self.world_size
         self._bytes += int(2 * (k - 1) / k * buffer.numel() * buffer.element_size())
-        mean = (buffer[:-1] / buffer[-1]).cpu()
+        mean = (buffer / k).cpu()
         if not bool(torch.isfinite(mean).all()):
-            raise RuntimeError(f"island average {tag!r} is not finite (total weight {float(buffer[-1])})")
+            raise RuntimeError(f"island average {tag!r} is not finite")
         return AverageResult(tensor=mean, group=list(self._ids), complete=True, contributors=k)
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -21,6 +21,7 @@ class AverageResult:
     complete: bool  # every part was averaged over the whole group
     contributors: int  # fewest peers that any part of `tensor` was averaged over (1 = only ourselves)
     rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was dropped
+    absent: list[str] = field(default_factory=list)  # members that sent nothing: gone, or left us out
 
 
 class Transport(Protocol):
@@ -41,8 +42,10 @@ class Transport(Protocol):
     def set_progress(self, step: int, round: int) -> None:
         """Report our progress to the others (heartbeat)."""
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
-        """Weighted mean of a flat tensor over `group`, within the transport's timeout."""
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+        """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
+        Weights are the protocol's to fix, never a member's to claim: in every round each member has done
+        the same number of inner steps."""
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Serve this snapshot of outer state to newcomers until the next offer."""
@@ -76,7 +79,7 @@ class SoloTransport:
     def set_progress(self, step: int, round: int) -> None:
         pass
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         return AverageResult(tensor=tensor.detach().float().reshape(-1).clone(), group=[self.peer_id], complete=True, contributors=1)
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

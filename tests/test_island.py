@@ -50,14 +50,14 @@ def run_island(fn, world_size: int) -> list:
                 p.kill()
 
 
-# ----- weighted average and its group check (one 3-rank island) -----
+# ----- average and its group check (one 3-rank island) -----
 
 def rank_values(rank: int) -> torch.Tensor:
     return torch.arange(5, dtype=torch.float32) * (rank + 1) - rank
 
 
 def _average(transport: IslandTransport, rank: int) -> dict:
-    result = transport.average(rank_values(rank), transport.members(0), "t", weight=float(rank + 1))
+    result = transport.average(rank_values(rank), transport.members(0), "t")
     try:
         transport.average(rank_values(rank), ["rank0", "rank1"], "subset")
         subset_error = None
@@ -73,10 +73,9 @@ def averaged() -> list[dict]:
     return run_island(_average, 3)
 
 
-def test_weighted_average_over_three_ranks(averaged):
-    weights = [1.0, 2.0, 3.0]
-    expected = sum(w * rank_values(r) for r, w in enumerate(weights)) / sum(weights)
-    ring_bytes = int(2 * 2 / 3 * (5 + 1) * 4)  # 5 values and the weight, fp32
+def test_average_over_three_ranks(averaged):
+    expected = sum(rank_values(r) for r in range(3)) / 3
+    ring_bytes = int(2 * 2 / 3 * 5 * 4)  # 5 values, fp32
     for out in averaged:
         torch.testing.assert_close(torch.tensor(out["mean"]), expected)
         assert out["group"] == out["members"] == ["rank0", "rank1", "rank2"]

@@ -1,14 +1,29 @@
 """Average one flat tensor within a group of peers: reduce-scatter, then all-gather, over direct streams.
 
 Peer j of the sorted group owns chunk j. Phase 1: every peer pushes chunk j of its tensor to peer j,
-which averages what arrived (weighted). Phase 2: peer j pushes its averaged chunk to everyone. Each
-peer sends 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce.
+which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyone. Each peer sends
+2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce. Every member counts once: weights
+are the protocol's to fix, not a sender's to claim.
 
-Nothing received is trusted: every part is checked (size, finite values, norm bound relative to our
-own part) and a bad part is dropped, never applied. A peer that is dead or late costs at most the
-round's timeout; where a chunk's average did not come back, our own values stand for that chunk and
-the result says it is incomplete. Phase 1 waits at most `timeout`; phase 2 ends by then too, or
-`timeout / 2` after phase 1 if that is later, so one average never takes longer than 1.5 × timeout.
+Nothing received is trusted:
+- a push's header is read first (at most 64 KiB), and its payload only when the element count it
+  announces fits what this peer averages (`max_part_numel`), and within `read_timeout`;
+- pushes from a peer without a live heartbeat are refused unread, and each sender has at most 16
+  tags waiting in the mailbox, so a flood from one peer never erases another's parts;
+- every part is checked: size, finite values, and a norm bound relative to the group: at most
+  `max_norm_ratio` times the lower median of the norms of the parts of that chunk (ours included;
+  for a pair, the smaller of the two). A part at −99× the honest update is far outside it;
+- `aggregation="trimmed"` drops the largest and smallest value of every coordinate in groups of 3
+  or more (a median for 3), so one member's values cannot move the result beyond the others' range;
+- a member whose part is rejected as malformed, non-finite or too large is excluded from every later
+  average of this peer (a warning says why): its pushes are refused and nobody waits for it.
+
+A peer that is dead or late costs at most the round's timeout, and a peer whose process is gone
+costs next to nothing: a push to it, or a probe (`ping`, every `probe_s` while we wait for it),
+ends at once with the stream closed, and we stop waiting for it (a probe that merely times out
+proves nothing on a congested link, so only a closed stream counts). Where a chunk's average did not
+come back, our own values stand for that chunk and the result says it is incomplete. Phase 1 waits
+at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1 if that is later.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -24,18 +39,28 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
-from decentral.transport import AverageResult
 from decentral.swarm.mailbox import Mailbox, Message
-from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import WIRE_DTYPES, WireError, read_frame, read_message, tensor_from_bytes, tensor_to_bytes, write_frame, write_message
+from decentral.swarm.peer import SwarmError, SwarmPeer
+from decentral.swarm.wire import (
+    WIRE_DTYPES, WireError, read_frame, read_header, tensor_from_bytes, tensor_to_bytes, wire_itemsize, write_frame,
+    write_message,
+)
+from decentral.transport import AverageResult
 
 log = logging.getLogger(__name__)
 
 _ACK = b"\x01"
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
+AGGREGATIONS = ("mean", "trimmed")
+DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
+
+
+class _Unreachable(Exception):
+    """The peer's end of a stream closed: its process is gone, or it refuses us."""
 
 
 def view_fingerprint(group: list[str]) -> str:
@@ -43,18 +68,34 @@ def view_fingerprint(group: list[str]) -> str:
     return hashlib.sha256(",".join(sorted(group)).encode()).hexdigest()[:16]
 
 
-def check_part(received: torch.Tensor, reference: torch.Tensor, max_norm_ratio: float) -> str | None:
-    """Why `received` may not stand in for `reference` (None when it may): size, finiteness, norm bound."""
+def check_part(received: torch.Tensor, reference: torch.Tensor, max_norm_ratio: float | None = None) -> str | None:
+    """Why `received` may not stand in for `reference` (None when it may): size, finiteness and, given
+    `max_norm_ratio`, a norm at most that many times the reference's (floored at 1e-3 per sqrt(element))."""
     if received.numel() != reference.numel():
         return f"wrong size: {received.numel()} elements, expected {reference.numel()}"
     if not bool(torch.isfinite(received).all()):
         return "non-finite values"
+    if max_norm_ratio is None:
+        return None
     floor = 1e-3 * math.sqrt(max(reference.numel(), 1))
     limit = max_norm_ratio * max(float(reference.norm()), floor)
     norm = float(received.norm())
     if norm > limit:
-        return f"norm {norm:.3g} exceeds the bound {limit:.3g} ({max_norm_ratio}x our own)"
+        return f"norm {norm:.3g} exceeds the bound {limit:.3g} ({max_norm_ratio}x the group's lower median)"
     return None
+
+
+def lower_median(values: list[torch.Tensor]) -> torch.Tensor:
+    """The part whose norm is the lower median of the parts' norms (the smaller of a pair)."""
+    return sorted(values, key=lambda t: float(t.norm()))[(len(values) - 1) // 2]
+
+
+def aggregate(parts: list[torch.Tensor], how: str) -> torch.Tensor:
+    """The mean of `parts`, or with "trimmed" and 3 or more, the mean of each coordinate without its
+    largest and smallest value."""
+    if how == "trimmed" and len(parts) >= 3:
+        return torch.stack(parts).sort(dim=0).values[1:-1].mean(dim=0)
+    return torch.stack(parts).mean(dim=0)
 
 
 def _quantize(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
@@ -63,32 +104,62 @@ def _quantize(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
 
 
 class GroupAverager:
-    """Serves the `push` stream of a peer and runs group averages on its event loop."""
+    """Serves the `push` and `ping` streams of a peer and runs group averages on its event loop.
 
-    def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 100.0):
+    `is_member(peer_id)` (blocking; run off the loop) says whether a pusher has a live heartbeat.
+    """
+
+    def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 4.0,
+                 aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
+                 read_timeout: float = 90.0, probe_s: float = 1.0):
         if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+            raise SwarmError(f"swarm.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+        if aggregation not in AGGREGATIONS:
+            raise SwarmError(f"swarm.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
         self.peer = peer
         self.wire_dtype = wire_dtype
         self.max_norm_ratio = max_norm_ratio
+        self.aggregation = aggregation
+        self.is_member = is_member
+        self.read_timeout = read_timeout
+        self.probe_s = probe_s
+        self.max_part_numel = DEFAULT_MAX_PART_NUMEL
+        self._sized = False  # whether max_part_numel comes from an average of our own yet
+        self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
         # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
         self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
         self._notices: set[asyncio.Task] = set()  # in flight; the loop keeps only weak references to tasks
         peer.add_handler("push", self._on_push)
+        peer.add_handler("ping", self._on_ping)
+
+    # ----- serving -----
+    async def _on_ping(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await write_frame(writer, _ACK, self.peer.stats)
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        header, payload = await read_message(reader, self.peer.stats)
+        if sender in self.banned:
+            return  # closing unread: the sender sees the stream end and stops waiting for us
+        if self.is_member is not None:
+            member = await asyncio.get_running_loop().run_in_executor(None, self.is_member, sender)
+            if not member:
+                log.info("refusing a push from %s: no live heartbeat in the swarm", sender[-8:])
+                return
         try:
-            tensor = tensor_from_bytes(payload, str(header.get("wire")))
-            tag, value, view = str(header["tag"]), float(header["value"]), str(header.get("view", ""))
-        except (WireError, KeyError, TypeError, ValueError) as e:
-            log.warning("dropping a malformed push from %s: %s", sender, e)
+            async with asyncio.timeout(self.read_timeout):
+                header = await read_header(reader, self.peer.stats)
+                tag, view, wire = str(header["tag"]), str(header.get("view", "")), str(header["wire"])
+                numel, count = int(header["numel"]), int(header.get("count", 1))
+                if not 0 <= numel <= self.max_part_numel:
+                    raise WireError(f"a part of {numel} elements (at most {self.max_part_numel} here)")
+                size = numel * wire_itemsize(wire)
+                payload = await read_frame(reader, self.peer.stats, size)
+                if len(payload) != size:
+                    raise WireError(f"payload of {len(payload)} bytes, the header announced {size}")
+        except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
+            log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
-        if not math.isfinite(value) or value <= 0:
-            log.warning("dropping a push from %s with weight %r", sender, value)
-            return
-        await self.mailbox.put(tag, Message(sender, value, tensor, view))
+        await self.mailbox.put(tag, Message(sender, float(count), tensor_from_bytes(payload, wire), view))
         await write_frame(writer, _ACK, self.peer.stats)
         self._notice_outsiders(tag.rpartition("/")[0])
 
@@ -101,7 +172,7 @@ class GroupAverager:
         pushed = self.mailbox.senders(f"{tag}/r") | self.mailbox.senders(f"{tag}/g")
         for outsider in pushed - group - told:
             told.add(outsider)
-            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), 1.0, deadline))
+            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), deadline))
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
 
@@ -110,28 +181,65 @@ class GroupAverager:
         while len(self._groups) > _REMEMBERED_VIEWS:
             self._groups.popitem(last=False)
 
-    async def _push(
-        self, target: str, tag: str, tensor: torch.Tensor, value: float, deadline: float, view: str = ""
-    ) -> bool:
-        """Deliver `tensor` with a positive scalar `value` (a weight, or a contributor count) to `target`."""
+    # ----- sending -----
+    async def _push(self, target: str, tag: str, tensor: torch.Tensor, deadline: float, view: str = "",
+                    count: int = 1) -> bool:
+        """Deliver `tensor` to `target`; False when it did not arrive. When `target`'s end closes (its
+        process is gone, or it refuses us), it will send us nothing for this average either: that is
+        noted as a notice under `tag`'s average, so nobody waits for it."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
                 reader, writer = await self.peer.open_stream(target, "push")
                 try:
-                    header = {"tag": tag, "value": value, "wire": self.wire_dtype, "view": view}
+                    header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(), "count": count}
                     await write_message(writer, header, tensor_to_bytes(tensor, self.wire_dtype), self.peer.stats)
-                    return await read_frame(reader, self.peer.stats) == _ACK
+                    if await read_frame(reader, self.peer.stats, 1) != _ACK:
+                        raise _Unreachable("no acknowledgement")
+                    return True
+                except (asyncio.IncompleteReadError, ConnectionError) as e:
+                    raise _Unreachable(repr(e)) from e
                 finally:
                     writer.close()
-        except Exception as e:  # dead, unreachable or too slow: the round goes on without it
+        except _Unreachable as e:
+            log.info("push %s to %s: its end closed (%s); not waiting for it", tag, target[-8:], e)
+            await self._gone(target, tag.rpartition("/")[0])
+        except Exception as e:  # unreachable or too slow: the round goes on without it
             log.info("push %s to %s failed: %r", tag, target[-8:], e)
-            return False
+        return False
 
-    async def average(
-        self, flat: torch.Tensor, group: list[str], tag: str, weight: float, timeout: float
-    ) -> AverageResult:
-        """Weighted mean of `flat` over `group` (sorted peer ids including ours). Never raises for peer failures."""
+    async def _gone(self, peer: str, tag: str) -> None:
+        """`peer` will send nothing for average `tag`."""
+        await self.mailbox.put(f"{tag}/x", Message(peer, 0.0, torch.empty(0)))
+
+    async def _probe(self, peers: list[str], tag: str) -> None:
+        """Until cancelled, ping each of `peers` every `probe_s`; one whose end closes is gone."""
+        async def ping(peer: str) -> None:
+            try:
+                reader, writer = await self.peer.open_stream(peer, "ping")
+                try:
+                    await read_frame(reader, self.peer.stats, 1)
+                finally:
+                    writer.close()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await self._gone(peer, tag)
+            except Exception as e:  # a timeout proves nothing on a congested link
+                log.debug("ping %s: %r", peer[-8:], e)
+
+        while True:
+            await asyncio.sleep(self.probe_s)
+            gone = self.mailbox.senders(f"{tag}/x")
+            await asyncio.gather(*(asyncio.wait_for(ping(p), self.probe_s * 2) for p in peers if p not in gone),
+                                 return_exceptions=True)
+
+    def _ban(self, peer: str, reason: str) -> None:
+        if peer not in self.banned:
+            log.warning("excluding %s from every later average: %s", peer, reason)
+            self.banned[peer] = reason
+
+    # ----- averaging -----
+    async def average(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
+        """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures."""
         me = self.peer.peer_id
         if me not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
@@ -139,12 +247,16 @@ class GroupAverager:
         view = view_fingerprint(group)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        own = list(torch.tensor_split(_quantize(flat.detach().float().reshape(-1).cpu(), self.wire_dtype), len(group)))
+        flat = flat.detach().float().reshape(-1).cpu()
+        self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
+        self._sized = True
+        own = list(torch.tensor_split(_quantize(flat, self.wire_dtype), len(group)))
         mine = group.index(me)
-        others = [p for p in group if p != me]
-        rejected: dict[str, str] = {}
+        others = [p for p in group if p != me and p not in self.banned]
+        rejected: dict[str, str] = {p: f"excluded: {self.banned[p]}" for p in group if p in self.banned}
         self._remember_group(tag, group, loop.time() + 1.5 * timeout)
         self._notice_outsiders(tag)  # outsiders whose pushes arrived before we started
+        probe = asyncio.ensure_future(self._probe(others, tag))
 
         def other_views(messages: dict[str, Message]) -> set[str]:
             """Senders that split by another member list: their parts are rejected, and they will not send
@@ -154,50 +266,53 @@ class GroupAverager:
                 rejected[p] = "averages over another member list (its view of the swarm differs from ours)"
             return split
 
-        # phase 1: reduce-scatter
-        sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], weight, deadline, view))
-                 for p in others]
-        received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
-        elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # those left us out
-        total, weights = own[mine] * weight, weight
-        for sender, msg in received.items():
-            if sender in elsewhere:
-                continue
-            reason = check_part(msg.tensor, own[mine], self.max_norm_ratio)
+        def accept(sender: str, reason: str | None) -> bool:
             if reason:
                 rejected[sender] = reason
-                continue
-            total += msg.tensor * msg.value
-            weights += msg.value
-        my_contributors = 1 + len(received) - len(rejected)
-        averaged_mine = _quantize(total / weights, self.wire_dtype)
+                self._ban(sender, reason)
+            return reason is None
 
-        # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
-        deadline = max(deadline, loop.time() + timeout / 2)
-        sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, my_contributors, deadline, view))
-                  for p in others if p not in elsewhere]
-        gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
-        elsewhere |= other_views(gathered)
-        parts, counts = list(own), [1] * len(group)
-        parts[mine], counts[mine] = averaged_mine, my_contributors
-        for sender, msg in gathered.items():
-            if sender in elsewhere:
-                continue
-            j = group.index(sender)
-            reason = check_part(msg.tensor, own[j], self.max_norm_ratio)
-            if reason:
-                rejected[sender] = reason
-                continue
-            parts[j], counts[j] = msg.tensor, int(msg.value)
-        await asyncio.gather(*sends)
+        try:
+            # phase 1: reduce-scatter
+            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], deadline, view))
+                     for p in others]
+            received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
+            elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
+            valid = {s: m.tensor for s, m in received.items()
+                     if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}
+            reference = lower_median([own[mine], *valid.values()])
+            parts = [own[mine]] + [t for s, t in valid.items()
+                                   if accept(s, check_part(t, reference, self.max_norm_ratio))]
+            averaged_mine = _quantize(aggregate(parts, self.aggregation), self.wire_dtype)
+            my_contributors = len(parts)
+
+            # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
+            deadline = max(deadline, loop.time() + timeout / 2)
+            sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, deadline, view, my_contributors))
+                      for p in others if p not in elsewhere]
+            gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
+            elsewhere |= other_views(gathered)
+            result, counts = list(own), [1] * len(group)
+            result[mine], counts[mine] = averaged_mine, my_contributors
+            for sender, msg in gathered.items():
+                if sender in elsewhere or sender in self.banned:
+                    continue
+                j = group.index(sender)
+                if accept(sender, check_part(msg.tensor, own[j], self.max_norm_ratio)):
+                    result[j], counts[j] = msg.tensor, min(max(int(msg.value), 1), len(group))
+            await asyncio.gather(*sends)
+        finally:
+            probe.cancel()
+        absent = sorted(self.mailbox.senders(f"{tag}/x") & set(group) - set(rejected))
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
         return AverageResult(
-            tensor=torch.cat(parts) if parts else flat.float().reshape(-1),
+            tensor=torch.cat(result) if result else flat,
             group=group,
             complete=min(counts) == len(group),
             contributors=min(counts),
             rejected=rejected,
+            absent=absent,
         )
 
 

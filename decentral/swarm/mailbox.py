@@ -1,8 +1,9 @@
 """Messages that peers pushed to us, waiting to be collected by tag.
 
 A sender never waits for the receiver to be ready: its message is kept here until the receiver asks
-for that tag, so two peers that reach a round at different times still meet. Lives on the swarm's
-event loop; not thread-safe.
+for that tag, so two peers that reach a round at different times still meet. Each sender has at most
+`per_sender` tags waiting; beyond that its own oldest is dropped, so a flood from one peer never
+erases another's messages. Lives on the swarm's event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -23,17 +24,28 @@ class Message:
 
 
 class Mailbox:
-    def __init__(self, max_tags: int = 256):
+    def __init__(self, per_sender: int = 16):
         self._messages: dict[str, dict[str, Message]] = defaultdict(dict)
+        self._by_sender: dict[str, list[str]] = defaultdict(list)  # the tags each sender has waiting, oldest first
         self._arrived = asyncio.Condition()
-        self._max_tags = max_tags
+        self._per_sender = per_sender
 
     async def put(self, tag: str, message: Message) -> None:
         async with self._arrived:
+            tags = self._by_sender[message.sender]
+            if tag not in self._messages or message.sender not in self._messages[tag]:
+                tags.append(tag)
             self._messages[tag][message.sender] = message
-            while len(self._messages) > self._max_tags:  # forget the oldest tags: senders nobody waits for
-                self._messages.pop(next(iter(self._messages)))
+            while len(tags) > self._per_sender:  # this sender's oldest: a round nobody collected
+                self._discard(tags.pop(0), message.sender)
             self._arrived.notify_all()
+
+    def _discard(self, tag: str, sender: str) -> None:
+        box = self._messages.get(tag)
+        if box is not None:
+            box.pop(sender, None)
+            if not box:
+                del self._messages[tag]
 
     def senders(self, tag: str) -> set[str]:
         """Who has a message waiting under `tag` (nothing is removed)."""
@@ -56,4 +68,9 @@ class Mailbox:
                 except asyncio.TimeoutError:
                     break
             box = self._messages.pop(tag, {})
+            for sender in box:
+                waiting = self._by_sender[sender]
+                waiting.remove(tag)
+                if not waiting:
+                    del self._by_sender[sender]
             return {s: m for s, m in box.items() if s in senders}

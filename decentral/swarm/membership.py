@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from decentral.swarm.peer import SwarmPeer
 
@@ -31,6 +32,8 @@ class Membership:
         self.expire_s = 3 * heartbeat_s if expire_s is None else expire_s
         self.round_ttl_s = round_ttl_s
         self._progress = {"step": 0, "round": 0}
+        self._known: tuple[float, set[str]] = (float("-inf"), set())  # (when looked up, peers alive then)
+        self._known_lock = threading.Lock()
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -55,6 +58,20 @@ class Membership:
         found = {p: info for p, info in self.peer.lookup("peers").items() if isinstance(info, dict) and not info.get("left")}
         found.setdefault(self.peer.peer_id, dict(self._progress))
         return found
+
+    def is_alive(self, peer_id: str, refresh_s: float = 1.0) -> bool:
+        """Whether `peer_id` has a live heartbeat. Answers from the last lookup, and looks again (at most
+        once every `refresh_s`) only for a peer it did not list, so a flood of strangers costs one DHT
+        lookup a second. Blocking: call it off the event loop."""
+        with self._known_lock:
+            when, known = self._known
+            if peer_id in known:
+                return True
+            if time.monotonic() - when < refresh_s:
+                return False
+            known = set(self.alive())
+            self._known = (time.monotonic(), known)
+            return peer_id in known
 
     def announce(self, round: int) -> None:
         """Declare that this peer will take part in outer round `round`."""

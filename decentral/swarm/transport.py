@@ -25,7 +25,10 @@ class SwarmTransport:
     timeout: how long an average waits for late or dead peers (it takes at most 1.5x this); also how long
         a peer's heartbeat stays valid (at least 3 heartbeats), so a dead peer leaves every view within it.
     wire_dtype: precision of tensors on the wire (float32, float16, bfloat16).
-    max_norm_ratio: a received part whose norm exceeds this multiple of our own is rejected.
+    max_norm_ratio: a received part whose norm exceeds this multiple of the lower median of its chunk's
+        parts (ours included) is rejected, and its sender excluded from our later averages.
+    aggregation: "mean", or "trimmed" (each coordinate without its largest and smallest value, in groups
+        of 3 or more).
     """
 
     def __init__(
@@ -38,16 +41,19 @@ class SwarmTransport:
         announce_host: str | None = None,
         timeout: float = 60.0,
         wire_dtype: str = "float32",
-        max_norm_ratio: float = 100.0,
+        max_norm_ratio: float = 4.0,
+        aggregation: str = "mean",
         heartbeat_s: float = 2.0,
         lookahead: int = 2,
     ):
         self.timeout = timeout
         self.lookahead = lookahead
         self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host)
-        self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio)
-        self.state = StateExchange(self.peer)
         self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
+        self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio,
+                                      aggregation=aggregation, is_member=self.membership.is_alive,
+                                      read_timeout=1.5 * timeout)
+        self.state = StateExchange(self.peer)
 
     @property
     def peer_id(self) -> str:
@@ -75,9 +81,9 @@ class SwarmTransport:
     def set_progress(self, step: int, round: int) -> None:
         self.membership.set_progress(step, round)
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, weight: float = 1.0) -> AverageResult:
-        """Blocking weighted mean of a flat tensor over `group`; see GroupAverager.average."""
-        return self.peer.call(self.averager.average(tensor, group, tag, weight, self.timeout)).result()
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+        """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
+        return self.peer.call(self.averager.average(tensor, group, tag, self.timeout)).result()
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         self.state.offer(meta, tensors)

@@ -17,6 +17,7 @@ import torch
 
 _LEN_BYTES = 8
 MAX_FRAME = 1 << 34  # 16 GiB: anything larger is a corrupt length, not a model
+MAX_HEADER = 1 << 16  # a JSON header frame; checked before anything is allocated
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -80,10 +81,11 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview, st
     stats.add(sent=_LEN_BYTES + len(data))
 
 
-async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME) -> bytes:
+    """One frame; WireError before anything is allocated when it announces more than `max_bytes`."""
     length = int.from_bytes(await reader.readexactly(_LEN_BYTES), "big")
-    if length > MAX_FRAME:
-        raise WireError(f"frame length {length} exceeds the {MAX_FRAME}-byte limit")
+    if length > max_bytes:
+        raise WireError(f"frame length {length} exceeds the {max_bytes}-byte limit")
     data = await reader.readexactly(length)
     stats.add(received=_LEN_BYTES + length)
     return data
@@ -95,12 +97,17 @@ def tensor_to_bytes(tensor: torch.Tensor, wire_dtype: str) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(data: bytes, wire_dtype: str) -> torch.Tensor:
-    """Inverse of `tensor_to_bytes`; returns a flat float32 tensor. Raises WireError on a bad size or dtype."""
+def wire_itemsize(wire_dtype: str) -> int:
+    """Bytes per element of `wire_dtype`; WireError for an unknown dtype."""
     if wire_dtype not in WIRE_DTYPES:
         raise WireError(f"unknown wire dtype {wire_dtype!r}")
+    return torch.empty((), dtype=WIRE_DTYPES[wire_dtype]).element_size()
+
+
+def tensor_from_bytes(data: bytes, wire_dtype: str) -> torch.Tensor:
+    """Inverse of `tensor_to_bytes`; returns a flat float32 tensor. Raises WireError on a bad size or dtype."""
+    itemsize = wire_itemsize(wire_dtype)
     dtype = WIRE_DTYPES[wire_dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
     if len(data) % itemsize:
         raise WireError(f"payload of {len(data)} bytes is not a whole number of {wire_dtype} elements")
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -112,13 +119,19 @@ async def write_message(writer: asyncio.StreamWriter, header: dict, payload: byt
     await write_frame(writer, payload, stats)
 
 
-async def read_message(reader: asyncio.StreamReader, stats: TrafficStats) -> tuple[dict, bytes]:
-    raw_header = await read_frame(reader, stats)
+async def read_header(reader: asyncio.StreamReader, stats: TrafficStats) -> dict:
+    """A JSON-object header frame of at most MAX_HEADER bytes; WireError otherwise."""
+    raw_header = await read_frame(reader, stats, MAX_HEADER)
     try:
         header = json.loads(raw_header)
     except ValueError as e:
         raise WireError(f"message header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise WireError("message header is not a JSON object")
-    payload = await read_frame(reader, stats)
-    return header, payload
+    return header
+
+
+async def read_message(reader: asyncio.StreamReader, stats: TrafficStats, max_payload: int = MAX_FRAME
+                       ) -> tuple[dict, bytes]:
+    header = await read_header(reader, stats)
+    return header, await read_frame(reader, stats, max_payload)

@@ -104,9 +104,9 @@ class SyncProtocol:
         self.step, self.round = int(meta["step"]), int(meta["round"])
 
     # ----- helpers -----
-    def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str, weight: float = 1.0):
+    def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str):
         start = time.perf_counter()
-        result = self.transport.average(flat, group, tag, weight)
+        result = self.transport.average(flat, group, tag)
         waited = time.perf_counter() - start
         self.wait_s += waited
         return result, waited
@@ -183,7 +183,7 @@ class OuterProtocol(SyncProtocol):
         fast = self._fast_vector()
         if not bool(torch.isfinite(fast).all()):
             raise DivergedError(f"non-finite weights after inner step {self.step}; not syncing them")
-        report = self.outer_step(fast, weight=float(self.step - self._round_start))
+        report = self.outer_step(fast)
         self.round += 1
         self._round_start = self.step
         self._load_fast(self.slow)
@@ -191,7 +191,7 @@ class OuterProtocol(SyncProtocol):
         self.transport.join_rounds(self.round + 1)
         return report
 
-    def outer_step(self, fast: torch.Tensor, weight: float) -> SyncReport:
+    def outer_step(self, fast: torch.Tensor) -> SyncReport:
         """Update self.slow (and outer state) from our fast weights and the peers'; one round."""
         raise NotImplementedError
 

@@ -2,7 +2,7 @@
 
 Every H inner steps (ALGORITHMS.md §1):
     g_i = φ − θ_i                          outer gradient: slow minus fast
-    g   = Σ w_i g_i / Σ w_i                average over all members of the round (w_i = inner steps)
+    g   = mean_i g_i                       average over all members of the round (each did H inner steps)
     φ  ← SGD(lr, momentum, nesterov)(φ, g) a positive lr moves φ towards the workers' progress
     θ_i ← φ
 Inner optimizer states are never averaged.
@@ -38,9 +38,9 @@ class DiLoCo(OuterProtocol):
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum}
 
-    def outer_step(self, fast: torch.Tensor, weight: float) -> SyncReport:
+    def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
-        result, waited = self._timed_average(self.slow - fast, group, f"diloco/{self.round}", weight)
+        result, waited = self._timed_average(self.slow - fast, group, f"diloco/{self.round}")
         self.slow = nesterov_sgd_step(
             self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov
         )

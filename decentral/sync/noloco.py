@@ -44,7 +44,7 @@ class NoLoCo(OuterProtocol):
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"delta": self.delta}
 
-    def outer_step(self, fast: torch.Tensor, weight: float) -> SyncReport:
+    def outer_step(self, fast: torch.Tensor) -> SyncReport:
         groups = round_groups(self._members(self.round), self.seed, self.round, self.group_size)
         group = group_of(self.transport.peer_id, groups)
         n = self.slow.numel()
