@@ -38,6 +38,9 @@ from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol
 from decentral.transport import SoloTransport, Transport
 
 
+IDENTITY_FILE = "identity.key"  # in OUT: a restarted worker keeps its peer id
+
+
 @dataclass
 class WorkerOptions:
     out: Path
@@ -122,7 +125,7 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
     return SwarmTransport(
         s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
         timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
-        heartbeat_s=s.heartbeat_s,
+        heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
     )
 
 

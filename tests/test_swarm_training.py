@@ -2,6 +2,7 @@
 let a late joiner catch up, and resume from checkpoints."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -100,6 +101,8 @@ def test_resume_continues_from_the_checkpoint(workers):
     assert meta["sync"]["step"] == 40 and meta["sync"]["round"] == 4
     steps = [r["step"] for r in w.metrics(0) if "loss" in r]
     assert steps == list(range(1, 41))  # the second run went on at step 21
+    first_id = re.search(r"peer (\S+) starts at", w.log(0)).group(1)
+    assert f"peer {first_id} starts at" in done.stdout  # the same peer id: no ghost of the first run
 
 
 def test_corrupt_checkpoint_is_a_clear_error(workers):

@@ -13,7 +13,7 @@ import torch
 from conftest import run_in_threads
 from decentral.swarm import SwarmPeer
 from decentral.swarm.mailbox import Mailbox, Message
-from decentral.swarm.wire import write_message
+from decentral.swarm.wire import read_frame, write_message
 
 CHILD_PEER = """
 import os, sys, time
@@ -25,21 +25,42 @@ time.sleep(600)
 """
 
 
-def test_a_sigkilled_partner_costs_seconds_not_the_timeout(make_swarm):
-    (me,) = make_swarm(1, timeout=30.0)
-    child = subprocess.Popen([sys.executable, "-c", CHILD_PEER, me.peer.run, me.multiaddrs()[0]],
+def killed_peer(first) -> str:
+    """The id of a swarm peer, in another process, that was SIGKILLed."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD_PEER, first.peer.run, first.multiaddrs()[0]],
                              stdout=subprocess.PIPE, text=True)
     try:
-        partner = child.stdout.readline().strip()
-        assert partner, "the partner peer did not start"
+        peer_id = child.stdout.readline().strip()
+        assert peer_id, "the peer did not start"
+    finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        start = time.monotonic()
-        result = me.average(torch.randn(1000), sorted([me.peer_id, partner]), "killed")
-        assert time.monotonic() - start < 5.0  # the timeout is 30 s
-        assert not result.complete and result.absent == [partner]
-    finally:
-        child.kill()
+    return peer_id
+
+
+def test_a_sigkilled_partner_costs_seconds_not_the_timeout(make_swarm):
+    (me,) = make_swarm(1, timeout=30.0)
+    partner = killed_peer(me)
+    start = time.monotonic()
+    result = me.average(torch.randn(1000), sorted([me.peer_id, partner]), "killed")
+    assert time.monotonic() - start < 5.0  # the timeout is 30 s
+    assert not result.complete and result.absent == [partner]
+
+
+def test_survivors_redo_the_average_without_a_dead_member_and_agree(make_swarm):
+    a, b = make_swarm(2, timeout=30.0)
+    dead = killed_peer(a)
+    group = sorted([a.peer_id, b.peer_id, dead])
+    xs = [torch.randn(900), torch.randn(900)]
+    start = time.monotonic()
+    ra, rb = run_in_threads([lambda p=p, x=x: p.average(x, group, "redo") for p, x in zip((a, b), xs)])
+    assert time.monotonic() - start < 5.0
+    for r in (ra, rb):  # without the redo each would keep its own values for the dead member's chunk
+        assert r.complete and r.absent == [dead] and r.group == sorted([a.peer_id, b.peer_id])
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    start = time.monotonic()  # the next average leaves the dead member out from the start
+    ra, rb = run_in_threads([lambda p=p, x=x: p.average(x, group, "next") for p, x in zip((a, b), xs)])
+    assert ra.complete and rb.complete and ra.absent == [dead] and time.monotonic() - start < 5.0
 
 
 def honest_and_bad(make_swarm, n=4, **kwargs):
@@ -82,34 +103,31 @@ def test_trimmed_aggregation_keeps_one_member_within_the_others_range(make_swarm
         assert bool(((r.tensor >= low - 1e-5) & (r.tensor <= high + 1e-5)).all())
 
 
-def test_a_push_announcing_a_huge_part_is_refused_before_reading_it(make_swarm):
-    (me,) = make_swarm(1)
-    me.average(torch.randn(100), [me.peer_id], "sized")  # parts now fit 100 elements at most
-    stranger = SwarmPeer(me.peer.run, me.multiaddrs())
+async def push_raw(sender: SwarmPeer, target: str, header: dict, payload: bytes) -> bytes | None:
+    """A hand-made push; the answer frame, or None when the receiver closed the stream without one."""
+    reader, writer = await sender.open_stream(target, "push")
+    await write_message(writer, header, payload, sender.stats)
     try:
-        async def push():
-            reader, writer = await stranger.open_stream(me.peer_id, "push")
-            header = {"tag": "x/r", "wire": "float32", "view": "", "numel": 1 << 40}
-            await write_message(writer, header, b"", stranger.stats)
-            return await reader.read(1)
+        return await read_frame(reader, sender.stats, 1)
+    except asyncio.IncompleteReadError:
+        return None
 
-        assert stranger.call(push()).result(timeout=10) == b""  # closed without an acknowledgement
-        assert not me.averager.mailbox.senders("x/r")
-    finally:
-        stranger.shutdown()
+
+def test_a_push_announcing_a_huge_part_is_dropped_before_reading_it(make_swarm):
+    me, member = make_swarm(2)
+    me.average(torch.randn(100), [me.peer_id], "sized")  # parts now fit 100 elements at most
+    header = {"tag": "x/r", "wire": "float32", "view": "", "numel": 1 << 40}
+    assert member.peer.call(push_raw(member.peer, me.peer_id, header, b"")).result(timeout=10) is None
+    assert not me.averager.mailbox.senders("x/r")
 
 
 def test_pushes_from_a_peer_without_a_heartbeat_are_refused(make_swarm):
     a, b = make_swarm(2)
     stranger = SwarmPeer(a.peer.run, a.multiaddrs())  # in the DHT, but no heartbeat: not a member
     try:
-        async def push():
-            reader, writer = await stranger.open_stream(a.peer_id, "push")
-            header = {"tag": "s/r", "wire": "float32", "view": "", "numel": 2}
-            await write_message(writer, header, torch.ones(2).numpy().tobytes(), stranger.stats)
-            return await reader.read(1)
-
-        assert stranger.call(push()).result(timeout=10) == b""
+        header = {"tag": "s/r", "wire": "float32", "view": "", "numel": 2}
+        answer = stranger.call(push_raw(stranger, a.peer_id, header, torch.ones(2).numpy().tobytes())).result(timeout=10)
+        assert answer == b"\x00"  # refused, unread
         assert not a.averager.mailbox.senders("s/r")
         xs = [torch.randn(50), torch.randn(50)]
         ra, rb = run_in_threads([lambda p=p, x=x: p.average(x, sorted([a.peer_id, b.peer_id]), "s") for p, x in zip((a, b), xs)])

@@ -39,6 +39,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -54,13 +55,14 @@ from decentral.transport import AverageResult
 log = logging.getLogger(__name__)
 
 _ACK = b"\x01"
+_REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, or does not know us yet)
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
 
 
 class _Unreachable(Exception):
-    """The peer's end of a stream closed: its process is gone, or it refuses us."""
+    """The peer's end of a stream closed without a word: its process is gone."""
 
 
 def view_fingerprint(group: list[str]) -> str:
@@ -111,7 +113,7 @@ class GroupAverager:
 
     def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 4.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, gone_s: float = 60.0):
         if wire_dtype not in WIRE_DTYPES:
             raise SwarmError(f"swarm.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
         if aggregation not in AGGREGATIONS:
@@ -123,9 +125,11 @@ class GroupAverager:
         self.is_member = is_member
         self.read_timeout = read_timeout
         self.probe_s = probe_s
+        self.gone_s = gone_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
+        self._gone_until: dict[str, float] = {}  # peer whose end closed -> loop time until which it is left out
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
         # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
         self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
@@ -139,11 +143,13 @@ class GroupAverager:
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if sender in self.banned:
-            return  # closing unread: the sender sees the stream end and stops waiting for us
+            await write_frame(writer, _REFUSED, self.peer.stats)  # the sender stops waiting for us
+            return
         if self.is_member is not None:
             member = await asyncio.get_running_loop().run_in_executor(None, self.is_member, sender)
             if not member:
                 log.info("refusing a push from %s: no live heartbeat in the swarm", sender[-8:])
+                await write_frame(writer, _REFUSED, self.peer.stats)
                 return
         try:
             async with asyncio.timeout(self.read_timeout):
@@ -159,6 +165,7 @@ class GroupAverager:
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
+        self._gone_until.pop(sender, None)  # it is back
         await self.mailbox.put(tag, Message(sender, float(count), tensor_from_bytes(payload, wire), view))
         await write_frame(writer, _ACK, self.peer.stats)
         self._notice_outsiders(tag.rpartition("/")[0])
@@ -184,9 +191,9 @@ class GroupAverager:
     # ----- sending -----
     async def _push(self, target: str, tag: str, tensor: torch.Tensor, deadline: float, view: str = "",
                     count: int = 1) -> bool:
-        """Deliver `tensor` to `target`; False when it did not arrive. When `target`'s end closes (its
-        process is gone, or it refuses us), it will send us nothing for this average either: that is
-        noted as a notice under `tag`'s average, so nobody waits for it."""
+        """Deliver `tensor` to `target`; False when it did not arrive. When `target` refuses it, or its
+        end closes (its process is gone), it will send us nothing for this average either: that is noted
+        as a notice under `tag`'s average, so nobody waits for it; a closed end also marks it gone."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
@@ -194,7 +201,12 @@ class GroupAverager:
                 try:
                     header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(), "count": count}
                     await write_message(writer, header, tensor_to_bytes(tensor, self.wire_dtype), self.peer.stats)
-                    if await read_frame(reader, self.peer.stats, 1) != _ACK:
+                    answer = await read_frame(reader, self.peer.stats, 1)
+                    if answer == _REFUSED:
+                        log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
+                        await self.mailbox.put(f"{tag.rpartition('/')[0]}/x", Message(target, 0.0, torch.empty(0)))
+                        return False
+                    if answer != _ACK:
                         raise _Unreachable("no acknowledgement")
                     return True
                 except (asyncio.IncompleteReadError, ConnectionError) as e:
@@ -209,7 +221,9 @@ class GroupAverager:
         return False
 
     async def _gone(self, peer: str, tag: str) -> None:
-        """`peer` will send nothing for average `tag`."""
+        """`peer`'s end closed: it will send nothing for average `tag`, and later averages leave it out
+        until `gone_s` have passed (by then its heartbeat has expired) or it pushes to us again."""
+        self._gone_until[peer] = asyncio.get_running_loop().time() + self.gone_s
         await self.mailbox.put(f"{tag}/x", Message(peer, 0.0, torch.empty(0)))
 
     async def _probe(self, peers: list[str], tag: str) -> None:
@@ -239,10 +253,29 @@ class GroupAverager:
 
     # ----- averaging -----
     async def average(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
-        """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures."""
-        me = self.peer.peer_id
-        if me not in group:
+        """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures.
+
+        Members found gone in an earlier average are left out (every member saw them go, so every
+        member leaves them out); when a member is found gone during this one, the average is redone
+        once without it, so the survivors end with the same result rather than each keeping its own
+        values for the dead member's chunk."""
+        if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
+        now = asyncio.get_running_loop().time()
+        alive = [p for p in group if self._gone_until.get(p, now) <= now]
+        result = await self._average_once(flat, alive, tag, timeout)
+        gone = [p for p in result.absent if p in self._gone_until]
+        if gone and len(alive) - len(gone) >= 2:
+            log.info("%s: redoing the average without %d member(s) that are gone", tag, len(gone))
+            survivors = [p for p in alive if p not in gone]
+            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout)
+            result = replace(retry, rejected={**result.rejected, **retry.rejected},
+                             absent=sorted(set(result.absent) | set(retry.absent)))
+        result.absent = sorted(set(result.absent) | set(group) - set(alive))
+        return result
+
+    async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
+        me = self.peer.peer_id
         group = sorted(group)
         view = view_fingerprint(group)
         loop = asyncio.get_running_loop()
@@ -303,7 +336,7 @@ class GroupAverager:
             await asyncio.gather(*sends)
         finally:
             probe.cancel()
-        absent = sorted(self.mailbox.senders(f"{tag}/x") & set(group) - set(rejected))
+        absent = sorted(set(self._gone_until) & set(group) & self.mailbox.senders(f"{tag}/x"))
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
         return AverageResult(

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from hivemind.dht import DHT
@@ -61,6 +62,8 @@ class SwarmPeer:
 
     `run` names the training run: records and streams of other runs in the same DHT are ignored.
     `host`/`port` choose where the libp2p daemon listens (`0.0.0.0` to accept other machines).
+    `identity_path`: a private key file (created when missing) that fixes the peer id, so a peer that
+    restarts comes back as itself instead of leaving a ghost of its old id in the swarm.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class SwarmPeer:
         port: int = 0,
         announce_host: str | None = None,
         startup_timeout: float = 60.0,
+        identity_path: str | Path | None = None,
     ):
         self.run = run
         self.stats = TrafficStats()
@@ -84,6 +88,7 @@ class SwarmPeer:
                 announce_maddrs=announce,
                 startup_timeout=startup_timeout,
                 await_ready=True,
+                **({"identity_path": str(identity_path)} if identity_path else {}),
             )
         except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
             where = f" through {list(initial_peers)}" if initial_peers else ""

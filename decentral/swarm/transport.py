@@ -25,6 +25,7 @@ class SwarmTransport:
     timeout: how long an average waits for late or dead peers (it takes at most 1.5x this); also how long
         a peer's heartbeat stays valid (at least 3 heartbeats), so a dead peer leaves every view within it.
     wire_dtype: precision of tensors on the wire (float32, float16, bfloat16).
+    identity_path: a key file that keeps the peer id across restarts (see SwarmPeer).
     max_norm_ratio: a received part whose norm exceeds this multiple of the lower median of its chunk's
         parts (ours included) is rejected, and its sender excluded from our later averages.
     aggregation: "mean", or "trimmed" (each coordinate without its largest and smallest value, in groups
@@ -45,14 +46,16 @@ class SwarmTransport:
         aggregation: str = "mean",
         heartbeat_s: float = 2.0,
         lookahead: int = 2,
+        identity_path: str | None = None,
     ):
         self.timeout = timeout
         self.lookahead = lookahead
-        self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host)
+        self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host,
+                              identity_path=identity_path)
         self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
         self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
-                                      read_timeout=1.5 * timeout)
+                                      read_timeout=1.5 * timeout, gone_s=self.membership.expire_s)
         self.state = StateExchange(self.peer)
 
     @property
