@@ -32,7 +32,27 @@ def _recipe(args):
         recipe.swarm.timeout = args.timeout
     if getattr(args, "device", None):
         recipe.train.device = args.device
+    key = swarm_key_path(args)
+    if key:
+        recipe.swarm.key_file = str(Path(key).resolve())
     return recipe
+
+
+def swarm_key_path(args) -> str | None:
+    """--swarm-key, else $DECENTRAL_SWARM_KEY, else None (the recipe's swarm.key_file stays)."""
+    from decentral.swarm.admission import KEY_ENV
+
+    return getattr(args, "swarm_key", None) or os.environ.get(KEY_ENV) or None
+
+
+def swarm_key(path: str | None):
+    """The SwarmKey at `path`; without one, say once that the swarm is open."""
+    from decentral.swarm.admission import OPEN_SWARM_NOTICE, SwarmKey
+
+    if path:
+        return SwarmKey.load(path)
+    print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
+    return None
 
 
 def train_worker(recipe, args, **overrides) -> int:
@@ -68,18 +88,34 @@ def train_worker(recipe, args, **overrides) -> int:
 
 
 def cmd_train(args) -> int:
-    return train_worker(_recipe(args), args)
+    recipe = _recipe(args)
+    if recipe.protocol != "local" and not args.island:
+        swarm_key(recipe.swarm.key_file)  # a bad key file fails here, before any training; no key: the notice
+    return train_worker(recipe, args)
 
 
 def cmd_swarm_start(args) -> int:
     from decentral.swarm import SwarmPeer
 
-    peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host)
+    key_path = swarm_key_path(args)
+    peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host,
+                     swarm_key=swarm_key(key_path))
+    keyed = f" --swarm-key {key_path}" if key_path else ""
     print(f"swarm {args.run!r} is up. Peers join with:")
     for maddr in peer.multiaddrs():
-        print(f"  decentral train --join {maddr} --run {args.run} --protocol protocols/noloco.yaml")
+        print(f"  decentral train --join {maddr} --run {args.run}{keyed} --protocol protocols/noloco.yaml")
     serve_until_stopped()
     peer.shutdown()
+    return 0
+
+
+def cmd_swarm_keygen(args) -> int:
+    from decentral.swarm.admission import SwarmKey
+
+    key = SwarmKey.generate(args.path)
+    print(f"swarm key {key.fingerprint} written to {args.path} (readable by you only). Give every member a copy "
+          f"and start each with --swarm-key {args.path}; peers without it cannot read or write the swarm's "
+          f"records nor open a stream to a member.")
     return 0
 
 
@@ -129,6 +165,8 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other machines")
     p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free one)")
     p.add_argument("--announce-host", help="address other machines reach us at, when it differs from --host")
+    p.add_argument("--swarm-key", metavar="FILE", help="the swarm's key (decentral swarm keygen): only peers holding "
+                   "it take part (default: $DECENTRAL_SWARM_KEY, else the recipe's swarm.key_file, else open)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr")
     add_network_arguments(start)
     start.set_defaults(func=cmd_swarm_start, run="decentral")
+    keygen = swarm_sub.add_parser("keygen", help="write a new swarm key: only peers holding it take part")
+    keygen.add_argument("path", metavar="FILE")
+    keygen.set_defaults(func=cmd_swarm_keygen)
 
     train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)")
     train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
@@ -203,11 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.device import DeviceError
     from decentral.experts.registry import RegistryError
     from decentral.merge import MergeError
-    from decentral.swarm import SwarmError
+    from decentral.swarm import AdmissionError, SwarmError
 
     try:
         return args.func(args)
-    except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError) as e:
+    except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
+            AdmissionError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

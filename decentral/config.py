@@ -49,9 +49,10 @@ class SwarmConfig:
     run: str = "decentral"
     timeout: float = 60.0  # the most one average may take, dead peers included
     wire_dtype: str = "float32"
-    max_norm_ratio: float = 4.0  # a part above this multiple of its chunk's lower-median norm is rejected
+    max_norm_ratio: float = 2.0  # parts are clipped to this multiple of their chunk's lower-median norm
     aggregation: str = "mean"  # or "trimmed": each coordinate without its extremes, in groups of 3+
     heartbeat_s: float = 2.0
+    key_file: str = ""  # swarm key (decentral swarm keygen): only peers holding it take part; "" = an open swarm
 
 
 @dataclass

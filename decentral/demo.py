@@ -20,6 +20,7 @@ import yaml
 from decentral.config import Recipe
 from decentral.metrics import format_summary, plot_report, read_metrics, summarize
 from decentral.models import GPT
+from decentral.swarm.admission import SwarmKey
 
 
 def _relay(proc: subprocess.Popen) -> threading.Thread:
@@ -53,6 +54,10 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> i
         raise ValueError("--workers must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
     recipe.swarm.run = f"demo-{uuid.uuid4().hex[:8]}"
+    key_file = out / "swarm.key"  # the demo's swarm admits only its own workers
+    key_file.unlink(missing_ok=True)
+    SwarmKey.generate(key_file)
+    recipe.swarm.key_file = str(key_file.resolve())
     recipe_file = out / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     maddr_file = out / "bootstrap.maddrs"

@@ -34,6 +34,7 @@ from decentral.experts.registry import RegistryError
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.swarm import SwarmError, SwarmTransport
+from decentral.swarm.admission import SwarmKey
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol
 from decentral.transport import SoloTransport, Transport
 
@@ -126,6 +127,7 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
         s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
         timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
         heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
+        swarm_key=SwarmKey.load(s.key_file) if s.key_file else None,
     )
 
 
@@ -163,12 +165,16 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         shard = (index % opts.num_workers, opts.num_workers)
         sizes = dict(batch_size=t.batch_size, context=t.context, device=device)
         streams = [d.train for d in domains] if domains else corpus.train
-        batches = train_batches(streams, worker=shard[0], num_workers=shard[1], seed=t.seed + index, **sizes)
+
+        def batches_from(step: int):
+            return train_batches(streams, worker=shard[0], num_workers=shard[1], seed=t.seed + index, skip=step,
+                                 **sizes)
+
         if domains:
             val = balanced_eval_batches(domains, "dev", num_batches=t.eval_batches, **sizes)
         else:
             val = eval_batches(corpus.val, num_batches=t.eval_batches, **sizes)
-        return _train(protocol, recipe, opts, batches, val, transport, lineage)
+        return _train(protocol, recipe, opts, batches_from, val, transport, lineage)
     finally:
         transport.close()
 
@@ -194,7 +200,10 @@ def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str
     return line
 
 
-def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches, val, transport, lineage: dict) -> dict:
+def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_from, val, transport, lineage: dict
+           ) -> dict:
+    """Train from wherever the protocol starts (a checkpoint, a start point, the swarm's step); the data
+    goes on from that step too (`batches_from(step)`)."""
     t = recipe.train
     last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
     model, optimizer = protocol.model, protocol.optimizer
@@ -206,6 +215,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches,
             opts.on_ready(transport.multiaddrs())
         _wait_for_peers(transport, opts)
         with protocol:
+            batches = batches_from(protocol.step)
             val_loss = evaluate(model, val)
             start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
             log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss,

@@ -110,9 +110,11 @@ def _describe(expert, publishers: int | None = None) -> list[str]:
 
 
 def _peer(args):
+    from decentral.cli import swarm_key, swarm_key_path
     from decentral.swarm import SwarmPeer
 
-    return SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host)
+    return SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host,
+                     swarm_key=swarm_key(swarm_key_path(args)))
 
 
 def cmd_list(args) -> int:

@@ -8,8 +8,11 @@ so the training thread only ever waits on futures.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -17,10 +20,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
-from decentral.swarm.wire import TrafficStats
+from decentral.swarm.admission import TOKEN_BYTES, SignedRecords, SwarmKey, ensure_identity
+from decentral.swarm.wire import TrafficStats, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,7 @@ class SwarmError(RuntimeError):
     """The swarm could not be started or reached."""
 
 
+ADMIT_TIMEOUT_S = 10.0  # an incoming stream must present its swarm-key token within this time
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
 
 
@@ -63,7 +68,9 @@ class SwarmPeer:
     `run` names the training run: records and streams of other runs in the same DHT are ignored.
     `host`/`port` choose where the libp2p daemon listens (`0.0.0.0` to accept other machines).
     `identity_path`: a private key file (created when missing) that fixes the peer id, so a peer that
-    restarts comes back as itself instead of leaving a ghost of its old id in the swarm.
+    restarts comes back as itself instead of leaving a ghost of its old id in the swarm (without one, a
+    fresh identity lives in a temporary folder). Its key signs our DHT records (see `admission`).
+    `swarm_key`: admit only peers holding the same key, on the DHT records and on every stream.
     """
 
     def __init__(
@@ -76,9 +83,14 @@ class SwarmPeer:
         announce_host: str | None = None,
         startup_timeout: float = 60.0,
         identity_path: str | Path | None = None,
+        swarm_key: SwarmKey | None = None,
     ):
         self.run = run
         self.stats = TrafficStats()
+        self.swarm_key = swarm_key
+        self._identity_dir = None if identity_path else tempfile.mkdtemp(prefix="decentral-identity-")
+        identity_path = ensure_identity(identity_path or Path(self._identity_dir) / "identity.key")
+        self._refused: set[str] = set()  # peers whose keyless stream we logged already
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
         try:
             self.dht = _DHTProcess(
@@ -88,7 +100,8 @@ class SwarmPeer:
                 announce_maddrs=announce,
                 startup_timeout=startup_timeout,
                 await_ready=True,
-                **({"identity_path": str(identity_path)} if identity_path else {}),
+                identity_path=str(identity_path),
+                record_validators=[SignedRecords(identity_path, swarm_key)],
             )
         except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
             where = f" through {list(initial_peers)}" if initial_peers else ""
@@ -139,6 +152,8 @@ class SwarmPeer:
 
         async def serve(info, reader, writer):
             try:
+                if not await self._admit(str(info.peer_id), self._proto(name), reader):
+                    return
                 await handler(str(info.peer_id), reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("stream %s from %s ended early: %s", name, info.peer_id, e)
@@ -150,8 +165,34 @@ class SwarmPeer:
         self.call(self._p2p.add_binary_stream_handler(self._proto(name), serve)).result(timeout=30)
 
     async def open_stream(self, peer: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(name))
+        """A stream to `peer`'s handler `name`. ConnectionRefusedError when `peer`'s address refuses the
+        connection (its process is gone, not merely slow), or when libp2p holds back dials to it because
+        one failed in the last seconds (its dial backoff, 5 s and more: our DHT node may have dialled the
+        dead peer first); other failures as hivemind raises them."""
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(name))
+        except P2PDaemonError as e:
+            if "connection refused" in str(e) or "dial backoff" in str(e):
+                raise ConnectionRefusedError(f"{peer} refuses connections: {e}") from e
+            raise
+        if self.swarm_key is not None:
+            await write_frame(writer, self.swarm_key.stream_token(self.peer_id, peer, self._proto(name)), self.stats)
         return reader, writer
+
+    async def _admit(self, sender: str, protocol: str, reader: asyncio.StreamReader) -> bool:
+        """Whether an incoming stream carries `sender`'s token for our swarm key (always, without a key)."""
+        if self.swarm_key is None:
+            return True
+        try:
+            token = await asyncio.wait_for(read_frame(reader, self.stats, TOKEN_BYTES), ADMIT_TIMEOUT_S)
+        except Exception:
+            token = b""
+        if hmac.compare_digest(token, self.swarm_key.stream_token(sender, self.peer_id, protocol)):
+            return True
+        if sender not in self._refused:
+            self._refused.add(sender)
+            log.warning("refused streams from %s: it does not hold this swarm's key", sender)
+        return False
 
     def shutdown(self) -> None:
         if self._closed:
@@ -165,3 +206,5 @@ class SwarmPeer:
         self._thread.join(timeout=10)
         with self._dht_lock:
             self.dht.shutdown()
+        if self._identity_dir:
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
