@@ -14,14 +14,16 @@ import torch
 
 @dataclass
 class AverageResult:
-    """Outcome of one group average. `tensor` is always usable (own values where parts were missing)."""
+    """Outcome of one group average: committed (`complete`: every member that answered holds exactly
+    this `tensor`, averaged over the whole group) or rolled back (`tensor` is our own input, unchanged)."""
 
     tensor: torch.Tensor
     group: list[str]
-    complete: bool  # every part was averaged over the whole group
-    contributors: int  # fewest peers that any part of `tensor` was averaged over (1 = only ourselves)
+    complete: bool
+    contributors: int  # peers that every part of `tensor` was averaged over (1 = only ourselves)
     rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was dropped
     absent: list[str] = field(default_factory=list)  # members that sent nothing: gone, or left us out
+    disagree: list[str] = field(default_factory=list)  # members that ended with another result than ours
 
 
 class Transport(Protocol):
@@ -41,6 +43,9 @@ class Transport(Protocol):
 
     def set_progress(self, step: int, round: int) -> None:
         """Report our progress to the others (heartbeat)."""
+
+    def progress(self) -> dict[str, dict]:
+        """{peer: {"step", "round"}} of the live peers, as they last reported it ({} where unknown)."""
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
@@ -78,6 +83,9 @@ class SoloTransport:
 
     def set_progress(self, step: int, round: int) -> None:
         pass
+
+    def progress(self) -> dict[str, dict]:
+        return {self.peer_id: {}}
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         return AverageResult(tensor=tensor.detach().float().reshape(-1).clone(), group=[self.peer_id], complete=True, contributors=1)

@@ -46,20 +46,30 @@ def run_in_threads(fns, timeout: float = 60.0) -> list:
     return out
 
 
+def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never held within {timeout}s"
+        time.sleep(0.01)  # polling another peer's state
+
+
 @pytest.fixture
 def make_swarm():
-    """make_swarm(n, **transport_kwargs) -> n SwarmTransports joined into one swarm; all closed after the test."""
+    """make_swarm(n, **transport_kwargs) -> n SwarmTransports joined into one swarm, each seeing every
+    other's heartbeat (so no test races a heartbeat's first trip through the DHT); all closed after the test."""
     made: list[SwarmTransport] = []
 
     def make(n: int, **kwargs) -> list[SwarmTransport]:
         kwargs.setdefault("timeout", 10.0)
         kwargs.setdefault("heartbeat_s", 0.5)
-        run = kwargs.pop("run", f"test-{time.monotonic_ns()}")
+        run = made[0].peer.run if made else kwargs.pop("run", f"test-{time.monotonic_ns()}")
         first = made[0] if made else SwarmTransport(run, **kwargs)
         if not made:
             made.append(first)
         while len(made) < n:
             made.append(SwarmTransport(run, first.multiaddrs(), **kwargs))
+        ids = {t.peer_id for t in made[:n]}
+        wait_until(lambda: all(ids <= set(t.progress()) for t in made[:n]), 30, "every peer seeing every heartbeat")
         return made[:n]
 
     yield make

@@ -4,7 +4,7 @@ arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out 
 import pytest
 import torch
 
-from conftest import run_in_threads
+from conftest import run_in_threads, wait_until
 from decentral.sync import DiLoCo, DivergedError, NoLoCo
 
 
@@ -22,12 +22,16 @@ def set_flat(model, vector) -> None:
 
 
 def make_protocols(transports, cls, seeds=None, **kwargs):
+    """Started protocols over `transports`, every one seeing all of them announced for their round."""
     protocols = []
     for i, t in enumerate(transports):
         model = tiny_model(seeds[i] if seeds else 0)
         p = cls(model, torch.optim.SGD(model.parameters(), lr=0.1), t, **kwargs)
         p.start()  # one after the other: later ones download the first one's state
         protocols.append(p)
+    ids = sorted(t.peer_id for t in transports)
+    wait_until(lambda: all(set(ids) <= set(p.transport.members(p.round)) for p in protocols), 30,
+               "every protocol seeing every announcement")
     return protocols
 
 

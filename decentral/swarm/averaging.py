@@ -3,27 +3,36 @@
 Peer j of the sorted group owns chunk j. Phase 1: every peer pushes chunk j of its tensor to peer j,
 which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyone. Each peer sends
 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce. Every member counts once: weights
-are the protocol's to fix, not a sender's to claim.
+are the protocol's to fix, not a sender's to claim. Phase 3 (commit): members swap a digest of every
+chunk they hold; the average stands only if every member that answered holds exactly our result,
+else it is rolled back (our input comes back unchanged), so replicas never split on a partial round.
 
 Nothing received is trusted:
 - a push's header is read first (at most 64 KiB), and its payload only when the element count it
   announces fits what this peer averages (`max_part_numel`), and within `read_timeout`;
 - pushes from a peer without a live heartbeat are refused unread, and each sender has at most 16
   tags waiting in the mailbox, so a flood from one peer never erases another's parts;
-- every part is checked: size, finite values, and a norm bound relative to the group: at most
-  `max_norm_ratio` times the lower median of the norms of the parts of that chunk (ours included;
-  for a pair, the smaller of the two). A part at −99× the honest update is far outside it;
+- every part is checked for size and finite values, and clipped to a norm bound relative to the
+  group: `max_norm_ratio` times the lower median of the norms of that chunk's parts (ours included;
+  for a pair, the smaller of the two). A part at −99× the honest update counts as one at 2× (the default), so one
+  member moves a chunk's mean by at most ratio × median / k. Clipping, not rejection, because an
+  honest loss spike must not get a peer excluded;
+- a chunk owner's result comes with the norms of the parts it averaged; it is refused when it
+  misreports our part, exceeds the bound its own norms imply, or is longer than those parts can
+  make it; and the commit digests catch an owner that sends different results to different members;
 - `aggregation="trimmed"` drops the largest and smallest value of every coordinate in groups of 3
   or more (a median for 3), so one member's values cannot move the result beyond the others' range;
-- a member whose part is rejected as malformed, non-finite or too large is excluded from every later
-  average of this peer (a warning says why): its pushes are refused and nobody waits for it.
+- a member whose data is rejected (malformed, non-finite, a refused result) is excluded from every
+  later average of this peer (a warning says why): its pushes are refused, and the average is redone
+  without it.
 
 A peer that is dead or late costs at most the round's timeout, and a peer whose process is gone
 costs next to nothing: a push to it, or a probe (`ping`, every `probe_s` while we wait for it),
-ends at once with the stream closed, and we stop waiting for it (a probe that merely times out
-proves nothing on a congested link, so only a closed stream counts). Where a chunk's average did not
-come back, our own values stand for that chunk and the result says it is incomplete. Phase 1 waits
-at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1 if that is later.
+ends at once with the stream closed or the connection refused, and we stop waiting for it (a probe
+that merely times out proves nothing on a congested link, so only a closed stream or a refused
+connection counts); the average is then redone
+without it. Phase 1 waits at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1
+if that is later; phase 3 by then, or `timeout / 4` after phase 2.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -62,7 +71,8 @@ DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itsel
 
 
 class _Unreachable(Exception):
-    """The peer's end of a stream closed without a word: its process is gone."""
+    """The peer's end of a stream closed without a word, or its address refused the connection: its
+    process is gone."""
 
 
 def view_fingerprint(group: list[str]) -> str:
@@ -70,26 +80,54 @@ def view_fingerprint(group: list[str]) -> str:
     return hashlib.sha256(",".join(sorted(group)).encode()).hexdigest()[:16]
 
 
-def check_part(received: torch.Tensor, reference: torch.Tensor, max_norm_ratio: float | None = None) -> str | None:
-    """Why `received` may not stand in for `reference` (None when it may): size, finiteness and, given
-    `max_norm_ratio`, a norm at most that many times the reference's (floored at 1e-3 per sqrt(element))."""
+def check_part(received: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """Why `received` may not stand in for `reference` (None when it may): its size, and finite values."""
     if received.numel() != reference.numel():
         return f"wrong size: {received.numel()} elements, expected {reference.numel()}"
     if not bool(torch.isfinite(received).all()):
         return "non-finite values"
-    if max_norm_ratio is None:
-        return None
-    floor = 1e-3 * math.sqrt(max(reference.numel(), 1))
-    limit = max_norm_ratio * max(float(reference.norm()), floor)
-    norm = float(received.norm())
-    if norm > limit:
-        return f"norm {norm:.3g} exceeds the bound {limit:.3g} ({max_norm_ratio}x the group's lower median)"
     return None
 
 
-def lower_median(values: list[torch.Tensor]) -> torch.Tensor:
-    """The part whose norm is the lower median of the parts' norms (the smaller of a pair)."""
-    return sorted(values, key=lambda t: float(t.norm()))[(len(values) - 1) // 2]
+def norm_bound(norms: list[float], ratio: float, numel: int) -> float:
+    """`ratio` times the lower median of `norms` (the smaller of a pair), floored at 1e-3 per
+    sqrt(element) so that an all-zero chunk does not bound everyone at zero."""
+    return ratio * max(sorted(norms)[(len(norms) - 1) // 2], 1e-3 * math.sqrt(max(numel, 1)))
+
+
+def clip(part: torch.Tensor, norm: float, bound: float) -> torch.Tensor:
+    """`part`, whose norm is `norm`, scaled down to norm `bound` when it is longer."""
+    return part * (bound / norm) if norm > bound else part
+
+
+def check_owner_result(result: torch.Tensor, norms: object, mine: int, own_norm: float | None, ratio: float,
+                       aggregation: str) -> str | None:
+    """Why a chunk owner's average may not be taken (None when it may). The owner reports the norms of
+    the parts it averaged, after clipping (0 for members it had nothing from); we check that our own
+    entry is not longer than the part we sent, that no part exceeds the clip bound those norms imply,
+    and that the result is no longer than such parts can make it (a mean: the longest part; a trimmed
+    mean: sqrt(n) times it)."""
+    if not (isinstance(norms, list) and all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 for n in norms)):
+        return "its result came without the norms of the parts it averaged"
+    used = [float(n) for n in norms if n > 0]
+    if not used:
+        return "its result averages no part at all"
+    slack = 1 + 1e-2  # rounding to the wire dtype may lengthen a result by its unit roundoff (bfloat16: 0.4%)
+    if own_norm is not None and mine < len(norms) and norms[mine] > own_norm * slack + 1e-6:
+        return f"it reports our part at norm {norms[mine]:.4g}, we sent {own_norm:.4g}"
+    if max(used) > norm_bound(used, ratio, result.numel()) * slack:
+        return f"it reports a part at norm {max(used):.4g}, beyond the {ratio}x bound of the others"
+    reach = max(used) * (math.sqrt(len(used)) if aggregation == "trimmed" else 1.0)
+    if float(result.norm()) > reach * slack + 1e-6:
+        return f"its result has norm {float(result.norm()):.4g}, more than its parts ({reach:.4g}) allow"
+    return None
+
+
+def chunk_digest(chunk: torch.Tensor, norms: list[float]) -> str:
+    """What members compare after an average: a chunk's bytes and the norms its owner reported."""
+    digest = hashlib.sha256(chunk.contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(repr([round(float(n), 6) for n in norms]).encode())
+    return digest.hexdigest()[:24]
 
 
 def aggregate(parts: list[torch.Tensor], how: str) -> torch.Tensor:
@@ -108,12 +146,14 @@ def _quantize(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
 class GroupAverager:
     """Serves the `push` and `ping` streams of a peer and runs group averages on its event loop.
 
-    `is_member(peer_id)` (blocking; run off the loop) says whether a pusher has a live heartbeat.
+    `is_member(peer_id)` (blocking; run off the loop) says whether a pusher has a live heartbeat; it may
+    answer from a lookup up to `member_refresh_s` old.
     """
 
-    def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 4.0,
+    def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0, gone_s: float = 60.0):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, gone_s: float = 60.0,
+                 member_refresh_s: float = 1.0):
         if wire_dtype not in WIRE_DTYPES:
             raise SwarmError(f"swarm.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
         if aggregation not in AGGREGATIONS:
@@ -126,6 +166,7 @@ class GroupAverager:
         self.read_timeout = read_timeout
         self.probe_s = probe_s
         self.gone_s = gone_s
+        self.member_refresh_s = member_refresh_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
@@ -145,17 +186,18 @@ class GroupAverager:
         if sender in self.banned:
             await write_frame(writer, _REFUSED, self.peer.stats)  # the sender stops waiting for us
             return
-        if self.is_member is not None:
-            member = await asyncio.get_running_loop().run_in_executor(None, self.is_member, sender)
-            if not member:
-                log.info("refusing a push from %s: no live heartbeat in the swarm", sender[-8:])
-                await write_frame(writer, _REFUSED, self.peer.stats)
-                return
+        if not await self._admits(sender):
+            log.info("refusing a push from %s: no live heartbeat in the swarm", sender[-8:])
+            await write_frame(writer, _REFUSED, self.peer.stats)
+            return
         try:
             async with asyncio.timeout(self.read_timeout):
                 header = await read_header(reader, self.peer.stats)
                 tag, view, wire = str(header["tag"]), str(header.get("view", "")), str(header["wire"])
-                numel, count = int(header["numel"]), int(header.get("count", 1))
+                numel = int(header["numel"])
+                meta = header.get("meta", {})
+                if not isinstance(meta, dict):
+                    raise WireError("a push's meta is not an object")
                 if not 0 <= numel <= self.max_part_numel:
                     raise WireError(f"a part of {numel} elements (at most {self.max_part_numel} here)")
                 size = numel * wire_itemsize(wire)
@@ -166,9 +208,21 @@ class GroupAverager:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
         self._gone_until.pop(sender, None)  # it is back
-        await self.mailbox.put(tag, Message(sender, float(count), tensor_from_bytes(payload, wire), view))
+        await self.mailbox.put(tag, Message(sender, tensor_from_bytes(payload, wire), view, meta))
         await write_frame(writer, _ACK, self.peer.stats)
         self._notice_outsiders(tag.rpartition("/")[0])
+
+    async def _admits(self, sender: str) -> bool:
+        """Whether a push from `sender` may be read: it is in the group of an average we run, or it has a
+        live heartbeat. A newcomer's first heartbeat can reach our lookups a moment after its first push,
+        so a sender we do not list gets a second look once `is_member` may look again."""
+        if self.is_member is None or any(sender in group for group, _, _ in self._groups.values()):
+            return True
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(None, self.is_member, sender):
+            return True
+        await asyncio.sleep(self.member_refresh_s)
+        return await loop.run_in_executor(None, self.is_member, sender)
 
     def _notice_outsiders(self, tag: str) -> None:
         """Tell every peer that pushed to average `tag` with us, but is not in our group for it, that we
@@ -190,21 +244,26 @@ class GroupAverager:
 
     # ----- sending -----
     async def _push(self, target: str, tag: str, tensor: torch.Tensor, deadline: float, view: str = "",
-                    count: int = 1) -> bool:
+                    meta: dict | None = None) -> bool:
         """Deliver `tensor` to `target`; False when it did not arrive. When `target` refuses it, or its
         end closes (its process is gone), it will send us nothing for this average either: that is noted
-        as a notice under `tag`'s average, so nobody waits for it; a closed end also marks it gone."""
+        as a notice under `tag`'s average, so nobody waits for it; a closed end or a refused connection also
+        marks it gone."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
-                reader, writer = await self.peer.open_stream(target, "push")
                 try:
-                    header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(), "count": count}
+                    reader, writer = await self.peer.open_stream(target, "push")
+                except ConnectionRefusedError as e:
+                    raise _Unreachable(repr(e)) from e
+                try:
+                    header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(),
+                              "meta": meta or {}}
                     await write_message(writer, header, tensor_to_bytes(tensor, self.wire_dtype), self.peer.stats)
                     answer = await read_frame(reader, self.peer.stats, 1)
                     if answer == _REFUSED:
                         log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
-                        await self.mailbox.put(f"{tag.rpartition('/')[0]}/x", Message(target, 0.0, torch.empty(0)))
+                        await self.mailbox.put(f"{tag.rpartition('/')[0]}/x", Message(target, torch.empty(0)))
                         return False
                     if answer != _ACK:
                         raise _Unreachable("no acknowledgement")
@@ -224,7 +283,7 @@ class GroupAverager:
         """`peer`'s end closed: it will send nothing for average `tag`, and later averages leave it out
         until `gone_s` have passed (by then its heartbeat has expired) or it pushes to us again."""
         self._gone_until[peer] = asyncio.get_running_loop().time() + self.gone_s
-        await self.mailbox.put(f"{tag}/x", Message(peer, 0.0, torch.empty(0)))
+        await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0)))
 
     async def _probe(self, peers: list[str], tag: str) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`; one whose end closes is gone."""
@@ -255,23 +314,25 @@ class GroupAverager:
     async def average(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
         """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures.
 
-        Members found gone in an earlier average are left out (every member saw them go, so every
-        member leaves them out); when a member is found gone during this one, the average is redone
-        once without it, so the survivors end with the same result rather than each keeping its own
-        values for the dead member's chunk."""
+        Members found gone in an earlier average, or excluded, are left out (every member saw them go,
+        or misbehave, so every member leaves them out); when a member is found gone or excluded during
+        this one, the average is redone once without it, so the survivors commit a common result rather
+        than roll back."""
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
         now = asyncio.get_running_loop().time()
-        alive = [p for p in group if self._gone_until.get(p, now) <= now]
+        alive = [p for p in group if self._gone_until.get(p, now) <= now and p not in self.banned]
         result = await self._average_once(flat, alive, tag, timeout)
-        gone = [p for p in result.absent if p in self._gone_until]
-        if gone and len(alive) - len(gone) >= 2:
-            log.info("%s: redoing the average without %d member(s) that are gone", tag, len(gone))
-            survivors = [p for p in alive if p not in gone]
+        dropped = [p for p in alive if p in self.banned or (p in result.absent and p in self._gone_until)]
+        if dropped and len(alive) - len(dropped) >= 2:
+            log.info("%s: redoing the average without %d member(s) gone or excluded", tag, len(dropped))
+            survivors = [p for p in alive if p not in dropped]
             retry = await self._average_once(flat, survivors, f"{tag}/again", timeout)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
                              absent=sorted(set(result.absent) | set(retry.absent)))
-        result.absent = sorted(set(result.absent) | set(group) - set(alive))
+        result.rejected.update({p: f"excluded: {self.banned[p]}" for p in group if p in self.banned
+                                and p not in result.rejected})
+        result.absent = sorted(set(result.absent) | {p for p in group if p not in alive and p not in self.banned})
         return result
 
     async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
@@ -285,8 +346,8 @@ class GroupAverager:
         self._sized = True
         own = list(torch.tensor_split(_quantize(flat, self.wire_dtype), len(group)))
         mine = group.index(me)
-        others = [p for p in group if p != me and p not in self.banned]
-        rejected: dict[str, str] = {p: f"excluded: {self.banned[p]}" for p in group if p in self.banned}
+        others = [p for p in group if p != me]
+        rejected: dict[str, str] = {}
         self._remember_group(tag, group, loop.time() + 1.5 * timeout)
         self._notice_outsiders(tag)  # outsiders whose pushes arrived before we started
         probe = asyncio.ensure_future(self._probe(others, tag))
@@ -306,46 +367,75 @@ class GroupAverager:
             return reason is None
 
         try:
-            # phase 1: reduce-scatter
+            # phase 1: reduce-scatter. Parts are clipped to the group's norm bound, ours included.
             sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], deadline, view))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
-            valid = {s: m.tensor for s, m in received.items()
-                     if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}
-            reference = lower_median([own[mine], *valid.values()])
-            parts = [own[mine]] + [t for s, t in valid.items()
-                                   if accept(s, check_part(t, reference, self.max_norm_ratio))]
-            averaged_mine = _quantize(aggregate(parts, self.aggregation), self.wire_dtype)
-            my_contributors = len(parts)
+            parts = {me: own[mine], **{s: m.tensor for s, m in received.items()
+                                       if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}}
+            sizes = {s: float(t.norm()) for s, t in parts.items()}
+            bound = norm_bound(list(sizes.values()), self.max_norm_ratio, own[mine].numel())
+            for sender in sizes:
+                if sizes[sender] > bound and sender != me:
+                    log.info("%s: clipped the part from %s to the group's bound %.3g", tag, sender[-8:], bound)
+            parts = {s: clip(t, sizes[s], bound) for s, t in parts.items()}
+            averaged_mine = _quantize(aggregate(list(parts.values()), self.aggregation), self.wire_dtype)
+            my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
 
             # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
             deadline = max(deadline, loop.time() + timeout / 2)
-            sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, deadline, view, my_contributors))
+            sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, deadline, view,
+                                                       {"norms": my_norms}))
                       for p in others if p not in elsewhere]
             gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
             elsewhere |= other_views(gathered)
-            result, counts = list(own), [1] * len(group)
-            result[mine], counts[mine] = averaged_mine, my_contributors
+            result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
+            result[mine], counts[mine], norms[mine] = averaged_mine, len(parts), my_norms
             for sender, msg in gathered.items():
                 if sender in elsewhere or sender in self.banned:
                     continue
                 j = group.index(sender)
-                if accept(sender, check_part(msg.tensor, own[j], self.max_norm_ratio)):
-                    result[j], counts[j] = msg.tensor, min(max(int(msg.value), 1), len(group))
+                reason = check_part(msg.tensor, own[j]) or check_owner_result(
+                    msg.tensor, msg.meta.get("norms"), mine, float(own[j].norm()), self.max_norm_ratio, self.aggregation)
+                if accept(sender, reason):
+                    result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
+                    counts[j] = sum(n > 0 for n in norms[j])
+
+            # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
+            # every member that answered holds exactly what we hold.
+            digests = [chunk_digest(c, n) if counts[j] == len(group) else None
+                       for j, (c, n) in enumerate(zip(result, norms))]
+            deadline = max(deadline, loop.time() + timeout / 4)
+            voters = set(others) - elsewhere
+            sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", torch.empty(0), deadline, view,
+                                                       {"digests": digests}))
+                      for p in voters]
+            votes = await self.mailbox.collect(f"{tag}/c", voters, deadline, unless=f"{tag}/x")
+            disagree = sorted(p for p, msg in votes.items() if msg.meta.get("digests") != digests)
+            for p, msg in votes.items():  # an owner whose own digest is not what it sent us lied to us
+                theirs = msg.meta.get("digests")
+                j = group.index(p)
+                if (isinstance(theirs, list) and len(theirs) == len(group) and digests[j] is not None
+                        and theirs[j] != digests[j]):
+                    accept(p, "its chunk's digest differs from the chunk it sent us")
             await asyncio.gather(*sends)
         finally:
             probe.cancel()
         absent = sorted(set(self._gone_until) & set(group) & self.mailbox.senders(f"{tag}/x"))
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
+        agreed = min(counts) == len(group) and not disagree and not absent
+        if disagree:
+            log.warning("%s: rolled back: %d member(s) hold another result than ours", tag, len(disagree))
         return AverageResult(
-            tensor=torch.cat(result) if result else flat,
+            tensor=torch.cat(result) if agreed else flat,
             group=group,
-            complete=min(counts) == len(group),
-            contributors=min(counts),
+            complete=agreed,
+            contributors=min(counts) if agreed else 1,
             rejected=rejected,
             absent=absent,
+            disagree=disagree,
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,9 +18,9 @@ import torch
 @dataclass
 class Message:
     sender: str
-    value: float  # the scalar that travels with the tensor (a weight, or a contributor count)
     tensor: torch.Tensor
     view: str = ""  # fingerprint of the member list the sender averages over
+    meta: dict = field(default_factory=dict)  # what else the header said (an owner's norms, digests)
 
 
 class Mailbox:

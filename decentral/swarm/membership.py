@@ -57,6 +57,8 @@ class Membership:
         """Peers with a live heartbeat that have not left (this peer included): {peer_id: {"step", "round"}}."""
         found = {p: info for p, info in self.peer.lookup("peers").items() if isinstance(info, dict) and not info.get("left")}
         found.setdefault(self.peer.peer_id, dict(self._progress))
+        with self._known_lock:
+            self._known = (time.monotonic(), set(found))
         return found
 
     def is_alive(self, peer_id: str, refresh_s: float = 1.0) -> bool:
@@ -69,9 +71,7 @@ class Membership:
                 return True
             if time.monotonic() - when < refresh_s:
                 return False
-            known = set(self.alive())
-            self._known = (time.monotonic(), known)
-            return peer_id in known
+        return peer_id in self.alive()
 
     def announce(self, round: int) -> None:
         """Declare that this peer will take part in outer round `round`."""

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.transport import AverageResult
 from decentral.swarm.membership import Membership
@@ -26,8 +27,9 @@ class SwarmTransport:
         a peer's heartbeat stays valid (at least 3 heartbeats), so a dead peer leaves every view within it.
     wire_dtype: precision of tensors on the wire (float32, float16, bfloat16).
     identity_path: a key file that keeps the peer id across restarts (see SwarmPeer).
-    max_norm_ratio: a received part whose norm exceeds this multiple of the lower median of its chunk's
-        parts (ours included) is rejected, and its sender excluded from our later averages.
+    max_norm_ratio: every part is clipped to this multiple of the lower median of its chunk's parts'
+        norms (ours included), which bounds what one member can move an average by.
+    swarm_key: admit only peers holding it (see SwarmPeer).
     aggregation: "mean", or "trimmed" (each coordinate without its largest and smallest value, in groups
         of 3 or more).
     """
@@ -42,16 +44,17 @@ class SwarmTransport:
         announce_host: str | None = None,
         timeout: float = 60.0,
         wire_dtype: str = "float32",
-        max_norm_ratio: float = 4.0,
+        max_norm_ratio: float = 2.0,
         aggregation: str = "mean",
         heartbeat_s: float = 2.0,
         lookahead: int = 2,
         identity_path: str | None = None,
+        swarm_key: SwarmKey | None = None,
     ):
         self.timeout = timeout
         self.lookahead = lookahead
         self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host,
-                              identity_path=identity_path)
+                              identity_path=identity_path, swarm_key=swarm_key)
         self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
         self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
@@ -83,6 +86,9 @@ class SwarmTransport:
 
     def set_progress(self, step: int, round: int) -> None:
         self.membership.set_progress(step, round)
+
+    def progress(self) -> dict[str, dict]:
+        return self.membership.alive()
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""

@@ -42,6 +42,8 @@ class DDP(SyncProtocol):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = parameters_to_vector(grads).detach().float().cpu()
         result, waited = self._timed_average(flat, self._group, f"ddp/{self.step}")
+        if not result.complete and len(result.group) > 1:
+            result.tensor.zero_()  # rolled back: every replica steps on a zero gradient, and none drifts
         vector_to_parameters(result.tensor.to(grads[0]), grads)
         for p, g in zip(self.params, grads):
             p.grad = g

@@ -5,7 +5,9 @@ Every H inner steps (ALGORITHMS.md §1):
     g   = mean_i g_i                       average over all members of the round (each did H inner steps)
     φ  ← SGD(lr, momentum, nesterov)(φ, g) a positive lr moves φ towards the workers' progress
     θ_i ← φ
-Inner optimizer states are never averaged.
+Inner optimizer states are never averaged. A round whose average does not commit (swarm.averaging:
+every member holds the same result, or nobody uses it) is rolled back: φ and the momentum stay, the
+fast weights train on, and the next boundary retries with the progress of both rounds.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class DiLoCo(OuterProtocol):
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
         result, waited = self._timed_average(self.slow - fast, group, f"diloco/{self.round}")
-        self.slow = nesterov_sgd_step(
-            self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov
-        )
-        return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected)
+        rolled_back = not result.complete and len(result.group) > 1
+        if not rolled_back:  # a rolled-back round is retried at the next boundary, with twice the progress
+            self.slow = nesterov_sgd_step(
+                self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov
+            )
+        return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected,
+                          rolled_back=rolled_back)
 
 
 def nesterov_sgd_step(
