@@ -85,6 +85,9 @@ class IslandTransport:
     def set_progress(self, step: int, round: int) -> None:
         """Nothing to report: the collectives themselves keep the ranks in step."""
 
+    def progress(self) -> dict[str, dict]:
+        return {rank: {} for rank in self._ids}
+
     def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         """Mean of a flat tensor over all ranks: one all-reduce of the sum, divided by the rank count.
 

@@ -80,3 +80,12 @@ def test_balanced_eval_batches_weigh_domains_equally(tmp_path):
     text = [bytes(x[0].tolist()) for x, _ in batches]
     assert [b"q" in t for t in text] == [True, True, False, False]
     assert [b"z" in t for t in text] == [False, False, True, True]
+
+
+def test_skipping_batches_goes_on_where_the_sequence_was():
+    streams = [np.arange(3000, dtype=np.int64).astype(np.uint8), np.full(3000, 7, dtype=np.uint8)]
+    full = train_batches(streams, batch_size=5, context=8, seed=3)
+    expected = [next(full) for _ in range(12)][7:]
+    later = train_batches(streams, batch_size=5, context=8, seed=3, skip=7)
+    for (x, y), (ex, ey) in zip([next(later) for _ in range(5)], expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)

@@ -25,10 +25,11 @@ def shard_bounds(n_tokens: int, worker: int, num_workers: int) -> tuple[int, int
 
 def train_batches(
     tokens: np.ndarray | Sequence[np.ndarray], *, batch_size: int, context: int, worker: int = 0,
-    num_workers: int = 1, seed: int = 0, device: torch.device | str = "cpu",
+    num_workers: int = 1, seed: int = 0, device: torch.device | str = "cpu", skip: int = 0,
 ) -> Iterator[Batch]:
     """Endless random windows from `worker`'s shard only, on `device`; the sequence depends only on
-    (tokens, seed, worker).
+    (tokens, seed, worker). `skip` starts it that many batches in (a resumed or late-joining worker
+    goes on where the sequence was, not from its start).
 
     `tokens` may be a list of streams (domains): then every batch is domain-balanced, each stream giving
     batch_size // n rows and the remainder rows rotating over the streams from batch to batch, and each
@@ -50,13 +51,15 @@ def train_batches(
     rng = np.random.default_rng([seed, worker])
     n = len(shards)
 
+    def starts(batch: int) -> list[np.ndarray]:
+        return [rng.integers(0, len(shard) - context, size=batch_size // n + ((index - batch) % n < batch_size % n))
+                for index, shard in enumerate(shards)]
+
     def batches() -> Iterator[Batch]:
-        for batch in itertools.count():
-            rows = []
-            for index, shard in enumerate(shards):
-                count = batch_size // n + ((index - batch) % n < batch_size % n)
-                starts = rng.integers(0, len(shard) - context, size=count)
-                rows.append(_windows(shard, starts, context, device))
+        for batch in range(skip):
+            starts(batch)
+        for batch in itertools.count(skip):
+            rows = [_windows(shard, where, context, device) for shard, where in zip(shards, starts(batch))]
             yield (rows[0] if n == 1 else tuple(torch.cat(part) for part in zip(*rows)))
 
     return batches()

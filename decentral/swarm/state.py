@@ -6,6 +6,8 @@ pick a random donor among the most advanced peers, not always the same one (hive
 A newcomer that already holds the donor's state (same seed, nobody has trained yet) says so with a
 fingerprint and gets no payload: on a slow uplink, N peers starting together would otherwise each pull
 a full copy of the model from someone, and the congestion delays the DHT traffic of the first round.
+A peer that claims a round far ahead of the others (by mistake or to become everyone's donor) is
+passed over: donors are those at most one round past the candidates' lower median.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import read_frame, read_message, write_frame, write_message
+from decentral.swarm.wire import MAX_HEADER, read_frame, read_message, write_frame, write_message
 
 log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -52,7 +56,8 @@ class StateExchange:
         self._snapshot = (dict(meta), tensors, fingerprint(tensors))
 
     async def _on_request(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = json.loads(await read_frame(reader, self.peer.stats) or b"{}")
+        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
+                             or b"{}")
         snapshot = self._snapshot
         if snapshot is None:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
@@ -87,9 +92,14 @@ class StateExchange:
         when the first that could holds exactly `have` (the state we would offer ourselves).
         """
         have_digest = fingerprint(have) if have is not None else None
-        order = [p for p in candidates if p != self.peer.peer_id]
+        rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
+        rounds = {p: r for p, r in rounds.items() if r is not None}
+        if not rounds:
+            return None
+        ceiling = sorted(rounds.values())[(len(rounds) - 1) // 2] + 1
+        order = [p for p, r in rounds.items() if r <= ceiling]
         random.shuffle(order)
-        order.sort(key=lambda p: -int(candidates[p].get("round", 0)))
+        order.sort(key=lambda p: -rounds[p])
         for donor in order:
             try:
                 got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest), timeout)).result()
@@ -101,3 +111,9 @@ class StateExchange:
             if got is not None:
                 return donor, got
         return None
+
+
+def _claimed_round(info: dict) -> int | None:
+    """The round a heartbeat claims, or None when it is not a round number."""
+    round = info.get("round", 0) if isinstance(info, dict) else None
+    return round if isinstance(round, int) and round >= 0 else None

@@ -37,6 +37,7 @@ class SyncReport:
     wait_s: float
     rejected: dict[str, str] = field(default_factory=dict)
     spread: float | None = None  # RMS distance of our slow weights from the group's mean, where known
+    rolled_back: bool = False  # the average did not commit: outer state unchanged, the fast weights train on
 
 
 class SyncProtocol:
@@ -149,15 +150,42 @@ class OuterProtocol(SyncProtocol):
         return {}
 
     def start(self) -> None:
-        got = self.transport.fetch_state(have=self._outer_state())
+        """Catch up with the swarm: its slow weights, outer state, round and inner step (so the LR
+        schedule and `--steps` are the swarm's), taken at a round boundary."""
+        got = self._fetch_at_boundary()
         if got is not None:
-            _, (meta, tensors) = got
-            if meta.get("protocol") == self.name and int(meta.get("round", -1)) >= self.round:
-                self._load_outer(meta, tensors)
+            meta, tensors = got
+            self._load_outer(meta, tensors)
+            self.step = int(meta.get("step", self.step))
         self._load_fast(self.slow)
         self._offer()
         self._round_start = self.step
         super().start()
+
+    def _fetch_at_boundary(self, poll_s: float = 0.25) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The swarm's outer state, when it is ahead of ours. A donor that has trained past the snapshot
+        it offers is in the middle of a round, whose members are already fixed: we announce the rounds
+        from the next one on (so the announcement has a round to reach everyone), wait for the donor's
+        snapshot of that round and join there, rather than make a round wait for our H inner steps."""
+        target = None  # the round we announced and wait for
+        while True:
+            got = self.transport.fetch_state(have=self._outer_state())
+            if got is None:
+                return None
+            donor, (meta, tensors) = got
+            if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
+                return None
+            snapshot_round, snapshot_step = int(meta["round"]), int(meta.get("step", 0))
+            if snapshot_round == target:
+                return meta, tensors
+            if target is None and self.transport.progress().get(donor, {}).get("step", snapshot_step) <= snapshot_step:
+                return meta, tensors  # the donor has not trained since: we are at a boundary already
+            target = snapshot_round + 1
+            self.transport.join_rounds(target)
+            start = time.perf_counter()
+            while self.transport.progress().get(donor, {}).get("round", target) < target:
+                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
+            self.wait_s += time.perf_counter() - start
 
     def _load_outer(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         if tensors["slow"].shape != self.slow.shape:
@@ -175,7 +203,8 @@ class OuterProtocol(SyncProtocol):
         return {"slow": self.slow.clone(), **{k: v.clone() for k, v in self.outer_tensors().items()}}
 
     def _offer(self) -> None:
-        self.transport.offer_state({"protocol": self.name, "round": self.round}, self._outer_state())
+        self.transport.offer_state({"protocol": self.name, "round": self.round, "step": self.step},
+                                   self._outer_state())
 
     def after_step(self) -> SyncReport | None:
         if self.step - self._round_start < self.every:
@@ -186,7 +215,8 @@ class OuterProtocol(SyncProtocol):
         report = self.outer_step(fast)
         self.round += 1
         self._round_start = self.step
-        self._load_fast(self.slow)
+        if not report.rolled_back:
+            self._load_fast(self.slow)
         self._offer()
         self.transport.join_rounds(self.round + 1)
         return report
