@@ -124,3 +124,21 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as flat named tensors: `inner.{param index}.{key}`."""
+    out = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"inner.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def optimizer_state_dict(tensors: dict[str, torch.Tensor], param_groups: list) -> dict[str, Any]:
+    """Inverse of `optimizer_tensors`, plus the param groups: a state dict for `load_state_dict`."""
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": param_groups}

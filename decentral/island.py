@@ -82,8 +82,8 @@ class IslandTransport:
         """All ranks' ids, rank0, rank1, … in numeric order."""
         return list(self._ids)
 
-    def set_progress(self, step: int, round: int) -> None:
-        """Nothing to report: the collectives themselves keep the ranks in step."""
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
+        """Nothing to report: the collectives themselves keep the ranks in step (and identical)."""
 
     def progress(self) -> dict[str, dict]:
         return {rank: {} for rank in self._ids}
@@ -108,7 +108,7 @@ class IslandTransport:
             raise RuntimeError(f"island average {tag!r} is not finite")
         return AverageResult(tensor=mean, group=list(self._ids), complete=True, contributors=k)
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         """Rank 0's first offer is the island's starting state: broadcast it to the other ranks, which
         receive it in their first `fetch_state()`. Later offers, and other ranks' offers, are not needed
         (an island stays identical) and do nothing."""
@@ -116,10 +116,11 @@ class IslandTransport:
             self._broadcast((meta, tensors))
             self._state_shared = True
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None) -> tuple[str, Snapshot] | None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
+                    ) -> tuple[str, Snapshot] | None:
         """On ranks other than 0, the first call blocks until rank 0's first `offer_state()` and returns
-        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None. `have` is not used: the
-        broadcast is a collective every rank joins."""
+        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None. `have` and `donors` are not
+        used: the broadcast is a collective every rank joins."""
         if self.rank == 0 or self._state_shared:
             return None
         snapshot = self._broadcast(None)

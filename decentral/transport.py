@@ -6,10 +6,21 @@ Protocols never import hivemind or torch.distributed: they get a `Transport`. `S
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of names, dtypes, shapes and values: equal exactly when two states are bit-identical."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -41,25 +52,30 @@ class Transport(Protocol):
     def members(self, round: int) -> list[str]:
         """Sorted ids of the peers taking part in `round`; every peer derives the same list."""
 
-    def set_progress(self, step: int, round: int) -> None:
-        """Report our progress to the others (heartbeat)."""
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
+        """Report our progress to the others (heartbeat); `digest`: the `state_digest` of the state we
+        hold after `round` rounds, which the others see soon (a transport keeps the last few rounds')."""
 
     def progress(self) -> dict[str, dict]:
-        """{peer: {"step", "round"}} of the live peers, as they last reported it ({} where unknown)."""
+        """{peer: {"step", "round", "digests": {str(round): digest}}} of the live peers, as they last
+        reported it ({} where unknown)."""
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
         Weights are the protocol's to fix, never a member's to claim: in every round each member has done
         the same number of inner steps."""
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Serve this snapshot of outer state to newcomers until the next offer."""
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+        """Serve this snapshot of outer state to newcomers until the next offer (`digest`: its
+        `state_digest`, when the caller has it already)."""
 
     def fetch_state(
-        self, have: dict[str, torch.Tensor] | None = None
+        self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
     ) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
-        """(donor, (meta, tensors)) from a live peer, or None when nobody serves one. `have` is the state
-        we would offer ourselves: a transport may skip the download when the donor holds exactly that."""
+        """(donor, (meta, tensors)) from a live peer (one of `donors` when given), or None when nobody
+        serves one. `meta` is what the donor offered, plus `donor_step` (its inner step when it served
+        the snapshot) where the transport knows it. `have` is the state we would offer ourselves: a
+        transport may return None when the donor holds exactly that and has not trained since."""
 
     def close(self) -> None: ...
 
@@ -81,7 +97,7 @@ class SoloTransport:
     def members(self, round: int) -> list[str]:
         return [self.peer_id]
 
-    def set_progress(self, step: int, round: int) -> None:
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         pass
 
     def progress(self) -> dict[str, dict]:
@@ -90,10 +106,10 @@ class SoloTransport:
     def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
         return AverageResult(tensor=tensor.detach().float().reshape(-1).clone(), group=[self.peer_id], complete=True, contributors=1)
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         pass
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None) -> None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None) -> None:
         return None
 
     def multiaddrs(self) -> list[str]:

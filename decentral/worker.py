@@ -23,13 +23,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from decentral.checkpoint import load_checkpoint, save_checkpoint
+from decentral.checkpoint import load_checkpoint, optimizer_state_dict, optimizer_tensors, save_checkpoint
 from decentral.config import Recipe
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
 from decentral.data.domains import balanced_eval_batches, load_domains
 from decentral.device import pick_device
-from decentral.experts.branch import StartPoint, load_start_point, optimizer_state_dict, optimizer_tensors
+from decentral.experts.branch import StartPoint, load_start_point
 from decentral.experts.registry import RegistryError
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
@@ -197,6 +197,8 @@ def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str
         line += f" group {len(sync.group)}{'' if sync.complete else ' (partial)'}"
         if sync.spread is not None:
             line += f" spread {sync.spread:.2e}"
+        if sync.repaired:
+            line += " (repaired from the majority)"
     return line
 
 
@@ -245,6 +247,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                                   contributors=report.contributors, rejected=len(report.rejected))
                     if report.spread is not None:
                         record["spread"] = report.spread
+                    if report.digest is not None:
+                        record["digest"] = report.digest[:16]
+                    if report.repaired:
+                        record["repaired"] = True
                 if protocol.step % t.eval_every == 0:
                     record["val_loss"] = val_loss = evaluate(model, val)
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))

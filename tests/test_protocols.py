@@ -1,11 +1,13 @@
 """Outer-step protocols between real hivemind peers: the update rules of ALGORITHMS.md, checked against
 arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
 
+import threading
+
 import pytest
 import torch
 
 from conftest import run_in_threads, wait_until
-from decentral.sync import DiLoCo, DivergedError, NoLoCo
+from decentral.sync import DDP, DiLoCo, DivergedError, NoLoCo
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -169,3 +171,64 @@ def test_non_finite_local_weights_are_never_sent(make_swarm):
         p.after_step()
     assert p.transport.bytes_sent == sent
     assert torch.isfinite(p.slow).all()
+
+
+def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_swarm):
+    protocols = make_protocols(make_swarm(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
+    gen = torch.Generator().manual_seed(3)
+    n = protocols[0].slow.numel()
+    outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    split = protocols[2]  # as if it had missed the commit of round 0: other φ and momentum than the others
+    split.slow += 0.05 * torch.randn(n, generator=gen)
+    split.momentum.zero_()
+    split._offer()  # it publishes the digest of what it holds after round 1, as at its boundary
+    reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    assert [r.repaired for r in reports] == [False, False, True]
+    assert reports[0].spread == reports[1].spread == 0.0 and reports[2].spread > 0.0
+    for p in protocols[1:]:
+        assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
+        assert torch.equal(flat(p.model), p.slow)
+    assert len({r.digest for r in reports}) == 1
+
+
+def test_a_ddp_peer_joining_mid_run_continues_the_swarms_step_and_ends_bit_identical(make_swarm):
+    transports = make_swarm(3)
+    every, steps = 5, 60
+    data = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(16, 5, generator=data), torch.randn(16, 3, generator=data)) for _ in range(steps)]
+    midway = threading.Event()
+    made = {}
+    for index, seed in enumerate((0, 0, 7)):  # the newcomer's own weights differ; models made here, the RNG is global
+        model = tiny_model(seed)
+        made[index] = DDP(model, torch.optim.AdamW(model.parameters(), lr=1e-2), transports[index], membership_every=every)
+
+    def train(index):
+        ddp = made[index]
+        model, optimizer = ddp.model, ddp.optimizer
+        repaired = False
+        with ddp:
+            first = ddp.step
+            while ddp.step < steps:
+                x, y = batches[ddp.step]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                report = ddp.pop_report()
+                repaired |= bool(report and report.repaired)
+                if ddp.step == 2 * every + 2:
+                    midway.set()
+        return first, repaired
+
+    def late():
+        assert midway.wait(60)
+        return train(2)
+
+    (first0, _), (first1, _), (joined, repaired) = run_in_threads([lambda: train(0), lambda: train(1), late], timeout=120)
+    assert first0 == first1 == 0
+    assert joined > 2 * every + 2 and joined % every == 0  # at the epoch boundary after it arrived
+    assert not repaired  # it held the others' weights and optimizer state from its first step
+    for index in (1, 2):
+        assert made[index].step == steps
+        assert torch.equal(flat(made[index].model), flat(made[0].model))
+        ours, theirs = made[index].optimizer.state_dict()["state"], made[0].optimizer.state_dict()["state"]
+        assert all(torch.equal(ours[i]["exp_avg_sq"], theirs[i]["exp_avg_sq"]) for i in theirs)

@@ -49,6 +49,11 @@ def test_four_peer_swarm_trains(workers, protocol):
         groups = [r["group_size"] for r in records if "group_size" in r]
         assert max(groups) == (2 if protocol == "noloco" else 4), groups
         assert records[-1]["bytes_sent"] > 0
+    if protocol != "noloco":  # DiLoCo and DDP replicas hold bit-identical state after every round
+        digests = [{r["round"]: r["digest"] for r in w.metrics(i) if "digest" in r} for i in range(4)]
+        assert len(digests[0]) >= 5
+        for round in digests[0]:
+            assert len({d[round] for d in digests}) == 1, (round, [d[round] for d in digests])
 
 
 def test_sigkilled_peer_does_not_stall_the_others(workers):

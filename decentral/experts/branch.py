@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from decentral.checkpoint import CheckpointError, load_checkpoint
+from decentral.checkpoint import CheckpointError, load_checkpoint, optimizer_state_dict
 from decentral.experts.registry import (
     META_FILE, Expert, RegistryError, model_sha256, read_expert, verify_expert, write_meta,
 )
@@ -63,24 +63,6 @@ def load_start_point(path: str | Path) -> StartPoint:
                                      meta["inner_optimizer"]["param_groups"])
     return StartPoint(model, optimizer, int(meta["sync"]["step"]), model_sha256(model),
                       int(meta.get("lineage", {}).get("tokens", 0)), meta["recipe"]["model"], f"checkpoint {path}")
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state as flat named tensors: `inner.{param index}.{key}`."""
-    out = {}
-    for index, state in optimizer.state_dict()["state"].items():
-        for key, value in state.items():
-            out[f"inner.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    return out
-
-
-def optimizer_state_dict(tensors: dict[str, torch.Tensor], param_groups: list) -> dict[str, Any]:
-    """Inverse of `optimizer_tensors`, plus the param groups: a state dict for `load_state_dict`."""
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value
-    return {"state": state, "param_groups": param_groups}
 
 
 def averaged_start(parents: list[Expert], domain: str, folder: Path) -> Expert:

@@ -1,12 +1,14 @@
 """Who is in the swarm, and who takes part in which outer round.
 
 Two kinds of DHT records under the run's key:
-- `peers`: a heartbeat per peer ({"step", "round"}), refreshed every `heartbeat_s` and expiring
+- `peers`: a heartbeat per peer ({"step", "round", "digests"}), refreshed every `heartbeat_s` and expiring
   after `expire_s`; a killed peer drops out of every view within that time, and a peer that closes
   cleanly marks itself as left at once. A heartbeat must outlive the longest stall that our own
   averaging traffic can put on a saturated uplink, or views split while a round is in flight
   (measured: 8 hosts at 20 Mbit/s, a 6 s expiry, every second round split), so SwarmTransport
-  makes it at least the sync timeout.
+  makes it at least the sync timeout. `digests` holds the digests of the state the peer held after
+  each of its last few rounds (replicas compare them, see decentral.sync.base); a new one goes out at
+  once rather than with the next beat.
 - `round/<r>`: a peer announces that it will take part in round r `lookahead` rounds ahead, so that
   by the time anyone reaches round r all live participants have long since announced it. Every peer
   then derives the same member list for r without a barrier.
@@ -22,6 +24,8 @@ from decentral.swarm.peer import SwarmPeer
 
 log = logging.getLogger(__name__)
 
+KEPT_DIGESTS = 3  # rounds whose state digest a heartbeat carries
+
 
 class Membership:
     def __init__(
@@ -31,7 +35,8 @@ class Membership:
         self.heartbeat_s = heartbeat_s
         self.expire_s = 3 * heartbeat_s if expire_s is None else expire_s
         self.round_ttl_s = round_ttl_s
-        self._progress = {"step": 0, "round": 0}
+        self._progress = {"step": 0, "round": 0, "digests": {}}
+        self._news = threading.Event()  # a digest to publish before the next regular beat
         self._known: tuple[float, set[str]] = (float("-inf"), set())  # (when looked up, peers alive then)
         self._known_lock = threading.Lock()
         self._stop = threading.Event()
@@ -39,15 +44,30 @@ class Membership:
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._thread.start()
 
-    def set_progress(self, step: int, round: int) -> None:
-        """What the next heartbeat reports."""
-        self._progress = {"step": int(step), "round": int(round)}
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
+        """What the next heartbeat reports; a `digest` of the state after `round` rounds is published at
+        once, beside those of the previous `KEPT_DIGESTS - 1` rounds."""
+        digests = self._progress["digests"]
+        if digest is not None:
+            digests = {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
+        self._progress = {"step": int(step), "round": int(round), "digests": digests}
+        if digest is not None:
+            self._news.set()
+
+    @property
+    def step(self) -> int:
+        """Our inner step, as last set (the heartbeat may not carry it yet)."""
+        return self._progress["step"]
 
     def _beat(self) -> None:
         self.peer.publish("peers", self.peer.peer_id, dict(self._progress), ttl=self.expire_s)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        while not self._stop.is_set():
+            self._news.wait(self.heartbeat_s)
+            self._news.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._beat()
             except Exception as e:  # a missed beat is not fatal; the next one may go through
@@ -85,6 +105,7 @@ class Membership:
     def close(self) -> None:
         """Stop the heartbeat and tell the others we left (so nobody waits for us in rounds we announced)."""
         self._stop.set()
+        self._news.set()
         self._thread.join(timeout=5)
         try:
             self.peer.publish("peers", self.peer.peer_id, {**self._progress, "left": True}, ttl=self.expire_s)

@@ -13,7 +13,6 @@ passed over: donors are those at most one round past the candidates' lower media
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import random
@@ -25,6 +24,7 @@ from safetensors.torch import save as save_tensors
 
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import MAX_HEADER, read_frame, read_message, write_frame, write_message
+from decentral.transport import state_digest
 
 log = logging.getLogger(__name__)
 
@@ -33,27 +33,19 @@ REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
 
-def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
-    """A digest of names, dtypes, shapes and values: equal exactly when the states are bit-identical."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 class StateExchange:
     """Serve our snapshot on the `state` stream and download others'."""
 
-    def __init__(self, peer: SwarmPeer):
+    def __init__(self, peer: SwarmPeer, live_step: Callable[[], int] | None = None):
         self.peer = peer
+        self.live_step = live_step  # our inner step now (the snapshot may be older)
         self._snapshot: tuple[dict, dict[str, torch.Tensor], str] | None = None
         peer.add_handler("state", self._on_request)
 
-    def offer(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Make (meta, tensors) what we hand out; the tensors must not be modified afterwards."""
-        self._snapshot = (dict(meta), tensors, fingerprint(tensors))
+    def offer(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+        """Make (meta, tensors) what we hand out; the tensors must not be modified afterwards. `digest`:
+        their `state_digest`, when the caller has it."""
+        self._snapshot = (dict(meta), tensors, digest or state_digest(tensors))
 
     async def _on_request(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
@@ -63,14 +55,15 @@ class StateExchange:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
         meta, tensors, digest = snapshot
-        if request.get("have") == digest:
+        step_now = self.live_step() if self.live_step is not None else int(meta.get("step", 0))
+        if request.get("have") == digest and step_now <= int(meta.get("step", 0)):
             await write_message(writer, {"ok": True, "same": True, "meta": meta}, b"", self.peer.stats)
             return
         payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
-        await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
+        await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, payload, self.peer.stats)
 
     async def _download(self, donor: str, have: str | None) -> Snapshot | str | None:
-        """The donor's snapshot; "same" when it equals the state whose fingerprint is `have`; None if it has none."""
+        """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none."""
         reader, writer = await self.peer.open_stream(donor, "state")
         try:
             await write_frame(writer, json.dumps({"have": have}).encode(), self.peer.stats)
@@ -81,7 +74,10 @@ class StateExchange:
             return None
         if header.get("same"):
             return "same"
-        return dict(header["meta"]), load_tensors(payload)
+        meta = dict(header["meta"])
+        if isinstance(header.get("step_now"), int):
+            meta["donor_step"] = header["step_now"]
+        return meta, load_tensors(payload)
 
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None
@@ -89,9 +85,10 @@ class StateExchange:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}), most advanced first.
 
         Returns (donor, snapshot), or None when no candidate could serve one within `timeout` each, or
-        when the first that could holds exactly `have` (the state we would offer ourselves).
+        when the first that could holds exactly `have` (the state we would offer ourselves) and has not
+        trained since. The snapshot's meta gains `donor_step`, the donor's inner step when it served it.
         """
-        have_digest = fingerprint(have) if have is not None else None
+        have_digest = state_digest(have) if have is not None else None
         rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
         rounds = {p: r for p, r in rounds.items() if r is not None}
         if not rounds:

@@ -59,7 +59,7 @@ class SwarmTransport:
         self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
                                       read_timeout=1.5 * timeout, gone_s=self.membership.expire_s)
-        self.state = StateExchange(self.peer)
+        self.state = StateExchange(self.peer, live_step=lambda: self.membership.step)
 
     @property
     def peer_id(self) -> str:
@@ -84,8 +84,8 @@ class SwarmTransport:
     def members(self, round: int) -> list[str]:
         return self.membership.members(round)
 
-    def set_progress(self, step: int, round: int) -> None:
-        self.membership.set_progress(step, round)
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
+        self.membership.set_progress(step, round, digest)
 
     def progress(self) -> dict[str, dict]:
         return self.membership.alive()
@@ -94,13 +94,17 @@ class SwarmTransport:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
         return self.peer.call(self.averager.average(tensor, group, tag, self.timeout)).result()
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        self.state.offer(meta, tensors)
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+        self.state.offer(meta, tensors, digest)
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None) -> tuple[str, Snapshot] | None:
-        """Download outer state from a live peer (most advanced first); None when nobody serves one, or
-        when the donor's state is exactly `have` (nothing to download)."""
-        return self.state.fetch(self.membership.alive(), timeout=self.timeout, have=have)
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
+                    ) -> tuple[str, Snapshot] | None:
+        """Download outer state from a live peer (one of `donors` when given; most advanced first); None
+        when nobody serves one, or when the donor's state is exactly `have` (nothing to download)."""
+        candidates = self.membership.alive()
+        if donors is not None:
+            candidates = {p: info for p, info in candidates.items() if p in donors}
+        return self.state.fetch(candidates, timeout=self.timeout, have=have)
 
     def close(self) -> None:
         self.membership.close()

@@ -9,17 +9,32 @@ training loop adopts it in two lines:
 
 `before_step` runs after backward and before the inner step (gradient protocols such as DDP);
 `after_step` after it (outer-step protocols such as DiLoCo and NoLoCo).
+
+Replicas never split (protocols whose members must hold identical state: DDP, DiLoCo): at every round
+boundary a protocol offers a snapshot of its state and publishes the snapshot's digest with its
+heartbeat. One boundary later (when the others' digests have long arrived) it compares its digest of
+the previous round with its group's; a peer that held another state than the group's majority (the
+lowest peer id's digest breaks a tie) downloads the majority's state of the current round from one of
+the peers that held it, checks it against the digest they publish, and goes on from there. This
+catches what the averages' commit phase cannot: a member that died inside the commit phase, a
+late joiner that missed a round, anything that made a replica's bits differ.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from decentral.transport import Transport
+from decentral.transport import Transport, state_digest
+
+log = logging.getLogger(__name__)
+
+KEPT_DIGESTS = 3  # rounds whose digest of our own state we remember
 
 
 class DivergedError(RuntimeError):
@@ -36,14 +51,25 @@ class SyncReport:
     contributors: int
     wait_s: float
     rejected: dict[str, str] = field(default_factory=dict)
-    spread: float | None = None  # RMS distance of our slow weights from the group's mean, where known
+    spread: float | None = None  # RMS distance of our slow weights from the group's (mean or majority), where known
     rolled_back: bool = False  # the average did not commit: outer state unchanged, the fast weights train on
+    digest: str | None = None  # state_digest of what we hold after this round (replicas that agree hold the same)
+    repaired: bool = False  # our state differed from the group's majority and was replaced by it
 
 
 class SyncProtocol:
-    """Base: counts inner steps and time spent waiting on the network; hooks the optimizer."""
+    """Base: counts inner steps and time spent waiting on the network; hooks the optimizer; hands its
+    state to newcomers and keeps replicas identical (see the module docstring).
+
+    A protocol that shares state overrides `snapshot`, `load_snapshot` and sets `shares_state`;
+    `identical_replicas` says whether its members must hold bit-identical snapshots after a round.
+    """
 
     name = "base"
+    shares_state = False
+    identical_replicas = False
+    weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
+    repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport):
         self.model = model
@@ -55,6 +81,7 @@ class SyncProtocol:
         self.wait_s = 0.0  # cumulative seconds blocked on the network
         self._report: SyncReport | None = None
         self._hooks: list = []
+        self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -84,8 +111,31 @@ class SyncProtocol:
 
     # ----- what protocols override -----
     def start(self) -> None:
-        """Join the swarm: catch up with the peers' state, then announce the coming rounds."""
+        """Join the swarm: catch up with its state, round and inner step (so the LR schedule and `--steps`
+        are the swarm's), taken at a round boundary; offer our own; announce the coming rounds."""
+        if self.shares_state:
+            got = self._fetch_at_boundary()
+            if got is not None:
+                meta, tensors = got
+                self.load_snapshot(meta, tensors)
+                self.round, self.step = int(meta["round"]), int(meta.get("step", self.step))
+            self._offer()
         self.transport.join_rounds(self.round)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the state a newcomer needs to go on with us, as flat named tensors."""
+        raise NotImplementedError
+
+    def snapshot_meta(self) -> dict:
+        """JSON metadata that travels with `snapshot` (besides protocol, round and step)."""
+        return {}
+
+    def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Take a donor's snapshot (its round and step are the caller's to take)."""
+        raise NotImplementedError
+
+    def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
+        """After `load_snapshot` replaced our state `before` in mid-training (a repair)."""
 
     def before_step(self) -> None:
         """Called after backward, before the inner optimizer step."""
@@ -120,6 +170,96 @@ class SyncProtocol:
             members = sorted([*members, self.transport.peer_id])
         return members
 
+    def _offer(self) -> str:
+        """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""
+        tensors = self.snapshot()
+        digest = state_digest(tensors)
+        self.transport.offer_state({"protocol": self.name, "round": self.round, "step": self.step,
+                                    **self.snapshot_meta()}, tensors, digest)
+        self._digests = {r: d for r, d in self._digests.items() if r > self.round - KEPT_DIGESTS}
+        self._digests[self.round] = digest
+        self.transport.set_progress(self.step, self.round, digest)
+        return digest
+
+    def _fetch_at_boundary(self, poll_s: float = 0.25) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The swarm's state, when it is ahead of ours. A donor that has trained past the snapshot it
+        offers is in the middle of a round, whose members are already fixed: we announce the rounds
+        from the next one on (so the announcement has a round to reach everyone), wait for the donor's
+        snapshot of that round and join there, rather than make a round wait for our inner steps."""
+        target = None  # the round we announced and wait for
+        while True:
+            got = self.transport.fetch_state(have=self.snapshot())
+            if got is None:
+                return None
+            donor, (meta, tensors) = got
+            if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
+                return None
+            snapshot_round, snapshot_step = int(meta["round"]), int(meta.get("step", 0))
+            if snapshot_round == target:
+                return meta, tensors
+            if target is None and int(meta.get("donor_step", snapshot_step)) <= snapshot_step:
+                return meta, tensors  # the donor has not trained since: we are at a boundary already
+            target = snapshot_round + 1
+            self.transport.join_rounds(target)
+            start = time.perf_counter()
+            while self.transport.progress().get(donor, {}).get("round", target) < target:
+                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
+            self.wait_s += time.perf_counter() - start
+
+    def _check_replicas(self, group: list[str], report: SyncReport) -> None:
+        """At a boundary, once our snapshot of `self.round` is offered: compare our digest of the round
+        before with `group`'s, and when the group's majority held another state, repair ours. Fills
+        `report.spread` (0 when every digest we see agrees with ours) and `report.repaired`."""
+        previous = self.round - 1
+        ours = self._digests.get(previous)
+        if ours is None:
+            return
+        held = {self.transport.peer_id: ours}
+        progress = self.transport.progress()
+        for peer in group:
+            digests = progress.get(peer, {}).get("digests") if isinstance(progress.get(peer), dict) else None
+            if peer != self.transport.peer_id and isinstance(digests, dict) and isinstance(digests.get(str(previous)), str):
+                held[peer] = digests[str(previous)]
+        if len(held) < 2:
+            return
+        majority = majority_digest(held)
+        if majority == ours:
+            report.spread = 0.0
+            return
+        log.warning("round %d: our state differs from the one %d of %d members held; repairing it from theirs",
+                    previous, sum(d == majority for d in held.values()), len(held))
+        spread = self._repair({p for p, d in held.items() if d == majority})
+        report.repaired, report.spread = spread is not None, spread
+
+    def _repair(self, donors: set[str], poll_s: float = 0.25) -> float | None:
+        """Take the state of round `self.round` that `donors` (the majority of the round before) publish
+        the digest of, from one of them, checked against that digest. Returns the RMS distance of our
+        `weights_key` tensor from theirs, or None when no donor served it within `repair_timeout_s`."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.repair_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                progress = self.transport.progress()
+                theirs = {p: progress.get(p, {}).get("digests", {}).get(str(self.round)) for p in donors}
+                theirs = {p: d for p, d in theirs.items() if isinstance(d, str)}
+                if theirs:
+                    digest = majority_digest(theirs)
+                    got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
+                    if got is not None and int(got[1][0].get("round", -1)) == self.round \
+                            and state_digest(got[1][1]) == digest:
+                        before = self.snapshot()
+                        self.load_snapshot(*got[1])
+                        self._on_repaired(before)
+                        self._offer()
+                        mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
+                        return float((mine - now).pow(2).mean().sqrt())
+                time.sleep(poll_s)  # polling the donors' heartbeats for their digest of this round
+            log.warning("round %d: no member served the majority's state within %.0fs; trying again next round",
+                        self.round, self.repair_timeout_s)
+            return None
+        finally:
+            self.wait_s += time.perf_counter() - start
+
 
 class OuterProtocol(SyncProtocol):
     """Shared by protocols that keep slow weights φ and sync every `every` inner steps.
@@ -127,6 +267,9 @@ class OuterProtocol(SyncProtocol):
     φ and the outer state live as flat fp32 CPU vectors. After each outer step the protocol offers
     a snapshot of them to newcomers, and newcomers start from a donor's snapshot.
     """
+
+    shares_state = True
+    weights_key = "slow"
 
     def __init__(self, model, optimizer, transport: Transport, *, every: int):
         super().__init__(model, optimizer, transport)
@@ -150,61 +293,27 @@ class OuterProtocol(SyncProtocol):
         return {}
 
     def start(self) -> None:
-        """Catch up with the swarm: its slow weights, outer state, round and inner step (so the LR
-        schedule and `--steps` are the swarm's), taken at a round boundary."""
-        got = self._fetch_at_boundary()
-        if got is not None:
-            meta, tensors = got
-            self._load_outer(meta, tensors)
-            self.step = int(meta.get("step", self.step))
-        self._load_fast(self.slow)
-        self._offer()
-        self._round_start = self.step
         super().start()
+        self._load_fast(self.slow)
+        self._round_start = self.step
 
-    def _fetch_at_boundary(self, poll_s: float = 0.25) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        """The swarm's outer state, when it is ahead of ours. A donor that has trained past the snapshot
-        it offers is in the middle of a round, whose members are already fixed: we announce the rounds
-        from the next one on (so the announcement has a round to reach everyone), wait for the donor's
-        snapshot of that round and join there, rather than make a round wait for our H inner steps."""
-        target = None  # the round we announced and wait for
-        while True:
-            got = self.transport.fetch_state(have=self._outer_state())
-            if got is None:
-                return None
-            donor, (meta, tensors) = got
-            if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
-                return None
-            snapshot_round, snapshot_step = int(meta["round"]), int(meta.get("step", 0))
-            if snapshot_round == target:
-                return meta, tensors
-            if target is None and self.transport.progress().get(donor, {}).get("step", snapshot_step) <= snapshot_step:
-                return meta, tensors  # the donor has not trained since: we are at a boundary already
-            target = snapshot_round + 1
-            self.transport.join_rounds(target)
-            start = time.perf_counter()
-            while self.transport.progress().get(donor, {}).get("round", target) < target:
-                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
-            self.wait_s += time.perf_counter() - start
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Slow weights and the protocol's outer tensors (copies)."""
+        return {"slow": self.slow.clone(), **{k: v.clone() for k, v in self.outer_tensors().items()}}
 
-    def _load_outer(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         if tensors["slow"].shape != self.slow.shape:
             raise ValueError(
                 f"the swarm's model has {tensors['slow'].numel()} parameters, ours has {self.slow.numel()}: "
                 "the recipes differ"
             )
-        self.round = int(meta["round"])
         self.slow = tensors["slow"].float().clone()
         for name, value in self.outer_tensors().items():
             value.copy_(tensors[name])
 
-    def _outer_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the state newcomers download: slow weights and the protocol's outer tensors."""
-        return {"slow": self.slow.clone(), **{k: v.clone() for k, v in self.outer_tensors().items()}}
-
-    def _offer(self) -> None:
-        self.transport.offer_state({"protocol": self.name, "round": self.round, "step": self.step},
-                                   self._outer_state())
+    def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
+        """θ keeps its own progress, now relative to the repaired φ (θ = φ exactly, when it had none)."""
+        self._load_fast(self.slow + (self._fast_vector() - before["slow"]))
 
     def after_step(self) -> SyncReport | None:
         if self.step - self._round_start < self.every:
@@ -218,6 +327,9 @@ class OuterProtocol(SyncProtocol):
         if not report.rolled_back:
             self._load_fast(self.slow)
         self._offer()
+        if self.identical_replicas:
+            self._check_replicas(report.group, report)
+        report.digest = self._digests[self.round]
         self.transport.join_rounds(self.round + 1)
         return report
 
@@ -232,5 +344,13 @@ class OuterProtocol(SyncProtocol):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self._load_outer(state["meta"], state["tensors"])
+        self.load_snapshot(state["meta"], state["tensors"])
         self._round_start = self.step
+
+
+def majority_digest(held: dict[str, str]) -> str:
+    """The digest most peers of `held` ({peer: digest}) hold; among equally many, the one the lowest peer
+    id holds, so every peer that sees the same digests picks the same."""
+    counts = Counter(held.values())
+    most = max(counts.values())
+    return held[min(p for p, d in held.items() if counts[d] == most)]

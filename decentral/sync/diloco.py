@@ -7,7 +7,8 @@ Every H inner steps (ALGORITHMS.md §1):
     θ_i ← φ
 Inner optimizer states are never averaged. A round whose average does not commit (swarm.averaging:
 every member holds the same result, or nobody uses it) is rolled back: φ and the momentum stay, the
-fast weights train on, and the next boundary retries with the progress of both rounds.
+fast weights train on, and the next boundary retries with the progress of both rounds. Replicas whose
+φ or momentum differ anyway are found by digest and repaired (decentral.sync.base).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from decentral.transport import Transport
 
 class DiLoCo(OuterProtocol):
     name = "diloco"
+    identical_replicas = True  # every member applies the same average to the same φ and momentum
 
     def __init__(
         self,
