@@ -1,0 +1,170 @@
+"""SkipPipe's convergence constraints on the stages a microbatch visits (arXiv 2502.19913; ALGORITHMS.md §5).
+
+A path visits stage 0 first (and returns to its stage-0 node for the loss), then `length - 1`
+distinct non-zero stages:
+- **length**: fixed by the skip ratio, `path_length(stages, skip)`;
+- **order**: increasing, except up to `MAX_SWAPS` swaps, each of two neighbours in the path that are
+  consecutive stages (1, 3, 2, 4 swaps 2 and 3; swaps do not overlap);
+- **hops**: at most `MAX_SKIP` stages skipped between two stages visited one after the other, counted on
+  the visited stages in increasing order, and also after the last one (the hop into the loss:
+  stages 0, 2, 3, 5 of 8 skip 1, 0, 1, then 6 and 7);
+- **balance**: over an iteration, every non-zero stage is visited by as many microbatches as any
+  other, ±1 (`Balance`, `balanced_sets`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from decentral.pipeline.network import NetworkError
+
+MAX_SWAPS = 2
+MAX_SKIP = 3
+
+
+def path_length(stages: int, skip: float) -> int:
+    """Stages a microbatch visits, stage 0 included: `stages - round(skip * stages)`, halves rounded
+    up (6 stages at skip 0.33 skip 2 and visit 4; at 0.25, 1.5 rounds to 2, also 4).
+
+    Raises NetworkError when fewer than 2 stages are left, or when no path can skip that many stages
+    with at most MAX_SKIP per hop.
+    """
+    if stages < 2:
+        raise NetworkError(f"stages must be at least 2, got {stages}")
+    if not 0 <= skip < 1:
+        raise NetworkError(f"skip must be in [0, 1), got {skip}")
+    length = stages - math.floor(skip * stages + 0.5)
+    if length < 2:
+        raise NetworkError(f"skip {skip} with {stages} stages leaves {length} stage(s) per path; a path needs "
+                           f"stage 0 and at least one other: lower the skip ratio")
+    unreachable = sorted(set(range(1, stages)).difference(*stage_sets(stages, length)))
+    if unreachable:
+        raise NetworkError(f"skip {skip} with {stages} stages: no path of {length} stages skipping at most {MAX_SKIP} "
+                           f"per hop visits stage(s) {unreachable}, so visits cannot be balanced: lower the skip ratio")
+    return length
+
+
+def stage_sets(stages: int, length: int) -> list[tuple[int, ...]]:
+    """Every set of non-zero stages (increasing) a path of `length` may visit under the hop rule."""
+    found = []
+    for chosen in itertools.combinations(range(1, stages), length - 1):
+        bounds = (0, *chosen, stages)
+        if all(b - a - 1 <= MAX_SKIP for a, b in zip(bounds, bounds[1:])):
+            found.append(chosen)
+    return found
+
+
+def orders(stage_set: Sequence[int], swaps: bool = True) -> list[tuple[int, ...]]:
+    """The orders a path may visit `stage_set` in: increasing, then with each choice of up to
+    MAX_SWAPS disjoint swaps of neighbours that are consecutive stages."""
+    base = tuple(stage_set)
+    if not swaps:
+        return [base]
+    swappable = [i for i in range(len(base) - 1) if base[i + 1] == base[i] + 1]
+    found = [base]
+    for count in range(1, MAX_SWAPS + 1):
+        for positions in itertools.combinations(swappable, count):
+            if any(b - a < 2 for a, b in zip(positions, positions[1:])):
+                continue  # overlapping swaps
+            order = list(base)
+            for i in positions:
+                order[i], order[i + 1] = order[i + 1], order[i]
+            found.append(tuple(order))
+    return found
+
+
+class Balance:
+    """Visits per non-zero stage kept balanced while microbatches choose stage sets one by one.
+
+    With V = microbatches * (length - 1) = q * (stages - 1) + extra visits in all, a balanced
+    iteration visits `extra` stages q + 1 times and the others q times. `open()` lists the sets the
+    next microbatch may take: no stage goes past q + 1, at most `extra` stages reach it, and the
+    microbatches left can still bring every stage to q and `extra` of them to q + 1 (enough when
+    every set is allowed; the hop rule can still lead into a dead end, see `balanced_sets`).
+    """
+
+    def __init__(self, sets: Sequence[tuple[int, ...]], stages: int, length: int, microbatches: int):
+        self.sets = sets
+        self.q, self.extra = divmod(microbatches * (length - 1), stages - 1)
+        self.counts = [0] * stages  # index 0 unused
+        self.left = microbatches
+
+    def open(self) -> list[int]:
+        return [i for i, chosen in enumerate(self.sets) if self._allows(chosen)]
+
+    def take(self, index: int) -> None:
+        for stage in self.sets[index]:
+            self.counts[stage] += 1
+        self.left -= 1
+
+    def _allows(self, chosen: tuple[int, ...]) -> bool:
+        q, left = self.q, self.left - 1
+        counts = self.counts[1:]
+        for stage in chosen:
+            counts[stage - 1] += 1
+        top = counts.count(q + 1)
+        if top > self.extra or max(counts) > q + 1 or q - min(counts) > left:
+            return False
+        room = sum(1 for c in counts if c <= q and q + 1 - c <= left)
+        return self.extra - top <= room
+
+
+class Drawn:
+    """A fixed multiset of stage sets (indices), handed out in any order: the same interface as Balance."""
+
+    def __init__(self, indices: Sequence[int]):
+        self.left = Counter(indices)
+
+    def open(self) -> list[int]:
+        return sorted(i for i, count in self.left.items() if count)
+
+    def take(self, index: int) -> None:
+        self.left[index] -= 1
+
+
+def balanced_sets(sets: Sequence[tuple[int, ...]], stages: int, length: int, microbatches: int,
+                  rng: np.random.Generator, tries: int = 100) -> list[int]:
+    """One index into `sets` per microbatch, visits balanced: each microbatch takes, among the sets
+    Balance leaves open, one whose stages are furthest below q, then one with the stage that the
+    fewest open sets visit, ties broken at random; a dead end (possible under the hop rule) starts
+    over. NetworkError when every try fails."""
+    for _ in range(tries):
+        balance, chosen = Balance(sets, stages, length, microbatches), []
+        for _ in range(microbatches):
+            allowed = balance.open()
+            if not allowed:
+                break
+            served = Counter(stage for i in allowed for stage in sets[i])
+            rank = [(sum(balance.q - balance.counts[s] for s in sets[i]), -min(served[s] for s in sets[i]))
+                    for i in allowed]
+            best = [i for i, key in zip(allowed, rank) if key == max(rank)]
+            chosen.append(best[int(rng.integers(len(best)))])
+            balance.take(chosen[-1])
+        else:
+            return chosen
+    raise NetworkError(f"found no balanced set of paths of {length} of {stages} stages for {microbatches} "
+                       f"microbatches in {tries} tries: change the skip ratio or the number of microbatches")
+
+
+def violations(stage_of: Sequence[int], paths: Sequence[Sequence[int]], stages: int, length: int,
+               swaps: bool = True) -> list[str]:
+    """Every convergence constraint that node paths break, given each node's stage; [] when none."""
+    found = []
+    if sorted(set(stage_of)) != list(range(stages)):
+        found.append(f"stages without a node: {sorted(set(range(stages)) - set(stage_of))}")
+    allowed = {order for stage_set in stage_sets(stages, length) for order in orders(stage_set, swaps)}
+    visits = Counter()
+    for m, path in enumerate(paths):
+        visited = tuple(stage_of[node] for node in path)
+        if visited[0] != 0 or visited[1:] not in allowed:
+            found.append(f"microbatch {m}: stage order {list(visited)} is not allowed")
+        visits.update(visited[1:])
+    counts = [visits[s] for s in range(1, stages)]
+    if paths and max(counts) - min(counts) > 1:
+        found.append(f"unbalanced visits per stage 1..{stages - 1}: {counts}")
+    return found

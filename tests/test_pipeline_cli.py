@@ -1,0 +1,95 @@
+"""`decentral pipeline plan` and the planner benchmark, run in-process through their argparse hooks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from decentral.pipeline.bench import plan_bench
+from decentral.pipeline.cli import add_pipeline_parser
+from decentral.pipeline.network import NetworkError, load_network
+from decentral.pipeline.simulator import simulate
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "networks"
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Parse and run like decentral.cli.main: NetworkError becomes one line on stderr and exit code 2."""
+    parser = argparse.ArgumentParser(prog="decentral")
+    add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except NetworkError as e:
+        print(f"decentral: {e}", file=sys.stderr)
+        code = 2
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_writes_the_plan_and_the_chart_and_prints_three_times(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code, stdout, _ = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--microbatches", "6",
+                               "--out", str(out), "--plot", str(png)], capsys)
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads(out.read_text())
+    assert record["inputs"]["microbatches"] == 6 and record["inputs"]["stages"] == 4  # the flag, then the file
+    assert record["inputs"]["path_length"] == 3  # 4 stages, skip 0.25: 4 - round(1.0)
+    network = load_network(EXAMPLES / "two_sites.json").replace(microbatches=6)
+    paths = [[network.index(name) for name in path] for path in record["paths"]]
+    assert len(paths) == 6 and all(len(path) == 3 for path in paths)
+    assert sum(len(names) for names in record["allocation"]) == len(network)
+    assert record["iteration_ms"]["planned"] == pytest.approx(simulate(network, paths).makespan_ms, abs=1e-3)
+    for label, key in (("full pipeline", "full_pipeline"), ("network-blind skipping", "network_blind"),
+                       ("planned", "planned")):
+        line = next(line for line in stdout.splitlines() if line.startswith(label + " "))
+        assert f"{record['iteration_ms'][key] / 1e3:.1f} s" in line
+    assert f"planned in {record['planning_s']:.1f} s" in stdout
+
+
+def test_flags_override_the_file(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, _ = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--stages", "3", "--skip", "0",
+                          "--out", str(out)], capsys)
+    record = json.loads(out.read_text())
+    assert code == 0 and len(record["allocation"]) == 3
+    assert all(len(path) == 3 for path in record["paths"])
+
+
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stages": 2, "skip": 0, "microbatches": 2, "activation_bytes": 10,
+                               "nodes": [{"name": "a", "compute_ms": "fast"}, {"name": "b", "compute_ms": 1}],
+                               "default_link": {"latency_ms": 1, "bandwidth_mbps": 1}}))
+    code, stdout, stderr = run_cli(["pipeline", "plan", str(bad), "--out", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and stdout == ""
+    assert stderr == "decentral: bad.json: nodes[0].compute_ms must be a positive number, got 'fast'\n"
+    code, _, stderr = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--stages", "9",
+                               "--out", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and stderr.count("\n") == 1 and "9 stages need at least 9 nodes" in stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_help_ends_with_an_example(capsys):
+    with pytest.raises(SystemExit):
+        run_cli(["pipeline", "plan", "--help"], capsys)
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-2] == "example:" and lines[-1].strip().startswith("decentral pipeline plan ")
+
+
+def test_bench_reports_every_seed_and_the_median(tmp_path, capsys):
+    rows = plan_bench(seeds=(0, 1), nodes=8, stages=4, skip=0.25, regions=2, microbatches=8, effort=0.05,
+                      out=tmp_path)
+    assert [row["seed"] for row in rows] == [0, 1, "median"]
+    for row in rows[:2]:
+        assert row["planned_vs_full"] == pytest.approx(row["planned_s"] / row["full_s"])
+    assert rows[2]["planned_s"] == pytest.approx((rows[0]["planned_s"] + rows[1]["planned_s"]) / 2)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [row["dead"] for row in saved["rows"]] == [rows[0]["dead"], rows[1]["dead"]]
+    assert (tmp_path / "pipeline_bench.png").exists()
+    assert "median" in capsys.readouterr().out
