@@ -88,11 +88,11 @@ class IslandTransport:
     def progress(self) -> dict[str, dict]:
         return {rank: {} for rank in self._ids}
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Mean of a flat tensor over all ranks: one all-reduce of the sum, divided by the rank count.
 
-        `group` must be all ranks (islands average over all ranks); `tag` is unused since collectives
-        match by call order. Every rank must call it. The byte counters grow by the bandwidth-optimal
+        `group` must be all ranks (islands average over all ranks); `tag` and `round` are unused since
+        collectives match by call order. Every rank must call it. The byte counters grow by the bandwidth-optimal
         ring estimate 2 (k-1)/k * numel * 4 each way. Raises RuntimeError when the mean is not finite:
         a collective cannot drop one rank's part.
         """

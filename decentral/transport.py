@@ -60,10 +60,11 @@ class Transport(Protocol):
         """{peer: {"step", "round", "digests": {str(round): digest}}} of the live peers, as they last
         reported it ({} where unknown)."""
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
         Weights are the protocol's to fix, never a member's to claim: in every round each member has done
-        the same number of inner steps."""
+        the same number of inner steps. `round`: the outer round the average belongs to (a member that
+        does not take part in it is left out at once rather than waited for)."""
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         """Serve this snapshot of outer state to newcomers until the next offer (`digest`: its
@@ -103,7 +104,7 @@ class SoloTransport:
     def progress(self) -> dict[str, dict]:
         return {self.peer_id: {}}
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         return AverageResult(tensor=tensor.detach().float().reshape(-1).clone(), group=[self.peer_id], complete=True, contributors=1)
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:

@@ -143,7 +143,7 @@ def lying_owner(peer, lie, cover_up=False):
     with `cover_up`, also the digest of that lie, to that receiver, in the commit phase."""
     push, sent = peer.averager._push, {}
 
-    async def lying_push(target, tag, tensor, deadline, view="", meta=None):
+    async def lying_push(target, tag, tensor, deadline, view="", meta=None, round=None):
         if tag.endswith("/g"):
             tensor = sent[target] = (lie(tensor, target), meta["norms"])
             tensor = tensor[0]
@@ -151,7 +151,7 @@ def lying_owner(peer, lie, cover_up=False):
             digests = list(meta["digests"])
             digests[sorted(peer.averager._groups[tag[:-2]][0]).index(peer.peer_id)] = chunk_digest(*sent[target])
             meta = {"digests": digests}
-        return await push(target, tag, tensor, deadline, view, meta)
+        return await push(target, tag, tensor, deadline, view, meta, round)
 
     peer.averager._push = lying_push
 

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _ACK = b"\x01"
 _REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, or does not know us yet)
+_NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (a restarted peer's earlier life did)
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
@@ -168,6 +169,7 @@ class GroupAverager:
         self.gone_s = gone_s
         self.member_refresh_s = member_refresh_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
+        self.first_round: int | None = None  # the first round this process announced (see `average`)
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
         self._gone_until: dict[str, float] = {}  # peer whose end closed -> loop time until which it is left out
@@ -207,6 +209,10 @@ class GroupAverager:
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
+        round = header.get("round")
+        if isinstance(round, int) and (self.first_round is None or round < self.first_round):
+            await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)  # our peer id's previous life announced it
+            return
         self._gone_until.pop(sender, None)  # it is back
         await self.mailbox.put(tag, Message(sender, tensor_from_bytes(payload, wire), view, meta))
         await write_frame(writer, _ACK, self.peer.stats)
@@ -244,11 +250,11 @@ class GroupAverager:
 
     # ----- sending -----
     async def _push(self, target: str, tag: str, tensor: torch.Tensor, deadline: float, view: str = "",
-                    meta: dict | None = None) -> bool:
-        """Deliver `tensor` to `target`; False when it did not arrive. When `target` refuses it, or its
-        end closes (its process is gone), it will send us nothing for this average either: that is noted
-        as a notice under `tag`'s average, so nobody waits for it; a closed end or a refused connection also
-        marks it gone."""
+                    meta: dict | None = None, round: int | None = None) -> bool:
+        """Deliver `tensor` to `target`; False when it did not arrive. When `target` refuses it, takes no
+        part in `round`, or its end closes (its process is gone), it will send us nothing for this average
+        either: that is noted as a notice under `tag`'s average, so nobody waits for it; a closed end or a
+        refused connection also marks it gone for later averages, taking no part in the round for this one."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
@@ -258,9 +264,14 @@ class GroupAverager:
                     raise _Unreachable(repr(e)) from e
                 try:
                     header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(),
-                              "meta": meta or {}}
+                              "meta": meta or {}, **({} if round is None else {"round": round})}
                     await write_message(writer, header, tensor_to_bytes(tensor, self.wire_dtype), self.peer.stats)
                     answer = await read_frame(reader, self.peer.stats, 1)
+                    if answer == _NOT_IN_ROUND:
+                        log.info("push %s to %s: it takes no part in round %s (restarted?); not waiting for it",
+                                 tag, target[-8:], round)
+                        await self._gone(target, tag.rpartition("/")[0], for_s=0.0)
+                        return False
                     if answer == _REFUSED:
                         log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
                         await self.mailbox.put(f"{tag.rpartition('/')[0]}/x", Message(target, torch.empty(0)))
@@ -279,10 +290,11 @@ class GroupAverager:
             log.info("push %s to %s failed: %r", tag, target[-8:], e)
         return False
 
-    async def _gone(self, peer: str, tag: str) -> None:
-        """`peer`'s end closed: it will send nothing for average `tag`, and later averages leave it out
-        until `gone_s` have passed (by then its heartbeat has expired) or it pushes to us again."""
-        self._gone_until[peer] = asyncio.get_running_loop().time() + self.gone_s
+    async def _gone(self, peer: str, tag: str, for_s: float | None = None) -> None:
+        """`peer` will send nothing for average `tag` (which is redone without it), and later averages leave
+        it out until `for_s` (default `gone_s`: by then the heartbeat of a dead peer has expired) have
+        passed or it pushes to us again."""
+        self._gone_until[peer] = asyncio.get_running_loop().time() + (self.gone_s if for_s is None else for_s)
         await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0)))
 
     async def _probe(self, peers: list[str], tag: str) -> None:
@@ -311,8 +323,13 @@ class GroupAverager:
             self.banned[peer] = reason
 
     # ----- averaging -----
-    async def average(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
+    async def average(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
+                      round: int | None = None) -> AverageResult:
         """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures.
+
+        `round`, when given, travels with every push: a member that takes no part in it (a restarted
+        process whose earlier life announced it: its `first_round` is later) says so at once, and the
+        average is redone without it.
 
         Members found gone in an earlier average, or excluded, are left out (every member saw them go,
         or misbehave, so every member leaves them out); when a member is found gone or excluded during
@@ -322,12 +339,12 @@ class GroupAverager:
             raise ValueError("this peer is not in the group it was asked to average with")
         now = asyncio.get_running_loop().time()
         alive = [p for p in group if self._gone_until.get(p, now) <= now and p not in self.banned]
-        result = await self._average_once(flat, alive, tag, timeout)
+        result = await self._average_once(flat, alive, tag, timeout, round)
         dropped = [p for p in alive if p in self.banned or (p in result.absent and p in self._gone_until)]
         if dropped and len(alive) - len(dropped) >= 2:
             log.info("%s: redoing the average without %d member(s) gone or excluded", tag, len(dropped))
             survivors = [p for p in alive if p not in dropped]
-            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout)
+            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
                              absent=sorted(set(result.absent) | set(retry.absent)))
         result.rejected.update({p: f"excluded: {self.banned[p]}" for p in group if p in self.banned
@@ -335,7 +352,8 @@ class GroupAverager:
         result.absent = sorted(set(result.absent) | {p for p in group if p not in alive and p not in self.banned})
         return result
 
-    async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float) -> AverageResult:
+    async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
+                            round: int | None) -> AverageResult:
         me = self.peer.peer_id
         group = sorted(group)
         view = view_fingerprint(group)
@@ -368,7 +386,7 @@ class GroupAverager:
 
         try:
             # phase 1: reduce-scatter. Parts are clipped to the group's norm bound, ours included.
-            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], deadline, view))
+            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], deadline, view, round=round))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
@@ -386,7 +404,7 @@ class GroupAverager:
             # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
             deadline = max(deadline, loop.time() + timeout / 2)
             sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, deadline, view,
-                                                       {"norms": my_norms}))
+                                                       {"norms": my_norms}, round))
                       for p in others if p not in elsewhere]
             gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
             elsewhere |= other_views(gathered)
@@ -409,7 +427,7 @@ class GroupAverager:
             deadline = max(deadline, loop.time() + timeout / 4)
             voters = set(others) - elsewhere
             sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", torch.empty(0), deadline, view,
-                                                       {"digests": digests}))
+                                                       {"digests": digests}, round))
                       for p in voters]
             votes = await self.mailbox.collect(f"{tag}/c", voters, deadline, unless=f"{tag}/x")
             disagree = sorted(p for p, msg in votes.items() if msg.meta.get("digests") != digests)

@@ -37,6 +37,7 @@ class SwarmError(RuntimeError):
 
 ADMIT_TIMEOUT_S = 10.0  # an incoming stream must present its swarm-key token within this time
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
+IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life's daemon to let go of its id
 
 
 class _DHTProcess(DHT):
@@ -92,20 +93,29 @@ class SwarmPeer:
         identity_path = ensure_identity(identity_path or Path(self._identity_dir) / "identity.key")
         self._refused: set[str] = set()  # peers whose keyless stream we logged already
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
-        try:
-            self.dht = _DHTProcess(
-                initial_peers=list(initial_peers),
-                start=True,
-                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                announce_maddrs=announce,
-                startup_timeout=startup_timeout,
-                await_ready=True,
-                identity_path=str(identity_path),
-                record_validators=[SignedRecords(identity_path, swarm_key)],
-            )
-        except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
-            where = f" through {list(initial_peers)}" if initial_peers else ""
-            raise SwarmError(f"could not start a swarm peer{where}: {e}") from e
+        deadline = time.monotonic() + IDENTITY_RELEASE_S
+        while True:
+            try:
+                self.dht = _DHTProcess(
+                    initial_peers=list(initial_peers),
+                    start=True,
+                    host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                    announce_maddrs=announce,
+                    startup_timeout=startup_timeout,
+                    await_ready=True,
+                    identity_path=str(identity_path),
+                    record_validators=[SignedRecords(identity_path, swarm_key)],
+                )
+                break
+            except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
+                if "already taken" in str(e) and time.monotonic() < deadline:
+                    log.info("identity %s is still in use (a killed life's daemon shutting down?); retrying", identity_path)
+                    time.sleep(1.0)  # the killed process's DHT child notices its parent is gone within ORPHAN_CHECK_S
+                    continue
+                where = f" through {list(initial_peers)}" if initial_peers else ""
+                hint = (" (is another process using this identity, e.g. the same --out? a killed one's daemon "
+                        f"lets go of it within seconds)" if "already taken" in str(e) else "")
+                raise SwarmError(f"could not start a swarm peer{where}: {e}{hint}") from e
         self.peer_id = str(self.dht.peer_id)
         self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
         self._loop = asyncio.new_event_loop()
@@ -185,8 +195,9 @@ class SwarmPeer:
             return True
         try:
             token = await asyncio.wait_for(read_frame(reader, self.stats, TOKEN_BYTES), ADMIT_TIMEOUT_S)
-        except Exception:
-            token = b""
+        except Exception as e:  # closed or silent before its token: its process may have died mid-dial
+            log.debug("a %s stream from %s ended before its token: %r", protocol, sender, e)
+            return False
         if hmac.compare_digest(token, self.swarm_key.stream_token(sender, self.peer_id, protocol)):
             return True
         if sender not in self._refused:

@@ -2,7 +2,8 @@
 
 The donor serves an immutable snapshot that its protocol replaces after every outer step, so serving
 never waits on training or averaging (the blocking that hivemind issue #445 describes). Newcomers
-pick a random donor among the most advanced peers, not always the same one (hivemind issue #169).
+pick a random donor among the most advanced peers, not always the same one (hivemind issue #169),
+and never one that is behind them (a restarted peer still catching up).
 A newcomer that already holds the donor's state (same seed, nobody has trained yet) says so with a
 fingerprint and gets no payload: on a slow uplink, N peers starting together would otherwise each pull
 a full copy of the model from someone, and the congestion delays the DHT traffic of the first round.
@@ -82,7 +83,8 @@ class StateExchange:
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None
     ) -> tuple[str, Snapshot] | None:
-        """Download a snapshot from one of `candidates` ({peer: {"round": r}}), most advanced first.
+        """Download a snapshot from one of `candidates` ({peer: {"round": r}}) that claim the highest round
+        (at most one past their lower median), in random order.
 
         Returns (donor, snapshot), or None when no candidate could serve one within `timeout` each, or
         when the first that could holds exactly `have` (the state we would offer ourselves) and has not
@@ -94,9 +96,9 @@ class StateExchange:
         if not rounds:
             return None
         ceiling = sorted(rounds.values())[(len(rounds) - 1) // 2] + 1
-        order = [p for p, r in rounds.items() if r <= ceiling]
+        top = max(r for r in rounds.values() if r <= ceiling)
+        order = [p for p, r in rounds.items() if r == top]  # a peer behind the others (restarted) is no donor
         random.shuffle(order)
-        order.sort(key=lambda p: -rounds[p])
         for donor in order:
             try:
                 got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest), timeout)).result()

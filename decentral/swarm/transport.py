@@ -77,7 +77,10 @@ class SwarmTransport:
         return self.peer.multiaddrs()
 
     def join_rounds(self, round: int) -> None:
-        """We will take part in rounds `round` … `round + lookahead`; announce them now."""
+        """We will take part in rounds `round` … `round + lookahead`; announce them now. The first call
+        fixes the first round of this process: pushes for earlier ones are answered "not in this round"."""
+        if self.averager.first_round is None:
+            self.averager.first_round = round
         for r in range(round, round + self.lookahead + 1):
             self.membership.announce(r)
 
@@ -90,9 +93,9 @@ class SwarmTransport:
     def progress(self) -> dict[str, dict]:
         return self.membership.alive()
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
-        return self.peer.call(self.averager.average(tensor, group, tag, self.timeout)).result()
+        return self.peer.call(self.averager.average(tensor, group, tag, self.timeout, round)).result()
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         self.state.offer(meta, tensors, digest)

@@ -157,7 +157,7 @@ class SyncProtocol:
     # ----- helpers -----
     def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str):
         start = time.perf_counter()
-        result = self.transport.average(flat, group, tag)
+        result = self.transport.average(flat, group, tag, self.round)
         waited = time.perf_counter() - start
         self.wait_s += waited
         return result, waited

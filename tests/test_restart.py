@@ -1,0 +1,64 @@
+"""A peer killed and restarted under the same peer id (its key file) between real swarm peers: it is a
+member only of the rounds its new life announces, and a round its killed life announced costs the
+others seconds, not the timeout."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import run_in_threads, wait_until
+from decentral.swarm import SwarmTransport
+
+FIRST_LIFE = """
+import os, sys, time
+os.environ["HIVEMIND_LOGLEVEL"] = "ERROR"
+from decentral.swarm import SwarmTransport
+t = SwarmTransport(sys.argv[1], [sys.argv[2]], timeout=30.0, heartbeat_s=0.5, identity_path=sys.argv[3])
+t.join_rounds(3)  # announces rounds 3, 4 and 5
+print(t.peer_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_restarted_peer_is_a_member_only_of_the_rounds_its_new_life_announced(make_swarm, tmp_path):
+    a, b = make_swarm(2, timeout=30.0)
+    identity = str(tmp_path / "identity.key")
+    first = subprocess.Popen([sys.executable, "-c", FIRST_LIFE, a.peer.run, a.multiaddrs()[0], identity],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        peer_id = first.stdout.readline().strip()
+        wait_until(lambda: peer_id in a.members(4), 30, "the first life's announcement")
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    again = SwarmTransport(a.peer.run, a.multiaddrs(), timeout=30.0, heartbeat_s=0.5, identity_path=identity)
+    try:
+        assert again.peer_id == peer_id
+        wait_until(lambda: a.progress().get(peer_id, {}).get("life") == again.membership.life, 30, "the new heartbeat")
+        assert peer_id not in a.members(4)  # its first life's announcement no longer counts
+        again.join_rounds(5)
+        assert a.members(5) == [peer_id] and peer_id not in a.members(4)
+    finally:
+        again.close()
+
+
+def test_a_round_the_killed_life_announced_costs_the_others_seconds_and_they_agree(make_swarm):
+    a, b, restarted = make_swarm(3, timeout=30.0)
+    for p in (a, b):
+        p.join_rounds(4)
+    restarted.join_rounds(6)  # a new life, joining at round 6; the others listed it for round 5
+    group = sorted(p.peer_id for p in (a, b, restarted))
+    xs = [torch.randn(600), torch.randn(600)]
+    start = time.monotonic()
+    ra, rb = run_in_threads([lambda p=p, x=x: p.average(x, group, "r5", round=5) for p, x in zip((a, b), xs)])
+    assert time.monotonic() - start < 5.0  # the timeout is 30 s
+    for r in (ra, rb):  # redone by the two, not rolled back
+        assert r.complete and r.absent == [restarted.peer_id]
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    assert not restarted.averager.mailbox.senders("r5/r")  # it read and dropped their parts
+    later = run_in_threads([lambda p=p: p.average(torch.ones(60), group, "r6", round=6) for p in (a, b, restarted)])
+    assert all(r.complete and len(r.group) == 3 for r in later)  # and takes part from its own round on
