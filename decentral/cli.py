@@ -1,4 +1,4 @@
-"""`decentral` command line: demo, swarm, train, experts, merge, netlab, bench, syncbench."""
+"""`decentral` command line: demo, swarm, train, experts, merge, pipeline, netlab, bench, syncbench."""
 
 from __future__ import annotations
 
@@ -210,10 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
                            description=experts_cli.MERGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     experts_cli.add_merge_arguments(merge)
 
-    from decentral import bench, btmbench, netlab, syncbench
+    from decentral.pipeline.cli import add_pipeline_parser
+
+    add_pipeline_parser(sub)
+
+    from decentral import bench, btmbench, netlab, soakbench, syncbench
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
-                                  "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed")
+                                  "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
+                                  "`bench soak`: a swarm under churn")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
     suites = bench_parser.add_subparsers(dest="suite", title="other benchmarks")
@@ -225,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     merge_parser = suites.add_parser("merge", help="merge time and peak memory against reading the inputs once",
                                      description=merge_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     merge_bench.add_arguments(merge_parser)
+    soak = suites.add_parser("soak", help="a swarm whose peers are killed and restarted, against the same without",
+                             description=soakbench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    soakbench.add_arguments(soak)
+    from decentral.pipeline import bench as pipeline_bench
+
+    pipe = suites.add_parser("pipeline", help="SkipPipe planner vs full pipeline and network-blind skipping (simulated)",
+                             description=pipeline_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipeline_bench.add_arguments(pipe)
 
     sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow")
     syncbench.add_arguments(sync_parser)
@@ -238,18 +251,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if args.verbose
+                        else "%(levelname)s %(name)s: %(message)s")
     from decentral.checkpoint import CheckpointError
     from decentral.data import DataError
     from decentral.device import DeviceError
     from decentral.experts.registry import RegistryError
     from decentral.merge import MergeError
+    from decentral.pipeline import NetworkError
     from decentral.swarm import AdmissionError, SwarmError
 
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
-            AdmissionError) as e:
+            AdmissionError, NetworkError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,345 @@
+"""`decentral bench soak`: a swarm under churn against the same swarm without it.
+
+Two runs on the same netlab hosts (one `decentral train` process per host, a swarm key, the same
+recipe, seed and `--steps`):
+- steady: every worker trains from start to end;
+- churn: every `--kill-every` seconds one worker is SIGKILLed (chosen at random, seeded, among all but
+  the first `--keep`, which are never killed) and restarted at once on its host with the same output
+  folder (so the same peer id), joining through w0 as a stranger would: it downloads the swarm's state
+  and continues its step. Killing stops after `--minutes`; the run ends when every worker has reached
+  `--steps` (the swarm's total).
+
+What it reports (issue #10's targets):
+- waiting: each never-killed worker's `wait_s` over its training wall time;
+- stalls: syncs of a never-killed worker that waited longer than one round (the median time of a
+  round of inner steps, sync included, of that worker in the steady run);
+- rejoin: for each restart, seconds from the restart until the worker logs a trained step again,
+  against one round;
+- replicas (DiLoCo, DDP): for every round that two or more workers recorded, whether their state
+  digests agree; and the repairs made;
+- loss: the mean final validation loss over workers, churn ÷ steady.
+Writes OUT/results.json and OUT/soak.png and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from decentral.config import default_recipe_path, load_recipe
+from decentral.metrics import format_table
+from decentral.netlab import NetLab
+from decentral.swarm.admission import SwarmKey
+
+POLL_S = 0.5  # how often the harness looks at its workers
+
+
+@dataclass
+class Restart:
+    worker: int
+    killed_at: float  # seconds since the run started
+    restarted_at: float
+    steps_before: int  # trained-step records it had logged before the kill
+    trained_at: float | None = None  # when the restarted worker logged its first trained step again
+    killed_again: bool = False  # it was killed again before it trained: no rejoin time
+
+    @property
+    def rejoin_s(self) -> float | None:
+        return None if self.trained_at is None else self.trained_at - self.restarted_at
+
+
+@dataclass
+class Run:
+    """What one run did: its workers' records (in file order) and its restarts."""
+
+    name: str
+    wall_s: float
+    codes: dict[int, int]
+    records: dict[int, list[dict]]
+    restarts: list[Restart] = field(default_factory=list)
+
+
+class Swarm:
+    """The workers of one run on the lab's hosts."""
+
+    def __init__(self, lab: NetLab, recipe_file: Path, out: Path, steps: int):
+        self.lab, self.recipe_file, self.out, self.steps = lab, recipe_file, out, steps
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.bootstrap: list[str] = []
+        self._logs: list = []
+
+    def start(self, index: int, initial: bool) -> None:
+        host = self.lab.hosts[index]
+        cmd = [sys.executable, "-m", "decentral.cli", "-v", "train", "--protocol", str(self.recipe_file),
+               "--out", str(self.out / f"w{index}"), "--name", f"w{index}", "--worker-index", str(index),
+               "--num-workers", str(len(self.lab.hosts)), "--steps", str(self.steps), "--host", host.address]
+        cmd += ["--min-peers", str(len(self.lab.hosts) if initial else 1)]
+        if index == 0:
+            cmd += ["--maddr-file", str(self.out / "bootstrap.maddrs")]
+        else:
+            cmd += [a for m in self.bootstrap for a in ("--join", m)]
+        log = open(self.out / f"w{index}.log", "a")
+        self._logs.append(log)
+        self.procs[index] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_for_bootstrap(self, timeout: float) -> None:
+        path = self.out / "bootstrap.maddrs"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"w0 never wrote {path}; see {self.out / 'w0.log'}")
+            time.sleep(POLL_S)
+        self.bootstrap = path.read_text().split()
+
+    def trained_steps(self, index: int) -> int:
+        """How many trained-step records worker `index` has logged so far (all its lives)."""
+        path = self.out / f"w{index}" / "metrics.jsonl"
+        return path.read_text().count('"loss"') if path.exists() else 0
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            log.close()
+
+
+def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: float, kill_every: float | None = None,
+              minutes: float = 0.0, keep: int = 2, seed: int = 0) -> Run:
+    """Train one swarm to `steps`; with `kill_every`, kill and restart a worker that often for `minutes`."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    recipe_file = out / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    swarm = Swarm(lab, recipe_file, out, steps)
+    rng = random.Random(seed)
+    restarts: list[Restart] = []
+    started = time.monotonic()
+    try:
+        swarm.start(0, initial=True)
+        swarm.wait_for_bootstrap(180)
+        for index in range(1, len(lab.hosts)):
+            swarm.start(index, initial=True)
+        next_kill = started + kill_every if kill_every else float("inf")
+        churn_ends = started + 60 * minutes
+        killable = list(range(keep, len(lab.hosts)))
+        while any(p.poll() is None for i, p in swarm.procs.items() if i < keep):
+            now = time.monotonic()
+            if now - started > timeout:
+                raise RuntimeError(f"the run took longer than {timeout:.0f}s")
+            for r in restarts:
+                if r.trained_at is None and not r.killed_again and swarm.trained_steps(r.worker) > r.steps_before:
+                    r.trained_at = now - started
+            if now >= next_kill and now < churn_ends:
+                running = [i for i in killable if swarm.procs[i].poll() is None]
+                if running:
+                    victim = rng.choice(running)
+                    for r in restarts:
+                        r.killed_again |= r.worker == victim and r.trained_at is None
+                    swarm.procs[victim].kill()
+                    swarm.procs[victim].wait()
+                    killed_at = time.monotonic() - started
+                    steps_before = swarm.trained_steps(victim)
+                    swarm.start(victim, initial=False)
+                    restarts.append(Restart(victim, killed_at, time.monotonic() - started, steps_before))
+                    print(f"soak: killed and restarted w{victim} at {killed_at:.0f}s", flush=True)
+                next_kill += kill_every
+            time.sleep(POLL_S)  # a harness watching processes and files, not a test's synchronisation
+        deadline = time.monotonic() + 300
+        codes = {i: p.wait(timeout=max(1.0, deadline - time.monotonic())) for i, p in swarm.procs.items()}
+    finally:
+        swarm.close()
+    wall = time.monotonic() - started
+    records = {}
+    for index in range(len(lab.hosts)):
+        path = out / f"w{index}" / "metrics.jsonl"
+        records[index] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return Run(out.name, wall, codes, records, restarts)
+
+
+def round_seconds(records: list[dict]) -> float | None:
+    """Median wall time between consecutive syncs of one life of a worker (inner steps and sync)."""
+    syncs = [r["wall_s"] for r in records if "group_size" in r]
+    gaps = [b - a for a, b in zip(syncs, syncs[1:]) if b > a]
+    return statistics.median(gaps) if gaps else None
+
+
+def sync_waits(records: list[dict]) -> list[float]:
+    """Seconds each sync of a worker waited (cumulative wait_s between consecutive records, one life)."""
+    waits, before = [], 0.0
+    for r in records:
+        if "loss" not in r:
+            before = r.get("wait_s", 0.0)  # a life's first record: its joining wait, counted separately
+            continue
+        if "group_size" in r:
+            waits.append(r["wait_s"] - before)
+        before = r["wait_s"]
+    return waits
+
+
+def final_loss(records: list[dict]) -> float | None:
+    finals = [r["val_loss"] for r in records if r.get("final")]
+    return finals[-1] if finals else None
+
+
+def digest_agreement(run: Run) -> tuple[int, int, int]:
+    """(rounds where every worker that recorded a digest agrees, rounds with 2+ digests, repairs)."""
+    by_round: dict[int, set[str]] = {}
+    counts: dict[int, int] = {}
+    for records in run.records.values():
+        for r in records:
+            if "digest" in r:
+                by_round.setdefault(r["round"], set()).add(r["digest"])
+                counts[r["round"]] = counts.get(r["round"], 0) + 1
+    compared = [r for r in by_round if counts[r] >= 2]
+    repairs = sum(1 for records in run.records.values() for r in records if r.get("repaired"))
+    return sum(len(by_round[r]) == 1 for r in compared), len(compared), repairs
+
+
+def summarize(steady: Run, churn: Run, keep: int) -> dict:
+    """The numbers of the module docstring, per never-killed worker and for the whole run."""
+    kept = {}
+    for i in range(keep):
+        one_round = round_seconds(steady.records[i])
+        records = churn.records[i]
+        last = records[-1] if records else {}
+        waits = sync_waits(records)
+        kept[f"w{i}"] = {
+            "wall_s": last.get("wall_s"), "wait_s": last.get("wait_s"),
+            "wait_fraction": last["wait_s"] / last["wall_s"] if last.get("wall_s") else None,
+            "round_s": one_round, "longest_sync_wait_s": max(waits, default=None),
+            "stalls": sum(w > one_round for w in waits) if one_round else None,
+            "steady_wait_fraction": steady.records[i][-1]["wait_s"] / steady.records[i][-1]["wall_s"]
+            if steady.records[i] and steady.records[i][-1].get("wall_s") else None,
+        }
+    one_round = statistics.median([k["round_s"] for k in kept.values() if k["round_s"]] or [float("nan")])
+    agree, compared, repairs = digest_agreement(churn)
+    steady_agree, steady_compared, _ = digest_agreement(steady)
+    finals = {name: [final_loss(recs) for recs in run.records.values()] for name, run in (("steady", steady), ("churn", churn))}
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    loss = {name: mean([v for v in values if v is not None]) for name, values in finals.items()}
+    return {
+        "kept": kept,
+        "round_s": one_round,
+        "restarts": [{**asdict(r), "rejoin_s": r.rejoin_s} for r in churn.restarts],
+        "rejoined_within_a_round": sum(1 for r in churn.restarts if r.rejoin_s is not None and r.rejoin_s <= one_round),
+        "digests": {"churn": {"agree": agree, "rounds": compared, "repairs": repairs},
+                    "steady": {"agree": steady_agree, "rounds": steady_compared}},
+        "final_val_loss": loss,
+        "loss_ratio": loss["churn"] / loss["steady"] if loss["churn"] and loss["steady"] else None,
+        "wall_s": {"steady": steady.wall_s, "churn": churn.wall_s},
+        "exit_codes": {"steady": steady.codes, "churn": churn.codes},
+    }
+
+
+def format_summary(summary: dict) -> str:
+    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    rows = [("never killed", "wall_s", "wait_s", "waiting", "steady waiting", "longest sync wait", "one round", "stalls")]
+    for name, k in summary["kept"].items():
+        rows.append((name, f(k["wall_s"], ".0f"), f(k["wait_s"], ".1f"), f(k["wait_fraction"], ".1%"),
+                     f(k["steady_wait_fraction"], ".1%"), f(k["longest_sync_wait_s"], ".1f") + " s",
+                     f(k["round_s"], ".1f") + " s", f(k["stalls"], "d")))
+    lines = [format_table(rows, numeric=False), ""]
+    rejoins = [r["rejoin_s"] for r in summary["restarts"] if not r["killed_again"]]
+    known = [r for r in rejoins if r is not None]
+    lines.append(f"restarts: {len(summary['restarts'])} ({len(summary['restarts']) - len(rejoins)} killed again before "
+                 f"they trained); trained again within one round ({summary['round_s']:.1f} s): "
+                 f"{summary['rejoined_within_a_round']} of {len(rejoins)}; rejoin time median "
+                 f"{f(statistics.median(known) if known else None, '.1f')} s, max {f(max(known, default=None), '.1f')} s")
+    d = summary["digests"]
+    lines.append(f"replica digests agree in {d['churn']['agree']} of {d['churn']['rounds']} rounds under churn "
+                 f"({d['churn']['repairs']} repairs), {d['steady']['agree']} of {d['steady']['rounds']} steady")
+    loss = summary["final_val_loss"]
+    lines.append(f"final validation loss: steady {f(loss['steady'], '.4f')}, churn {f(loss['churn'], '.4f')} "
+                 f"(ratio {f(summary['loss_ratio'], '.4f')})")
+    return "\n".join(lines)
+
+
+def plot_soak(steady: Run, churn: Run, keep: int, out_png: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4.5), dpi=110)
+    loss_ax, wait_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for run, style in ((steady, "--"), (churn, "-")):
+        for i, records in run.records.items():
+            vals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None and r["step"] > 0]
+            loss_ax.plot([s for s, _ in vals], [v for _, v in vals], style, color=f"C{i}", alpha=0.7,
+                         label=f"{run.name} w{i}" if i < keep or run is churn else None)
+    loss_ax.set(xlabel="inner step", ylabel="validation loss", title="validation loss (dashed: steady)")
+    loss_ax.legend(fontsize=7)
+    for i in range(keep):
+        for run, style in ((steady, "--"), (churn, "-")):
+            pts = [(r["wall_s"], r["wait_s"]) for r in run.records[i] if "wait_s" in r]
+            wait_ax.plot([t for t, _ in pts], [w for _, w in pts], style, color=f"C{i}", label=f"{run.name} w{i}")
+    for r in churn.restarts:
+        wait_ax.axvline(r.killed_at, color="grey", alpha=0.3, lw=0.8)
+    wait_ax.set(xlabel="wall time (s)", ylabel="cumulative wait (s)", title="never-killed workers' waiting (grey: kills)")
+    wait_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    return out_png
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    if not 1 <= args.keep < args.hosts:
+        print(f"bench soak: --keep must be in 1..{args.hosts - 1}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key_file = out / "swarm.key"
+    key_file.unlink(missing_ok=True)
+    SwarmKey.generate(key_file)
+    recipe = load_recipe(args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol))
+    recipe.train.steps = args.steps
+    recipe.swarm.key_file = str(key_file.resolve())
+    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    config = {"hosts": args.hosts, "bandwidth": bandwidth, "protocol": recipe.protocol, "steps": args.steps,
+              "kill_every_s": args.kill_every, "minutes": args.minutes, "keep": args.keep, "seed": args.seed,
+              "date": dt.date.today().isoformat(),
+              "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"}
+    runs = {}
+    with NetLab(args.hosts, bandwidth, mode=args.mode, name="soak") as lab:
+        config["mode"] = lab.mode
+        for name, churn in (("steady", False), ("churn", True)):
+            recipe.swarm.run = f"soak-{name}-{uuid.uuid4().hex[:6]}"
+            print(f"soak: {name} run of {args.hosts} workers, {args.steps} steps ...", flush=True)
+            runs[name] = run_swarm(lab, recipe.to_dict(), out / name, steps=args.steps, timeout=args.timeout,
+                                   kill_every=args.kill_every if churn else None, minutes=args.minutes,
+                                   keep=args.keep, seed=args.seed)
+            print(f"soak: {name} run done in {runs[name].wall_s:.0f}s, exit codes {runs[name].codes}", flush=True)
+    summary = summarize(runs["steady"], runs["churn"], args.keep)
+    (out / "results.json").write_text(json.dumps({"config": config, **summary}, indent=1))
+    plot_soak(runs["steady"], runs["churn"], args.keep, out / "soak.png")
+    print(format_summary(summary))
+    print(f"soak: results in {out / 'results.json'}, plot {out / 'soak.png'}")
+    return 0 if all(c == 0 for run in runs.values() for c in run.codes.values()) else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", type=int, default=6)
+    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
+    parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
+    parser.add_argument("--steps", type=int, default=3000, help="the swarm's inner steps (default: ~20 min on 2 cores)")
+    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
+    parser.add_argument("--minutes", type=float, default=20.0, help="how long the kills go on")
+    parser.add_argument("--keep", type=int, default=2, help="w0..w(keep-1) are never killed")
+    parser.add_argument("--seed", type=int, default=0, help="which workers get killed")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a run is given up")
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--out", default="runs/soak")
+    parser.set_defaults(func=run_soak)

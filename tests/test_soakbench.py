@@ -1,0 +1,55 @@
+"""The churn soak's arithmetic on hand-made worker records (the soak itself runs for many minutes:
+`decentral bench soak`, numbers in BENCHMARKS.md)."""
+
+import pytest
+
+from decentral.soakbench import Restart, Run, digest_agreement, round_seconds, summarize, sync_waits
+
+
+def life(start_wait, syncs, step_s=1.0, every=2, digests=None, final=2.0):
+    """Records of one process: a start record, `len(syncs) * every` steps (a sync every `every` steps
+    waiting syncs[i] seconds), then a final record."""
+    records = [{"step": 0, "round": 0, "val_loss": 5.0, "wall_s": 0.0, "wait_s": start_wait}]
+    wall, wait, step = 0.0, start_wait, 0
+    for i, waited in enumerate(syncs):
+        for k in range(every):
+            step += 1
+            wall += step_s
+            record = {"step": step, "round": i, "loss": 3.0, "wall_s": wall, "wait_s": wait}
+            if k == every - 1:
+                wait += waited
+                wall += waited
+                record.update(round=i + 1, group_size=3, wall_s=wall, wait_s=wait)
+                if digests:
+                    record["digest"] = digests[i]
+            records.append(record)
+    records.append({"step": step, "round": len(syncs), "val_loss": final, "final": True, "wall_s": wall, "wait_s": wait})
+    return records
+
+
+def test_sync_waits_and_round_seconds():
+    records = life(7.0, [0.5, 4.0, 0.5, 0.5])
+    assert sync_waits(records) == pytest.approx([0.5, 4.0, 0.5, 0.5])  # the start's 7 s of joining is not a sync
+    assert round_seconds(records) == pytest.approx(2.5)  # gaps between syncs: 2 steps + 4.0, then 2 steps + 0.5 twice
+
+
+def test_digests_agree_only_where_every_recorder_holds_the_same():
+    run = Run("churn", 10.0, {0: 0, 1: 0}, {0: life(0, [1, 1, 1], digests=["a", "b", "c"]),
+                                           1: life(0, [1, 1], digests=["a", "x"]) + [{"step": 9, "round": 3, "digest": "c",
+                                                                                     "repaired": True}]})
+    assert digest_agreement(run) == (2, 3, 1)  # rounds 1 and 3 agree, round 2 does not; one repair
+
+
+def test_summary_counts_stalls_rejoins_and_the_loss_ratio():
+    steady = Run("steady", 100.0, {0: 0, 1: 0, 2: 0}, {i: life(0, [0.5] * 4, final=2.0) for i in range(3)})
+    churn = Run("churn", 120.0, {0: 0, 1: 0, 2: 0},
+                {0: life(0, [0.5, 3.0, 0.5, 0.5], final=2.1), 1: life(0, [0.5] * 4, final=2.1),
+                 2: life(0, [0.5] * 4, final=2.1)},
+                [Restart(2, 10.0, 10.5, 4, trained_at=12.0), Restart(2, 20.0, 20.2, 6, killed_again=True),
+                 Restart(2, 40.0, 40.1, 8, trained_at=45.0)])
+    summary = summarize(steady, churn, keep=2)
+    assert summary["round_s"] == pytest.approx(2.5)
+    assert summary["kept"]["w0"]["stalls"] == 1 and summary["kept"]["w1"]["stalls"] == 0  # 3.0 s > one round
+    assert summary["kept"]["w0"]["wait_fraction"] == pytest.approx(4.5 / 12.5)
+    assert summary["rejoined_within_a_round"] == 1  # 1.5 s yes, 4.9 s no, the one killed again not counted
+    assert summary["loss_ratio"] == pytest.approx(2.1 / 2.0)
