@@ -202,8 +202,8 @@ class SyncProtocol:
             target = snapshot_round + 1
             self.transport.join_rounds(target)
             start = time.perf_counter()
-            while self.transport.progress().get(donor, {}).get("round", target) < target:
-                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
+            while heartbeat_round(self.transport.progress().get(donor), target) < target:
+                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends (or it is gone)
             self.wait_s += time.perf_counter() - start
 
     def _check_replicas(self, group: list[str], report: SyncReport) -> None:
@@ -214,12 +214,9 @@ class SyncProtocol:
         ours = self._digests.get(previous)
         if ours is None:
             return
-        held = {self.transport.peer_id: ours}
         progress = self.transport.progress()
-        for peer in group:
-            digests = progress.get(peer, {}).get("digests") if isinstance(progress.get(peer), dict) else None
-            if peer != self.transport.peer_id and isinstance(digests, dict) and isinstance(digests.get(str(previous)), str):
-                held[peer] = digests[str(previous)]
+        held = {p: heartbeat_digest(progress.get(p), previous) for p in group if p != self.transport.peer_id}
+        held = {self.transport.peer_id: ours, **{p: d for p, d in held.items() if d is not None}}
         if len(held) < 2:
             return
         majority = majority_digest(held)
@@ -240,8 +237,8 @@ class SyncProtocol:
         try:
             while time.monotonic() < deadline:
                 progress = self.transport.progress()
-                theirs = {p: progress.get(p, {}).get("digests", {}).get(str(self.round)) for p in donors}
-                theirs = {p: d for p, d in theirs.items() if isinstance(d, str)}
+                theirs = {p: heartbeat_digest(progress.get(p), self.round) for p in donors}
+                theirs = {p: d for p, d in theirs.items() if d is not None}
                 if theirs:
                     digest = majority_digest(theirs)
                     got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
@@ -346,6 +343,19 @@ class OuterProtocol(SyncProtocol):
         super().load_state_dict(state)
         self.load_snapshot(state["meta"], state["tensors"])
         self._round_start = self.step
+
+
+def heartbeat_round(info: object, default: int) -> int:
+    """The round a peer's heartbeat (an entry of Transport.progress) reports; `default` without one."""
+    round = info.get("round") if isinstance(info, dict) else None
+    return round if isinstance(round, int) else default
+
+
+def heartbeat_digest(info: object, round: int) -> str | None:
+    """The state digest a peer's heartbeat publishes for `round`, if it publishes one."""
+    digests = info.get("digests") if isinstance(info, dict) else None
+    digest = digests.get(str(round)) if isinstance(digests, dict) else None
+    return digest if isinstance(digest, str) else None
 
 
 def majority_digest(held: dict[str, str]) -> str:
