@@ -11,12 +11,12 @@ import time
 import torch
 
 from conftest import run_in_threads, wait_until
-from decentral.swarm import SwarmTransport
+from decentral.swarm import SwarmPeer, SwarmTransport
 
 FIRST_LIFE = """
 import os, sys, time
 os.environ["HIVEMIND_LOGLEVEL"] = "ERROR"
-from decentral.swarm import SwarmTransport
+from decentral.swarm import SwarmPeer, SwarmTransport
 t = SwarmTransport(sys.argv[1], [sys.argv[2]], timeout=30.0, heartbeat_s=0.5, identity_path=sys.argv[3])
 t.join_rounds(3)  # announces rounds 3, 4 and 5
 print(t.peer_id, flush=True)
@@ -62,3 +62,46 @@ def test_a_round_the_killed_life_announced_costs_the_others_seconds_and_they_agr
     assert not restarted.averager.mailbox.senders("r5/r")  # it read and dropped their parts
     later = run_in_threads([lambda p=p: p.average(torch.ones(60), group, "r6", round=6) for p in (a, b, restarted)])
     assert all(r.complete and len(r.group) == 3 for r in later)  # and takes part from its own round on
+
+
+def test_a_member_whose_new_life_has_no_handlers_yet_costs_seconds(make_swarm):
+    """Between its libp2p daemon coming up and its averager registering, a restarted process answers a
+    dial but serves no stream: that counts as taking no part in this average."""
+    a, b = make_swarm(2, timeout=30.0)
+    for p in (a, b):
+        p.join_rounds(0)
+    starting = SwarmPeer(a.peer.run, a.multiaddrs())  # up, in the DHT, no averaging handlers
+    try:
+        group = sorted([a.peer_id, b.peer_id, starting.peer_id])
+        xs = [torch.randn(300), torch.randn(300)]
+        start = time.monotonic()
+        ra, rb = run_in_threads([lambda p=p, x=x: p.average(x, group, "starting", round=0) for p, x in zip((a, b), xs)])
+        assert time.monotonic() - start < 5.0
+        for r in (ra, rb):
+            assert r.complete and r.absent == [starting.peer_id]
+            torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    finally:
+        starting.shutdown()
+
+
+def test_a_member_restarted_after_taking_our_part_is_found_by_the_probe(make_swarm):
+    """It acknowledged our pushes, then its process was replaced by a new life that joins later: the
+    next probe (every second) hears "not in this round", and the others redo without it."""
+    a, b, c = make_swarm(3, timeout=30.0)
+    for p in (a, b, c):
+        p.join_rounds(5)
+    group = sorted(p.peer_id for p in (a, b, c))
+    xs = [torch.randn(300), torch.randn(300)]
+    start = time.monotonic()
+
+    def restart_c():
+        wait_until(lambda: {a.peer_id, b.peer_id} <= c.averager.mailbox.senders("probed/r"), 20, "both pushes to c")
+        c.averager.first_round = 6  # as a new life that announced round 6 first
+        return None
+
+    ra, rb, _ = run_in_threads([lambda p=p, x=x: p.average(x, group, "probed", round=5) for p, x in zip((a, b), xs)]
+                               + [restart_c])
+    assert time.monotonic() - start < 8.0  # the timeout is 30 s
+    for r in (ra, rb):
+        assert r.complete and r.absent == [c.peer_id]
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)

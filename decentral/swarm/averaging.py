@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 from collections import OrderedDict
@@ -54,7 +55,7 @@ from typing import Callable
 import torch
 
 from decentral.swarm.mailbox import Mailbox, Message
-from decentral.swarm.peer import SwarmError, SwarmPeer
+from decentral.swarm.peer import NotServing, SwarmError, SwarmPeer
 from decentral.swarm.wire import (
     WIRE_DTYPES, WireError, read_frame, read_header, tensor_from_bytes, tensor_to_bytes, wire_itemsize, write_frame,
     write_message,
@@ -182,7 +183,19 @@ class GroupAverager:
 
     # ----- serving -----
     async def _on_ping(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await write_frame(writer, _ACK, self.peer.stats)
+        """A probe asks whether we are there for a round: ACK, or _NOT_IN_ROUND (see `_not_in`)."""
+        try:
+            request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, 256), self.read_timeout))
+        except (WireError, ValueError, TimeoutError) as e:
+            log.debug("a malformed or late probe from %s: %r", sender[-8:], e)
+            return
+        round = request.get("round") if isinstance(request, dict) else None
+        await write_frame(writer, _NOT_IN_ROUND if self._not_in(round) else _ACK, self.peer.stats)
+
+    def _not_in(self, round: object) -> bool:
+        """Whether this process takes no part in `round`: one before the first it announced (or any, before
+        it announced one). Its peer id's previous life may have announced it; nobody should wait for us."""
+        return isinstance(round, int) and (self.first_round is None or round < self.first_round)
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if sender in self.banned:
@@ -209,9 +222,8 @@ class GroupAverager:
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
-        round = header.get("round")
-        if isinstance(round, int) and (self.first_round is None or round < self.first_round):
-            await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)  # our peer id's previous life announced it
+        if self._not_in(header.get("round")):
+            await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)
             return
         self._gone_until.pop(sender, None)  # it is back
         await self.mailbox.put(tag, Message(sender, tensor_from_bytes(payload, wire), view, meta))
@@ -262,6 +274,10 @@ class GroupAverager:
                     reader, writer = await self.peer.open_stream(target, "push")
                 except ConnectionRefusedError as e:
                     raise _Unreachable(repr(e)) from e
+                except NotServing as e:
+                    log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], e)
+                    await self._gone(target, tag.rpartition("/")[0], for_s=0.0)
+                    return False
                 try:
                     header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(),
                               "meta": meta or {}, **({} if round is None else {"round": round})}
@@ -297,15 +313,23 @@ class GroupAverager:
         self._gone_until[peer] = asyncio.get_running_loop().time() + (self.gone_s if for_s is None else for_s)
         await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0)))
 
-    async def _probe(self, peers: list[str], tag: str) -> None:
-        """Until cancelled, ping each of `peers` every `probe_s`; one whose end closes is gone."""
+    async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
+        """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
+        serves no averaging (yet), or takes no part in `round` (a restarted process), is left out of
+        this average."""
         async def ping(peer: str) -> None:
             try:
                 reader, writer = await self.peer.open_stream(peer, "ping")
                 try:
-                    await read_frame(reader, self.peer.stats, 1)
+                    await write_frame(writer, json.dumps({} if round is None else {"round": round}).encode(),
+                                      self.peer.stats)
+                    answer = await read_frame(reader, self.peer.stats, 1)
                 finally:
                     writer.close()
+                if answer == _NOT_IN_ROUND:
+                    await self._gone(peer, tag, for_s=0.0)
+            except NotServing:
+                await self._gone(peer, tag, for_s=0.0)
             except (asyncio.IncompleteReadError, ConnectionError):
                 await self._gone(peer, tag)
             except Exception as e:  # a timeout proves nothing on a congested link
@@ -368,7 +392,7 @@ class GroupAverager:
         rejected: dict[str, str] = {}
         self._remember_group(tag, group, loop.time() + 1.5 * timeout)
         self._notice_outsiders(tag)  # outsiders whose pushes arrived before we started
-        probe = asyncio.ensure_future(self._probe(others, tag))
+        probe = asyncio.ensure_future(self._probe(others, tag, round))
 
         def other_views(messages: dict[str, Message]) -> set[str]:
             """Senders that split by another member list: their parts are rejected, and they will not send
@@ -448,6 +472,7 @@ class GroupAverager:
             log.warning("%s: rolled back: %d member(s) hold another result than ours", tag, len(disagree))
         return AverageResult(
             tensor=torch.cat(result) if agreed else flat,
+            sent=torch.cat(own) if agreed else flat,
             group=group,
             complete=agreed,
             contributors=min(counts) if agreed else 1,

@@ -35,6 +35,11 @@ class SwarmError(RuntimeError):
     """The swarm could not be started or reached."""
 
 
+class NotServing(Exception):
+    """The peer is up but serves no such stream: a process still starting (its handlers not yet
+    registered), or one of another run."""
+
+
 ADMIT_TIMEOUT_S = 10.0  # an incoming stream must present its swarm-key token within this time
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
 IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life's daemon to let go of its id
@@ -178,12 +183,15 @@ class SwarmPeer:
         """A stream to `peer`'s handler `name`. ConnectionRefusedError when `peer`'s address refuses the
         connection (its process is gone, not merely slow), or when libp2p holds back dials to it because
         one failed in the last seconds (its dial backoff, 5 s and more: our DHT node may have dialled the
-        dead peer first); other failures as hivemind raises them."""
+        dead peer first); NotServing when it answers but has no handler `name`; other failures as
+        hivemind raises them."""
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(name))
         except P2PDaemonError as e:
             if "connection refused" in str(e) or "dial backoff" in str(e):
                 raise ConnectionRefusedError(f"{peer} refuses connections: {e}") from e
+            if "protocols not supported" in str(e):
+                raise NotServing(f"{peer} serves no {name!r} stream (yet)") from e
             raise
         if self.swarm_key is not None:
             await write_frame(writer, self.swarm_key.stream_token(self.peer_id, peer, self._proto(name)), self.stats)
