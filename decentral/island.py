@@ -106,7 +106,7 @@ class IslandTransport:
         mean = (buffer / k).cpu()
         if not bool(torch.isfinite(mean).all()):
             raise RuntimeError(f"island average {tag!r} is not finite")
-        return AverageResult(tensor=mean, group=list(self._ids), complete=True, contributors=k)
+        return AverageResult(tensor=mean, sent=values.cpu(), group=list(self._ids), complete=True, contributors=k)
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         """Rank 0's first offer is the island's starting state: broadcast it to the other ranks, which

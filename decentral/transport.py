@@ -29,6 +29,9 @@ class AverageResult:
     this `tensor`, averaged over the whole group) or rolled back (`tensor` is our own input, unchanged)."""
 
     tensor: torch.Tensor
+    sent: torch.Tensor  # our input as the average counted it: rounded to the wire precision (the input
+    # itself when nothing was rounded, or when the average did not commit). `tensor - sent` is exactly 0
+    # where every member's input equals ours, whatever the rounding.
     group: list[str]
     complete: bool
     contributors: int  # peers that every part of `tensor` was averaged over (1 = only ourselves)
@@ -105,7 +108,8 @@ class SoloTransport:
         return {self.peer_id: {}}
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
-        return AverageResult(tensor=tensor.detach().float().reshape(-1).clone(), group=[self.peer_id], complete=True, contributors=1)
+        flat = tensor.detach().float().reshape(-1).clone()
+        return AverageResult(tensor=flat, sent=flat.clone(), group=[self.peer_id], complete=True, contributors=1)
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         pass

@@ -117,6 +117,22 @@ def test_noloco_pair_round_is_the_section_3_update_for_both_peers(make_swarm):
             torch.testing.assert_close(flat(p.model), slows[i], rtol=0, atol=1e-6)
 
 
+def test_noloco_in_float16_leaves_identical_replicas_identical_and_unrounded(make_swarm):
+    """On a float16 wire the pull toward the pair's mean compares rounded with rounded: replicas that
+    agree are not moved by rounding, and φ is never replaced by its float16 value (which would lose
+    every update below half a float16 step, round after round)."""
+    protocols = make_protocols(make_swarm(2, wire_dtype="float16"), NoLoCo, every=10, alpha=0.5, beta=0.7)
+    gen = torch.Generator().manual_seed(5)
+    phi = protocols[0].slow.clone()
+    assert not torch.equal(phi, phi.half().float())  # φ has more precision than float16 holds
+    fast = phi + 0.01 * torch.randn(phi.numel(), generator=gen)
+    reports = outer_round(protocols, [fast, fast.clone()])
+    assert all(r.complete for r in reports)
+    expected = phi + 0.7 * (fast - phi).half().float()  # δ = β·mean(Δ) with Δ as it travelled; no pull
+    for p in protocols:
+        assert torch.equal(p.slow, expected)
+
+
 def test_noloco_lone_peer_applies_its_own_delta(make_swarm):
     (p,) = make_protocols(make_swarm(1), NoLoCo, every=5, alpha=0.5, beta=0.7)
     phi = p.slow.clone()

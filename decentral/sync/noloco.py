@@ -4,6 +4,10 @@ Every H inner steps (ALGORITHMS.md §3), with the pair {i, j} drawn from a share
     Δ_i = θ_i − φ_i                                   fast minus slow (opposite sign to DiLoCo)
     δ_i = α·δ_i + β·mean_pair(Δ) + γ·(mean_pair(φ) − φ_i)
     φ_i = φ_i + δ_i ;  θ_i ← φ_i
+With φ rounded on the wire (float16, bfloat16), the pull mean_pair(φ) − φ_i is taken between rounded
+values, mean_pair(q(φ)) − q(φ_i): zero for identical replicas, and φ_i itself is never replaced by a
+rounded value (which would lose every update smaller than half a unit in the last place, round after
+round, as with float16 master weights).
 The sign of β follows the released code (+β); the paper's printed −β diverges. Default momentum is
 the reference code's heavy ball; `nesterov=True` adds the look-ahead (φ_i += α·δ_i + u_i). A peer left
 without a partner (odd count, dead partner) applies its own Δ alone.
@@ -51,11 +55,13 @@ class NoLoCo(OuterProtocol):
         both = torch.cat([self.slow, fast - self.slow])
         if len(group) > 1:
             result, waited = self._timed_average(both, group, f"noloco/{self.round}")
-            mean, complete, contributors, rejected = result.tensor, result.complete, result.contributors, result.rejected
+            mean, sent, complete = result.tensor, result.sent, result.complete
+            contributors, rejected = result.contributors, result.rejected
         else:
-            mean, waited, complete, contributors, rejected = both, 0.0, True, 1, {}
-        spread = replica_spread(self.slow, mean[:n]) if complete and len(group) > 1 else None
-        self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n], self.alpha, self.beta, self.gamma, self.nesterov)
+            mean, sent, waited, complete, contributors, rejected = both, both, 0.0, True, 1, {}
+        spread = replica_spread(sent[:n], mean[:n]) if complete and len(group) > 1 else None
+        self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n] - sent[:n], self.alpha, self.beta,
+                                  self.gamma, self.nesterov)
         return SyncReport(self.round, group, complete, contributors, waited, rejected, spread)
 
 
@@ -69,13 +75,14 @@ def noloco_update(
     slow: torch.Tensor,
     delta: torch.Tensor,
     mean_outer: torch.Tensor,
-    mean_slow: torch.Tensor,
+    pull: torch.Tensor,
     alpha: float,
     beta: float,
     gamma: float,
     nesterov: bool,
 ) -> torch.Tensor:
-    """One NoLoCo outer step; updates the momentum `delta` in place and returns the new φ."""
-    update = beta * mean_outer + gamma * (mean_slow - slow)
+    """One NoLoCo outer step; updates the momentum `delta` in place and returns the new φ. `pull` is
+    mean_pair(φ) − φ_i (between rounded values, see the module docstring)."""
+    update = beta * mean_outer + gamma * pull
     delta.mul_(alpha).add_(update)
     return slow + (alpha * delta + update if nesterov else delta)
