@@ -13,15 +13,14 @@ Two kinds of DHT records under the run's key:
   by the time anyone reaches round r all live participants have long since announced it. Every peer
   then derives the same member list for r without a barrier.
 
-Each process is one `life` of its peer id (a random tag in its heartbeat and its announcements): a peer
-restarted under the same id (its key file) is a member only of the rounds its new life announced, not
-of those its killed life did, so nobody waits for it in a round it will never join.
+A peer restarted under the same id (its key file) stays listed for the rounds its killed process had
+announced: every peer keeps deriving the same list, and the averaging itself leaves it out at once
+(the new process answers "not in this round"; decentral.swarm.averaging).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 
@@ -40,8 +39,7 @@ class Membership:
         self.heartbeat_s = heartbeat_s
         self.expire_s = 3 * heartbeat_s if expire_s is None else expire_s
         self.round_ttl_s = round_ttl_s
-        self.life = secrets.token_hex(6)
-        self._progress = {"step": 0, "round": 0, "digests": {}, "life": self.life}
+        self._progress = {"step": 0, "round": 0, "digests": {}}
         self._news = threading.Event()  # a digest to publish before the next regular beat
         self._known: tuple[float, set[str]] = (float("-inf"), set())  # (when looked up, peers alive then)
         self._known_lock = threading.Lock()
@@ -56,7 +54,7 @@ class Membership:
         digests = self._progress["digests"]
         if digest is not None:
             digests = {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
-        self._progress = {"step": int(step), "round": int(round), "digests": digests, "life": self.life}
+        self._progress = {"step": int(step), "round": int(round), "digests": digests}
         if digest is not None:
             self._news.set()
 
@@ -100,13 +98,13 @@ class Membership:
         return peer_id in self.alive()
 
     def announce(self, round: int) -> None:
-        """Declare that this peer (this life of it) will take part in outer round `round`."""
-        self.peer.publish(f"round/{round}", self.peer.peer_id, self.life, ttl=self.round_ttl_s)
+        """Declare that this peer will take part in outer round `round`."""
+        self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
 
     def members(self, round: int) -> list[str]:
-        """Sorted ids of the live peers whose current life announced `round` (this peer included if it did)."""
-        announced = self.peer.lookup(f"round/{round}")
-        return sorted(p for p, info in self.alive().items() if announced.get(p, None) == info.get("life", ""))
+        """Sorted ids of the live peers that announced `round` (this peer included if it did)."""
+        announced = set(self.peer.lookup(f"round/{round}"))
+        return sorted(announced & set(self.alive()))
 
     def close(self) -> None:
         """Stop the heartbeat and tell the others we left (so nobody waits for us in rounds we announced)."""

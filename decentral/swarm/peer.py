@@ -119,7 +119,7 @@ class SwarmPeer:
                     continue
                 where = f" through {list(initial_peers)}" if initial_peers else ""
                 hint = (" (is another process using this identity, e.g. the same --out? a killed one's daemon "
-                        f"lets go of it within seconds)" if "already taken" in str(e) else "")
+                        "lets go of it within seconds)" if "already taken" in str(e) else "")
                 raise SwarmError(f"could not start a swarm peer{where}: {e}{hint}") from e
         self.peer_id = str(self.dht.peer_id)
         self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
