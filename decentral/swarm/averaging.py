@@ -4,8 +4,9 @@ Peer j of the sorted group owns chunk j. Phase 1: every peer pushes chunk j of i
 which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyone. Each peer sends
 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce. Every member counts once: weights
 are the protocol's to fix, not a sender's to claim. Phase 3 (commit): members swap a digest of every
-chunk they hold; the average stands only if every member that answered holds exactly our result,
-else it is rolled back (our input comes back unchanged), so replicas never split on a partial round.
+chunk they hold; the average stands only if we hold every chunk averaged over the whole group and
+every member that answered holds exactly our result, else it is rolled back (our input comes back
+unchanged), so replicas never split on a partial round.
 
 Nothing received is trusted:
 - a push's header is read first (at most 64 KiB), and its payload only when the element count it
@@ -30,8 +31,11 @@ A peer that is dead or late costs at most the round's timeout, and a peer whose 
 costs next to nothing: a push to it, or a probe (`ping`, every `probe_s` while we wait for it),
 ends at once with the stream closed or the connection refused, and we stop waiting for it (a probe
 that merely times out proves nothing on a congested link, so only a closed stream or a refused
-connection counts); the average is then redone
-without it. Phase 1 waits at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1
+connection counts). The same for a member that says it takes no part in the average: a restarted
+process whose first round is later, one that serves no averaging yet, or one that has finished this
+average already. When the average did not commit, it is redone once without every member that was
+absent, averaged over another member list or was excluded, so the others still commit a common
+result. Phase 1 waits at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1
 if that is later; phase 3 by then, or `timeout / 4` after phase 2.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
@@ -154,8 +158,7 @@ class GroupAverager:
 
     def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0, gone_s: float = 60.0,
-                 member_refresh_s: float = 1.0):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, member_refresh_s: float = 1.0):
         if wire_dtype not in WIRE_DTYPES:
             raise SwarmError(f"swarm.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
         if aggregation not in AGGREGATIONS:
@@ -167,16 +170,15 @@ class GroupAverager:
         self.is_member = is_member
         self.read_timeout = read_timeout
         self.probe_s = probe_s
-        self.gone_s = gone_s
         self.member_refresh_s = member_refresh_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self.first_round: int | None = None  # the first round this process announced (see `average`)
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
-        self._gone_until: dict[str, float] = {}  # peer whose end closed -> loop time until which it is left out
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
         # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
         self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
+        self._finished: OrderedDict[str, None] = OrderedDict()  # averages (tags) we take no more part in
         self._notices: set[asyncio.Task] = set()  # in flight; the loop keeps only weak references to tasks
         peer.add_handler("push", self._on_push)
         peer.add_handler("ping", self._on_ping)
@@ -222,10 +224,9 @@ class GroupAverager:
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
-        if self._not_in(header.get("round")):
+        if self._not_in(header.get("round")) or tag.rpartition("/")[0] in self._finished:
             await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)
             return
-        self._gone_until.pop(sender, None)  # it is back
         await self.mailbox.put(tag, Message(sender, tensor_from_bytes(payload, wire), view, meta))
         await write_frame(writer, _ACK, self.peer.stats)
         self._notice_outsiders(tag.rpartition("/")[0])
@@ -276,7 +277,7 @@ class GroupAverager:
                     raise _Unreachable(repr(e)) from e
                 except NotServing as e:
                     log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], e)
-                    await self._gone(target, tag.rpartition("/")[0], for_s=0.0)
+                    await self._gone(target, tag.rpartition("/")[0])
                     return False
                 try:
                     header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(),
@@ -284,9 +285,9 @@ class GroupAverager:
                     await write_message(writer, header, tensor_to_bytes(tensor, self.wire_dtype), self.peer.stats)
                     answer = await read_frame(reader, self.peer.stats, 1)
                     if answer == _NOT_IN_ROUND:
-                        log.info("push %s to %s: it takes no part in round %s (restarted?); not waiting for it",
-                                 tag, target[-8:], round)
-                        await self._gone(target, tag.rpartition("/")[0], for_s=0.0)
+                        log.info("push %s to %s: it takes no part in this average (restarted, or done with it); "
+                                 "not waiting for it", tag, target[-8:])
+                        await self._gone(target, tag.rpartition("/")[0])
                         return False
                     if answer == _REFUSED:
                         log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
@@ -306,11 +307,9 @@ class GroupAverager:
             log.info("push %s to %s failed: %r", tag, target[-8:], e)
         return False
 
-    async def _gone(self, peer: str, tag: str, for_s: float | None = None) -> None:
-        """`peer` will send nothing for average `tag` (which is redone without it), and later averages leave
-        it out until `for_s` (default `gone_s`: by then the heartbeat of a dead peer has expired) have
-        passed or it pushes to us again."""
-        self._gone_until[peer] = asyncio.get_running_loop().time() + (self.gone_s if for_s is None else for_s)
+    async def _gone(self, peer: str, tag: str) -> None:
+        """`peer` will send nothing for average `tag`: nobody waits for it there. A later average asks
+        again (a dead peer's dial is refused at once; a restarted one may have joined by then)."""
         await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0)))
 
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
@@ -327,10 +326,8 @@ class GroupAverager:
                 finally:
                     writer.close()
                 if answer == _NOT_IN_ROUND:
-                    await self._gone(peer, tag, for_s=0.0)
-            except NotServing:
-                await self._gone(peer, tag, for_s=0.0)
-            except (asyncio.IncompleteReadError, ConnectionError):
+                    await self._gone(peer, tag)
+            except (NotServing, asyncio.IncompleteReadError, ConnectionError):
                 await self._gone(peer, tag)
             except Exception as e:  # a timeout proves nothing on a congested link
                 log.debug("ping %s: %r", peer[-8:], e)
@@ -355,26 +352,34 @@ class GroupAverager:
         process whose earlier life announced it: its `first_round` is later) says so at once, and the
         average is redone without it.
 
-        Members found gone in an earlier average, or excluded, are left out (every member saw them go,
-        or misbehave, so every member leaves them out); when a member is found gone or excluded during
-        this one, the average is redone once without it, so the survivors commit a common result rather
-        than roll back."""
+        Excluded members are left out (every member saw them misbehave, so every member leaves them out).
+        When the average does not commit and members were absent, elsewhere (another member list) or
+        excluded, it is redone once without them (`tag/again`), so the others commit a common result
+        rather than roll back; those who did commit answer a redo's pushes with "no part in it", so a
+        member that redoes alone finds out at once."""
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
-        now = asyncio.get_running_loop().time()
-        alive = [p for p in group if self._gone_until.get(p, now) <= now and p not in self.banned]
+        alive = [p for p in group if p not in self.banned]
         result = await self._average_once(flat, alive, tag, timeout, round)
-        dropped = [p for p in alive if p in self.banned or (p in result.absent and p in self._gone_until)]
-        if dropped and len(alive) - len(dropped) >= 2:
-            log.info("%s: redoing the average without %d member(s) gone or excluded", tag, len(dropped))
+        dropped = [p for p in alive if p in result.absent or p in result.rejected or p in self.banned]
+        if not result.complete and dropped and len(alive) - len(dropped) >= 2:
+            log.info("%s: redoing the average without %d member(s) absent, elsewhere or excluded", tag, len(dropped))
+            self._finish(tag)
             survivors = [p for p in alive if p not in dropped]
             retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
                              absent=sorted(set(result.absent) | set(retry.absent)))
+        self._finish(tag, f"{tag}/again")
         result.rejected.update({p: f"excluded: {self.banned[p]}" for p in group if p in self.banned
                                 and p not in result.rejected})
-        result.absent = sorted(set(result.absent) | {p for p in group if p not in alive and p not in self.banned})
         return result
+
+    def _finish(self, *tags: str) -> None:
+        """We take no more part in these averages: pushes for them are answered so."""
+        for tag in tags:
+            self._finished[tag] = None
+        while len(self._finished) > 4 * _REMEMBERED_VIEWS:
+            self._finished.popitem(last=False)
 
     async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
                             round: int | None) -> AverageResult:
@@ -382,7 +387,12 @@ class GroupAverager:
         group = sorted(group)
         view = view_fingerprint(group)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        began = loop.time()
+        deadline = began + timeout
+        silent: set[str] = set()  # members that sent nothing, nor word of leaving, before a phase's deadline
+
+        def note_silent(expected: set[str], got: dict) -> None:
+            silent.update(expected - set(got) - self.mailbox.senders(f"{tag}/x"))
         flat = flat.detach().float().reshape(-1).cpu()
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
@@ -413,6 +423,7 @@ class GroupAverager:
             sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], deadline, view, round=round))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
+            note_silent(set(others), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             parts = {me: own[mine], **{s: m.tensor for s, m in received.items()
                                        if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}}
@@ -424,6 +435,7 @@ class GroupAverager:
             parts = {s: clip(t, sizes[s], bound) for s, t in parts.items()}
             averaged_mine = _quantize(aggregate(list(parts.values()), self.aggregation), self.wire_dtype)
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
+            elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
             # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
             deadline = max(deadline, loop.time() + timeout / 2)
@@ -431,6 +443,7 @@ class GroupAverager:
                                                        {"norms": my_norms}, round))
                       for p in others if p not in elsewhere]
             gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
+            note_silent(set(others) - elsewhere, gathered)
             elsewhere |= other_views(gathered)
             result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
             result[mine], counts[mine], norms[mine] = averaged_mine, len(parts), my_norms
@@ -454,6 +467,7 @@ class GroupAverager:
                                                        {"digests": digests}, round))
                       for p in voters]
             votes = await self.mailbox.collect(f"{tag}/c", voters, deadline, unless=f"{tag}/x")
+            note_silent(voters, votes)
             disagree = sorted(p for p, msg in votes.items() if msg.meta.get("digests") != digests)
             for p, msg in votes.items():  # an owner whose own digest is not what it sent us lied to us
                 theirs = msg.meta.get("digests")
@@ -464,12 +478,15 @@ class GroupAverager:
             await asyncio.gather(*sends)
         finally:
             probe.cancel()
-        absent = sorted(set(self._gone_until) & set(group) & self.mailbox.senders(f"{tag}/x"))
+        absent = sorted(set(group) & self.mailbox.senders(f"{tag}/x"))
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
-        agreed = min(counts) == len(group) and not disagree and not absent
+        agreed = min(counts) == len(group) and not disagree
         if disagree:
             log.warning("%s: rolled back: %d member(s) hold another result than ours", tag, len(disagree))
+        log.info("%s: %s over %d members in %.1fs%s%s", tag, "committed" if agreed else "rolled back", len(group),
+                 loop.time() - began, f"; absent {[p[-8:] for p in absent]}" if absent else "",
+                 f"; waited out {[p[-8:] for p in sorted(silent)]}" if silent else "")
         return AverageResult(
             tensor=torch.cat(result) if agreed else flat,
             sent=torch.cat(own) if agreed else flat,

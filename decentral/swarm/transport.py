@@ -58,7 +58,7 @@ class SwarmTransport:
         self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
         self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
-                                      read_timeout=1.5 * timeout, gone_s=self.membership.expire_s)
+                                      read_timeout=1.5 * timeout)
         self.state = StateExchange(self.peer, live_step=lambda: self.membership.step)
 
     @property
