@@ -87,7 +87,9 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     raise RecipeError(f"{where}: expected {type(default).__name__}, got {value!r}")
 
 
-def _typed(cls, values: Any, where: str):
+def typed_section(cls, values: Any, where: str):
+    """Recipe section `values` (a mapping, or None for the defaults) as dataclass `cls`; a RecipeError
+    names an unknown key or a value of the wrong type."""
     if values is None:
         return cls()
     if not isinstance(values, dict):
@@ -124,9 +126,9 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     return Recipe(
         protocol=name,
         protocol_args=proto,
-        train=_typed(TrainConfig, data.get("train"), f"{where}: train"),
-        model=_typed(GPTConfig, data.get("model"), f"{where}: model"),
-        swarm=_typed(SwarmConfig, data.get("swarm"), f"{where}: swarm"),
+        train=typed_section(TrainConfig, data.get("train"), f"{where}: train"),
+        model=typed_section(GPTConfig, data.get("model"), f"{where}: model"),
+        swarm=typed_section(SwarmConfig, data.get("swarm"), f"{where}: swarm"),
     )
 
 

@@ -5,22 +5,34 @@
     print(found.makespan_ms, full_pipeline(network).makespan_ms, network_blind(network).makespan_ms)
     after = replan(found, network, dead=["n07"])   # survivors keep their stages where possible
 
+The planner:
 network.py      the JSON network description, validation, synthetic geo-distributed networks
-simulator.py    discrete-event simulation of one iteration (FIFO links, memory gating, deadlocks)
+simulator.py    discrete-event simulation of one iteration (FIFO links and uplinks, memory gating, deadlocks)
 constraints.py  the convergence constraints: path length, stage sets and orders, balanced visits
 routing.py      network- and load-aware path choice per microbatch for a given allocation
 planner.py      allocation search, routing, polish, re-planning
 baselines.py    the full pipeline and network-blind skipping
-plot.py, cli.py, bench.py
+The runtime (`decentral pipeline train|node|eval`; imported on demand, it needs torch and grpcio):
+stages.py       the reference GPT cut into stages (stage 0: embedding, first blocks, head)
+stage.proto     the wire format; frames.py writes and reads it (no generated code)
+links.py        a node's outgoing gRPC calls: FIFO per destination or uplink, emulated latency
+node.py         a stage server: one task at a time, memory-gated, one optimizer step per iteration
+coordinator.py  iterations over the live nodes; re-planning and re-sending when a node dies or joins
+discovery.py    stage servers announced in the swarm's DHT
+serve.py        a node as a process; launch.py: a whole pipeline of processes here (loopback or netlab)
+recipe.py       protocols/skippipe.yaml; evaluate.py: whole model vs stages dropped at inference
+plot.py, cli.py, bench.py (the planner's benchmark), trainbench.py (the runtime's)
 """
 
 from __future__ import annotations
 
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.constraints import path_length
-from decentral.pipeline.network import Network, NetworkError, Node, load_network, parse_network, regions_network
+from decentral.pipeline.network import (Network, NetworkError, Node, PipelineError, load_network, parse_network,
+                                        regions_network)
 from decentral.pipeline.planner import Plan, plan, replan
 from decentral.pipeline.simulator import Deadlock, Timeline, simulate
 
-__all__ = ["Deadlock", "Network", "NetworkError", "Node", "Plan", "Timeline", "full_pipeline", "load_network",
+__all__ = ["Deadlock", "Network", "NetworkError", "Node", "PipelineError", "Plan", "Timeline", "full_pipeline",
+           "load_network",
            "network_blind", "parse_network", "path_length", "plan", "regions_network", "replan", "simulate"]

@@ -1,4 +1,5 @@
-"""`decentral bench pipeline`: SkipPipe's planner against the full pipeline and network-blind skipping.
+"""`decentral bench pipeline`: SkipPipe's planner against the full pipeline and network-blind skipping
+(`decentral bench pipeline convergence|timing` benchmark the runtime: decentral.pipeline.trainbench).
 
 For each seed, a synthetic geo-distributed network (network.regions_network: `nodes` nodes in
 `regions` regions, links from about 1 ms / 2 Gb/s inside a region to 130 ms / 75 Mb/s across) is
@@ -12,6 +13,7 @@ re-planning < 2 s.
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -81,7 +83,38 @@ def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 
 
 
 def add_arguments(parser) -> None:
-    """`decentral bench pipeline`."""
+    """`decentral bench pipeline` (the planner), `... pipeline convergence` and `... pipeline timing` (the
+    runtime: decentral.pipeline.trainbench)."""
+    from decentral.pipeline import trainbench
+
+    suites = parser.add_subparsers(dest="pipeline_suite", title="the runtime's benchmarks")
+    convergence = suites.add_parser("convergence", help="skip vs no skip at equal iterations; half the stages "
+                                    "dropped at inference", description=trainbench.__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    convergence.add_argument("--recipe", default="protocols/skippipe.yaml")
+    convergence.add_argument("--steps", type=int, help="iterations (default: the recipe's)")
+    convergence.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.33], help="the first is the baseline")
+    convergence.add_argument("--drop", type=float, default=0.5)
+    convergence.add_argument("--data", action="append", metavar="PATH")
+    convergence.add_argument("--netlab", metavar="RATE", help="run the nodes on netlab hosts with this uplink")
+    convergence.add_argument("--out", default="runs/bench-skippipe")
+    convergence.set_defaults(func=lambda args: trainbench.convergence_bench(
+        args.out, args.recipe, args.steps, tuple(args.skips), args.drop, args.data, args.netlab) and 0)
+    timing = suites.add_parser("timing", help="the runtime's iteration time on netlab hosts against the simulator's",
+                               description=trainbench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    timing.add_argument("--recipe", default="protocols/skippipe.yaml", help="model and microbatch shape")
+    timing.add_argument("--bandwidth", default="20mbit", help="every host's uplink cap")
+    timing.add_argument("--latency-ms", type=float, default=20.0)
+    timing.add_argument("--nodes", type=int, default=8)
+    timing.add_argument("--stages", type=int, default=4)
+    timing.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.25])
+    timing.add_argument("--microbatches", type=int, default=8)
+    timing.add_argument("--iterations", type=int, default=6, help="measured iterations (after one left out)")
+    timing.add_argument("--data", action="append", metavar="PATH")
+    timing.add_argument("--out", default="runs/bench-skippipe-timing")
+    timing.set_defaults(func=lambda args: trainbench.timing_bench(
+        args.out, args.recipe, args.bandwidth, args.latency_ms, args.nodes, args.stages, tuple(args.skips),
+        args.microbatches, args.iterations, args.data) and 0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--regions", type=int, default=5)

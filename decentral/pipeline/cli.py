@@ -1,8 +1,9 @@
-"""`decentral pipeline plan`: plan SkipPipe paths for a network and compare them with the baselines.
+"""`decentral pipeline`: plan SkipPipe paths, run a pipeline, evaluate what it trained.
 
-Reads a network file (see decentral.pipeline.network), plans the allocation and the path of every
-microbatch, and simulates one iteration of three plans: the full pipeline (every stage, network-aware),
-network-blind skipping, and the plan. Writes the plan as JSON and, with --plot, their Gantt charts.
+`plan` reads a network file (see decentral.pipeline.network), plans the allocation and the path of
+every microbatch, and simulates one iteration of three plans: the full pipeline (every stage,
+network-aware), network-blind skipping, and the plan. Writes the plan as JSON and, with --plot,
+their Gantt charts.
 
 example:
   decentral pipeline plan examples/networks/regions20.json --stages 6 --skip 0.33 --out plan.json --plot plan.png
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,12 +26,41 @@ from decentral.pipeline.planner import Plan, plan
 
 DESCRIPTION, _, EXAMPLE = __doc__.partition("\nexample:")
 
+TRAIN_HELP = """Train the reference GPT with SkipPipe: one `decentral pipeline node` process per node of the
+network (the recipe's pipeline.network, --network, or pipeline.nodes equal nodes on loopback), each
+with its stage; the first head leads. With --netlab, every node runs in its own network namespace
+behind an uplink capped at that rate, with --latency-ms added to every message. Afterwards the
+model is put together from the nodes' checkpoints and evaluated whole and with --drop of its
+stages dropped (stage 0 kept). Writes OUT/<node>/ (stage checkpoints, logs), OUT/<lead>/metrics.jsonl
+(one record per iteration: loss, measured and simulated makespan), OUT/eval.json.
+
+example:
+  decentral pipeline train --recipe protocols/skippipe.yaml --steps 300 --out runs/skippipe
+"""
+
+EVAL_HELP = """Evaluate a `decentral pipeline train` run: validation loss and perplexity of the whole model and,
+with a share --drop of its stages dropped at inference (stage 0 kept, the others a sorted subset),
+the mean perplexity over subsets (all of them when there are at most 20, else --draws at random).
+
+example:
+  decentral pipeline eval runs/skippipe --drop 0.5
+"""
+
+NODE_HELP = """One node of a pipeline (what `pipeline train` starts per node; run it yourself on each machine):
+joins the swarm's DHT, serves its stage over gRPC, announces itself; with --lead (a stage-0 node)
+it also coordinates: plans, runs --steps iterations, re-plans when a node dies or joins.
+
+example:
+  decentral pipeline node --recipe protocols/skippipe.yaml --network net.json --name a1 --lead --out runs/a1
+"""
+
 
 def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `pipeline plan` on the `decentral` command's subparsers; returns the `pipeline` parser."""
+    """Register `pipeline plan|train|eval|node` on the `decentral` command's subparsers; returns the
+    `pipeline` parser."""
     help_text = dict(description=DESCRIPTION, epilog="example:" + EXAMPLE,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    pipeline = subparsers.add_parser("pipeline", help="SkipPipe: plan partial pipelines over a heterogeneous network",
+    pipeline = subparsers.add_parser("pipeline", help="SkipPipe: plan, train and evaluate partial pipelines",
                                      **help_text)
     commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
     p = commands.add_parser("plan", help="plan stages and microbatch paths; simulate them against the baselines",
@@ -43,7 +75,100 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     p.add_argument("--plot", metavar="PNG", help="also draw the three plans' Gantt charts here")
     p.set_defaults(func=cmd_plan)
+
+    t = commands.add_parser("train", help="train the reference GPT with SkipPipe on local processes; evaluate it",
+                            **_help(TRAIN_HELP))
+    t.add_argument("--recipe", default="protocols/skippipe.yaml", help="a SkipPipe recipe (default: %(default)s)")
+    t.add_argument("--network", metavar="NETWORK.json", help="the nodes and links to plan for (default: the "
+                   "recipe's pipeline.network, else pipeline.nodes equal nodes)")
+    t.add_argument("--steps", type=int, help="iterations (default: the recipe's train.steps)")
+    t.add_argument("--out", default="runs/skippipe")
+    t.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
+    t.add_argument("--netlab", metavar="RATE", help="run every node in its own netlab host, uplink capped at RATE "
+                   "(e.g. 20mbit); needs root, else loopback with paced sends")
+    t.add_argument("--latency-ms", type=float, default=0.0, help="latency added to every message we send")
+    t.add_argument("--drop", type=float, default=0.5, help="share of stages dropped in the evaluation (default 0.5)")
+    t.add_argument("--timeout", type=float, default=3600.0, help="the longest the run may take, in seconds")
+    t.set_defaults(func=cmd_train)
+
+    e = commands.add_parser("eval", help="evaluate a pipeline run: whole model and with stages dropped",
+                            **_help(EVAL_HELP))
+    e.add_argument("run", metavar="RUN", help="a `decentral pipeline train` output folder")
+    e.add_argument("--drop", type=float, default=0.5, help="share of stages dropped (default 0.5)")
+    e.add_argument("--draws", type=int, default=10, help="random subsets scored when there are more than 20")
+    e.add_argument("--data", action="append", metavar="PATH", help="text whose validation split scores the model "
+                   "(default: Python's stdlib)")
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=cmd_eval)
+
+    n = commands.add_parser("node", help="one node of a pipeline (started by `pipeline train`, or by you per machine)",
+                            **_help(NODE_HELP))
+    n.add_argument("--recipe", required=True, help="the SkipPipe recipe every node of the run uses")
+    n.add_argument("--network", metavar="NETWORK.json", help="the network (default: the recipe's); the lead plans "
+                   "over it, the others read their stage and memory from it")
+    n.add_argument("--name", required=True, help="this node's name in the network file")
+    n.add_argument("--stage", type=int, help="the stage to serve (default: the network file's pin)")
+    n.add_argument("--out", required=True, help="folder for the stage checkpoint, identity and (lead) metrics")
+    n.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other machines")
+    n.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
+    n.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free one)")
+    n.add_argument("--announce-host", help="address other machines reach us at, when it differs from --host")
+    n.add_argument("--join", action="append", metavar="MADDR", help="multiaddr of any swarm member (repeatable)")
+    n.add_argument("--swarm-key", metavar="FILE", help="the swarm's key (default: $DECENTRAL_SWARM_KEY, else the "
+                   "recipe's swarm.key_file, else an open swarm)")
+    n.add_argument("--maddr-file", help="write our DHT multiaddrs here once up")
+    n.add_argument("--lead", action="store_true", help="also coordinate the run (a stage-0 node)")
+    n.add_argument("--steps", type=int, help="iterations, for the lead (default: the recipe's train.steps)")
+    n.add_argument("--data", action="append", metavar="PATH",
+                   help="training text, for heads (default: Python's stdlib)")
+    n.add_argument("--wait", type=float, default=300.0, help="seconds the lead waits for the network's nodes")
+    n.set_defaults(func=cmd_node)
     return pipeline
+
+
+def _help(text: str) -> dict:
+    description, _, example = text.partition("\nexample:")
+    return dict(description=description, epilog="example:" + example,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def cmd_train(args) -> int:
+    from decentral.pipeline.evaluate import format_evaluation
+    from decentral.pipeline.launch import train_run
+
+    result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,
+                       latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
+                       timeout_s=args.timeout)
+    print(format_evaluation(result["evaluation"]))
+    print(f"wrote {args.out}/eval.json; `decentral pipeline eval {args.out}` scores it again")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from decentral.pipeline.evaluate import evaluate_run, format_evaluation
+
+    result = evaluate_run(args.run, drop=args.drop, draws=args.draws, data=args.data, seed=args.seed)
+    print(format_evaluation(result))
+    return 0
+
+
+def cmd_node(args) -> int:
+    from decentral.pipeline.launch import node_network
+    from decentral.pipeline.recipe import load_pipeline_recipe
+    from decentral.pipeline.serve import NodeOptions, run_node
+    from decentral.swarm.admission import KEY_ENV, OPEN_SWARM_NOTICE, SwarmKey
+
+    recipe = load_pipeline_recipe(args.recipe)
+    key = args.swarm_key or os.environ.get(KEY_ENV) or recipe.recipe.swarm.key_file
+    if not key:
+        print(OPEN_SWARM_NOTICE + " Without one, the pipeline's gRPC calls are not signed either.", file=sys.stderr,
+              flush=True)
+    return run_node(NodeOptions(
+        name=args.name, recipe=recipe, network=node_network(recipe, args.network), out=Path(args.out),
+        stage=args.stage, host=args.host, port=args.port, dht_port=args.dht_port, announce_host=args.announce_host,
+        join=args.join or (), swarm_key=SwarmKey.load(key) if key else None, lead=args.lead, steps=args.steps,
+        data=args.data, maddr_file=Path(args.maddr_file) if args.maddr_file else None, wait_s=args.wait,
+        print_fn=lambda line: print(line, flush=True)))
 
 
 def cmd_plan(args) -> int:

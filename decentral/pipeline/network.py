@@ -4,14 +4,19 @@ A JSON file (times in milliseconds, bandwidths in megabits per second, 1 Mb = 10
 
     {
       "stages": 6, "skip": 0.33, "microbatches": 24, "activation_bytes": 33554432,
-      "nodes": [{"name": "a", "compute_ms": 1760, "memory": 3, "stage": 0, "region": "eu"}, ...],
+      "nodes": [{"name": "a", "compute_ms": 1760, "memory": 3, "stage": 0, "region": "eu", "uplink_mbps": 50}, ...],
       "links": [{"from": "a", "to": "b", "latency_ms": 1, "bandwidth_mbps": 2000, "both_ways": true}, ...],
-      "default_link": {"latency_ms": 100, "bandwidth_mbps": 100}
+      "default_link": {"latency_ms": 100, "bandwidth_mbps": 100},
+      "backward_factor": 1.5, "loss_factor": 0.25
     }
 
-`compute_ms` is a node's forward time for one microbatch of its stage (backward takes 1.5x, the loss
-0.25x: ALGORITHMS.md §5); `memory` is how many microbatches' activations it may hold at once
-(default 3); `stage` pins the node to a stage (optional); `region` is a label for plots (optional).
+`compute_ms` is a node's forward time for one microbatch of its stage; its backward takes
+`backward_factor` times that and the loss (on a head) `loss_factor` times (optional; when absent,
+the paper's cost model, 1.5 and 0.25 (ALGORITHMS.md §5): measure them for your model); `memory` is
+how many microbatches' activations it may hold at once (default 3); `stage` pins the node to a
+stage (optional); `region` is a label for plots (optional); `uplink_mbps` (optional) says the
+node's messages share one uplink of that rate, whatever their destination: it sends one at a time,
+in order (a home line, a VM's capped egress, a netlab host).
 A link is one direction unless `both_ways`; pairs without a link take `default_link`, and a pair
 with neither is an error. `activation_bytes` is the size of one microbatch's activations, and of
 its gradient. `skip` is the share of stages a microbatch does not visit (see constraints.path_length).
@@ -21,6 +26,7 @@ its gradient. `skip` is the share of stages a microbatch does not visit (see con
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -30,14 +36,22 @@ from typing import Any
 import numpy as np
 
 DEFAULT_MEMORY = 3  # microbatches resident per node (SkipPipe's TC1 default)
+BACKWARD_FACTOR = 1.5  # a backward's time in forward times, when the file does not say (the paper's cost model)
+LOSS_FACTOR = 0.25  # the loss's time on a head, in forward times
 SHAPE_KEYS = ("stages", "skip", "microbatches", "activation_bytes")
-TOP_KEYS = {*SHAPE_KEYS, "nodes", "links", "default_link"}
-NODE_KEYS = {"name", "compute_ms", "memory", "stage", "region"}
+FACTOR_KEYS = ("backward_factor", "loss_factor")
+TOP_KEYS = {*SHAPE_KEYS, *FACTOR_KEYS, "nodes", "links", "default_link"}
+NODE_KEYS = {"name", "compute_ms", "memory", "stage", "region", "uplink_mbps"}
 LINK_KEYS = {"from", "to", "latency_ms", "bandwidth_mbps", "both_ways"}
 
 
 class NetworkError(ValueError):
     """A network description or a planning request is invalid; the message names the field."""
+
+
+class PipelineError(NetworkError):
+    """A pipeline cannot run as asked: a stage left with no live node, a node that cannot start, a run
+    folder without checkpoints. (A NetworkError, so `decentral` prints it as one line, exit code 2.)"""
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,7 @@ class Node:
     memory: int = DEFAULT_MEMORY  # microbatches whose activations it may hold at once
     stage: int | None = None  # pinned stage, if any
     region: str = ""
+    uplink_mbps: float | None = None  # one uplink for all its messages, when set
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,11 +79,14 @@ class Network:
     microbatches: int
     activation_bytes: int
     source: str = "network"  # where it came from, for error messages
-    send_ms: np.ndarray = field(init=False, repr=False)  # (n, n): bytes / bandwidth, the time a message holds its link
+    backward_factor: float = BACKWARD_FACTOR  # backward time / forward time
+    loss_factor: float = LOSS_FACTOR  # loss time on a head / its forward time
+    send_ms: np.ndarray = field(init=False, repr=False)  # (n, n): the time a message holds its link (and uplink)
     transfer_ms: np.ndarray = field(init=False, repr=False)  # (n, n): send_ms + latency, one message on an idle link
 
     def __post_init__(self) -> None:
-        send = self.activation_bytes * 8 / (self.bandwidth_mbps * 1e3)
+        uplink = np.array([node.uplink_mbps or np.inf for node in self.nodes])
+        send = self.activation_bytes * 8 / (np.minimum(self.bandwidth_mbps, uplink[:, None]) * 1e3)
         transfer = self.latency_ms + send
         np.fill_diagonal(send, 0.0)
         np.fill_diagonal(transfer, 0.0)
@@ -88,8 +106,7 @@ class Network:
         """The same nodes and links with other `stages`, `skip`, `microbatches` or `activation_bytes` (None keeps)."""
         values = {key: getattr(self, key) for key in SHAPE_KEYS}
         values.update({key: value for key, value in shape.items() if value is not None})
-        checked = _check_shape(values, self.source)
-        return Network(self.nodes, self.latency_ms, self.bandwidth_mbps, source=self.source, **checked)
+        return dataclasses.replace(self, **_check_shape(values, self.source))
 
     def without(self, names: list[str] | tuple[str, ...]) -> Network:
         """The network with the nodes named `names` removed."""
@@ -97,9 +114,9 @@ class Network:
             self.index(name)
         gone = set(names)
         keep = [i for i, node in enumerate(self.nodes) if node.name not in gone]
-        return Network(tuple(self.nodes[i] for i in keep), self.latency_ms[np.ix_(keep, keep)],
-                       self.bandwidth_mbps[np.ix_(keep, keep)], self.stages, self.skip, self.microbatches,
-                       self.activation_bytes, self.source)
+        return dataclasses.replace(self, nodes=tuple(self.nodes[i] for i in keep),
+                                   latency_ms=self.latency_ms[np.ix_(keep, keep)],
+                                   bandwidth_mbps=self.bandwidth_mbps[np.ix_(keep, keep)])
 
     def to_json(self) -> dict:
         """The JSON form read by `parse_network`, every ordered pair as its own link."""
@@ -108,7 +125,8 @@ class Network:
                   "bandwidth_mbps": round(float(self.bandwidth_mbps[i, j]), 3)}
                  for i, a in enumerate(self.nodes) for j, b in enumerate(self.nodes) if i != j]
         return {"stages": self.stages, "skip": self.skip, "microbatches": self.microbatches,
-                "activation_bytes": self.activation_bytes, "nodes": nodes, "links": links}
+                "activation_bytes": self.activation_bytes, "backward_factor": self.backward_factor,
+                "loss_factor": self.loss_factor, "nodes": nodes, "links": links}
 
     def save(self, path: str | Path) -> Path:
         """Write `to_json()` with one node or link per line."""
@@ -144,6 +162,11 @@ def parse_network(data: Any, source: str = "network") -> Network:
         raise NetworkError(f"{source}: expected a JSON object at the top, got {_kind(data)}")
     _no_unknown_keys(data, TOP_KEYS, source)
     shape = _check_shape({key: data.get(key) for key in SHAPE_KEYS}, source)
+    factors = {}
+    for key, default in zip(FACTOR_KEYS, (BACKWARD_FACTOR, LOSS_FACTOR)):
+        factors[key] = data.get(key, default)
+        if not _is_number(factors[key]) or factors[key] < 0:
+            raise NetworkError(f"{source}: {key} must be a number >= 0, got {factors[key]!r}")
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise NetworkError(f"{source}: nodes must be a non-empty list, got {_kind(raw_nodes)}")
@@ -184,7 +207,8 @@ def parse_network(data: Any, source: str = "network") -> Network:
         i, j = missing[0]
         raise NetworkError(f"{source}: no link from {nodes[i].name!r} to {nodes[j].name!r} and no default_link "
                            f"({len(missing)} ordered pairs have none)")
-    return Network(nodes, latency, bandwidth, source=source, **shape)
+    return Network(nodes, latency, bandwidth, source=source, **shape,
+                   **{key: float(value) for key, value in factors.items()})
 
 
 def regions_network(nodes: int = 20, regions: int = 5, seed: int = 0, stages: int = 6, skip: float = 0.33,
@@ -243,7 +267,7 @@ def _parse_node(raw: Any, where: str, stages: int) -> Node:
         raise NetworkError(f"{where} must be an object, got {_kind(raw)}")
     _no_unknown_keys(raw, NODE_KEYS, where)
     name, compute, memory = raw.get("name"), raw.get("compute_ms"), raw.get("memory", DEFAULT_MEMORY)
-    stage, region = raw.get("stage"), raw.get("region", "")
+    stage, region, uplink = raw.get("stage"), raw.get("region", ""), raw.get("uplink_mbps")
     if not isinstance(name, str) or not name:
         raise NetworkError(f"{where}.name must be a non-empty string, got {name!r}")
     if not _is_number(compute) or compute <= 0:
@@ -254,7 +278,10 @@ def _parse_node(raw: Any, where: str, stages: int) -> Node:
         raise NetworkError(f"{where}.stage must be an integer in [0, {stages - 1}], got {stage!r}")
     if not isinstance(region, str):
         raise NetworkError(f"{where}.region must be a string, got {region!r}")
-    return Node(name, float(compute), int(memory), None if stage is None else int(stage), region)
+    if uplink is not None and (not _is_number(uplink) or uplink <= 0):
+        raise NetworkError(f"{where}.uplink_mbps must be a positive number, got {uplink!r}")
+    return Node(name, float(compute), int(memory), None if stage is None else int(stage), region,
+                None if uplink is None else float(uplink))
 
 
 def _parse_link_cost(raw: Any, where: str, extra: set[str]) -> tuple[float, float]:

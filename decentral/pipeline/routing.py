@@ -20,14 +20,13 @@ import numpy as np
 
 from decentral.pipeline.constraints import Balance, Drawn, balanced_sets, orders, stage_sets
 from decentral.pipeline.network import Network, NetworkError
-from decentral.pipeline.simulator import BACKWARD_FACTOR, LOSS_FACTOR
 
 
 def node_work(network: Network, stage_of: Sequence[int]) -> np.ndarray:
     """Compute time one microbatch costs each node at its stage: forward + backward (+ loss on stage 0)."""
     compute = np.array([node.compute_ms for node in network.nodes])
     heads = np.asarray(stage_of) == 0
-    return compute * (1 + BACKWARD_FACTOR + LOSS_FACTOR * heads)
+    return compute * (1 + network.backward_factor + network.loss_factor * heads)
 
 
 class Router:

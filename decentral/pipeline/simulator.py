@@ -3,8 +3,9 @@
 A microbatch's path is a sequence of distinct nodes, its stage-0 node (its head) first. It runs:
 
     forward on path[0], path[1], ..., path[-1]     (w each, w = that node's compute_ms)
-    loss on path[0]                                 (0.25 w: the LM head's forward and backward and the loss)
-    backward on path[-1], ..., path[1], path[0]     (1.5 w each)
+    loss on path[0]                                 (loss_factor w, 0.25 by default: the LM head's forward
+                                                    and backward and the loss)
+    backward on path[-1], ..., path[1], path[0]     (backward_factor w each, 1.5 by default)
 
 Between two steps on different nodes, the activations (forward, and last node -> head) or the
 gradients (head -> last node, backward) travel as one message of `activation_bytes`.
@@ -13,7 +14,9 @@ Semantics, all deterministic:
 - **Links**: each ordered pair of nodes is a FIFO link carrying one message at a time: a message
   holds it for bytes / bandwidth, starting when it is sent or when the message before it has left,
   and arrives `latency` after it has left. The two directions are independent links, and a node may
-  send on several links at once. On one node the next step is ready at once.
+  send on several links at once, unless it has an `uplink_mbps`: then its messages also take its
+  uplink one at a time, in the order they were sent (a message holds link and uplink together, for
+  bytes / the lower of their bandwidths). On one node the next step is ready at once.
 - **Compute**: a node runs one task at a time, to the end. When it is idle it starts, among its ready
   tasks, a backward or loss before a forward, then the earliest ready, then the lowest microbatch id.
 - **Memory** (SkipPipe's TC1): a microbatch is resident on a node from the start of its forward there
@@ -33,8 +36,6 @@ from numbers import Integral
 from decentral.pipeline.network import Network
 
 FORWARD, LOSS, BACKWARD = "forward", "loss", "backward"
-LOSS_FACTOR = 0.25  # loss time in forward times
-BACKWARD_FACTOR = 1.5  # backward time in forward times
 _RANK = {FORWARD: 1, LOSS: 0, BACKWARD: 0}  # lower starts first
 _END, _ARRIVE = 0, 1
 
@@ -86,12 +87,15 @@ def simulate(network: Network, paths: Sequence[Sequence[int]], record: bool = Tr
     steps = []
     for path in paths:
         head = path[0]
-        steps.append([(node, FORWARD, compute[node]) for node in path] + [(head, LOSS, LOSS_FACTOR * compute[head])]
-                     + [(node, BACKWARD, BACKWARD_FACTOR * compute[node]) for node in reversed(path)])
+        steps.append([(node, FORWARD, compute[node]) for node in path]
+                     + [(head, LOSS, network.loss_factor * compute[head])]
+                     + [(node, BACKWARD, network.backward_factor * compute[node]) for node in reversed(path)])
     ready: list[list[tuple]] = [[] for _ in range(count)]  # (rank, ready time, microbatch, step)
     busy = [False] * count
     resident: list[set[int]] = [set() for _ in range(count)]
     link_free: dict[tuple[int, int], float] = {}
+    shared = [node.uplink_mbps is not None for node in network.nodes]
+    uplink_free = [0.0] * count
     finish = [0.0] * len(paths)
     events: list[tuple] = []  # (time, sequence, event, microbatch, step)
     sequence = 0
@@ -147,8 +151,10 @@ def simulate(network: Network, paths: Sequence[Sequence[int]], record: bool = Tr
             if target == node:
                 ready[node].append((_RANK[next_kind], now, m, j + 1))
                 continue
-            start = max(now, link_free.get((node, target), 0.0))
+            start = max(now, link_free.get((node, target), 0.0), uplink_free[node])
             link_free[node, target] = start + send[node][target]
+            if shared[node]:
+                uplink_free[node] = start + send[node][target]
             arrival = start + send[node][target] + latency[node][target]
             heapq.heappush(events, (arrival, sequence, _ARRIVE, m, j + 1))
             sequence += 1

@@ -1,0 +1,185 @@
+"""A whole pipeline on this machine: one `decentral pipeline node` process per node of the network, on
+loopback or each in its own netlab host (a network namespace behind a tc-capped uplink).
+
+The allocation (which node serves which stage) is planned once, from the network, and written into
+OUT/network.json with every node pinned to its stage; the nodes read that file. The first node
+starts the swarm's DHT, the others join it; the first head leads (runs the coordinator).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from decentral.pipeline.network import Network, PipelineError
+from decentral.pipeline.planner import plan
+
+
+def pinned(network: Network, seed: int = 0, effort: float = 0.3) -> Network:
+    """`network` with every node pinned to a stage: its own pin where it has one, else the planner's."""
+    if all(node.stage is not None for node in network.nodes):
+        return network
+    stage_of = plan(network, seed=seed, effort=effort).stage_of
+    return replace(network, nodes=tuple(replace(node, stage=int(s)) for node, s in zip(network.nodes, stage_of)))
+
+
+class LocalPipeline:
+    """Start, watch and end the node processes of one run (module docstring).
+
+    `recipe`: the recipe file every node reads; `network`: pinned (see `pinned`); `lab`: a NetLab with
+    at least one host per node, else loopback. `node_args`: more arguments for every node (--data ...).
+    """
+
+    def __init__(self, recipe: Path, network: Network, out: Path, *, steps: int | None = None, lab=None,
+                 node_args: list[str] | None = None, env: dict[str, str] | None = None):
+        if lab is not None and len(lab.hosts) < len(network.nodes):
+            raise PipelineError(f"the lab has {len(lab.hosts)} hosts for {len(network.nodes)} nodes")
+        self.recipe, self.network, self.out, self.steps, self.lab = Path(recipe), network, Path(out), steps, lab
+        self.node_args, self.env = list(node_args or []), env
+        self.procs: dict[str, subprocess.Popen] = {}
+        heads = [node.name for node in network.nodes if node.stage == 0]
+        if not heads:
+            raise PipelineError("the network pins no node to stage 0")
+        self.lead = heads[0]
+
+    def log(self, name: str) -> str:
+        path = self.out / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start every node; the first one's DHT address must appear within `timeout_s`."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.network.save(self.out / "network.json")
+        join: list[str] = []
+        for i, node in enumerate(self.network.nodes):
+            self._start(i, node.name, join)
+            if not join:
+                join = self._bootstrap(node.name, timeout_s)
+
+    def _start(self, index: int, name: str, join: list[str]) -> subprocess.Popen:
+        host = self.lab.hosts[index] if self.lab is not None else None
+        cmd = [sys.executable, "-m", "decentral.cli", "pipeline", "node", "--recipe", str(self.recipe),
+               "--network", str(self.out / "network.json"), "--name", name, "--out", str(self.out / name),
+               "--host", host.address if host else "127.0.0.1", *self.node_args]
+        if join:
+            cmd += [arg for maddr in join for arg in ("--join", maddr)]
+        else:
+            cmd += ["--maddr-file", str(self.out / f"{name}.maddrs")]
+        if name == self.lead:
+            cmd += ["--lead"] + (["--steps", str(self.steps)] if self.steps else [])
+        with open(self.out / f"{name}.log", "a") as log:
+            if host is not None:  # its environment: ours, `env`, and the lab's DECENTRAL_* variables
+                self.procs[name] = host.popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            else:
+                self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=log,
+                                                    stderr=subprocess.STDOUT)
+        return self.procs[name]
+
+    def _bootstrap(self, name: str, timeout_s: float) -> list[str]:
+        path, proc = self.out / f"{name}.maddrs", self.procs[name]
+        deadline = time.monotonic() + timeout_s
+        while not path.exists() or not path.read_text().strip():
+            if proc.poll() is not None:
+                raise PipelineError(f"node {name} exited with {proc.returncode} before starting the swarm:\n"
+                                    f"{self.log(name)[-2000:]}")
+            if time.monotonic() > deadline:
+                raise PipelineError(f"node {name} did not start the swarm within {timeout_s:.0f}s")
+            time.sleep(0.1)  # polling a file the node writes
+        return path.read_text().split()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL node `name` (its DHT child notices and follows within a second)."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the lead to end the run, then for the others to leave; returns the lead's exit code."""
+        lead = self.procs[self.lead]
+        try:
+            code = lead.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise PipelineError(f"the run did not end within {timeout_s:.0f}s; see {self.out}/*.log") from None
+        deadline = time.monotonic() + 30.0
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return code
+
+    def close(self) -> None:
+        """End every node process still running (SIGTERM, then SIGKILL)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "LocalPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def node_network(recipe, path: str | Path | None = None) -> Network:
+    """The network a run plans over: the file at `path` (else the recipe's pipeline.network, else the
+    recipe's loopback network), shaped as the recipe says (stages, skip, microbatches, activation size)."""
+    from decentral.pipeline.network import load_network
+    from decentral.pipeline.recipe import loopback_network, shaped_network
+
+    path = path or recipe.pipeline.network
+    return shaped_network(load_network(path) if path else loopback_network(recipe), recipe)
+
+
+def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | Path | None = None,
+              netlab: str | None = None, latency_ms: float = 0.0, steps: int | None = None, data=None,
+              drop: float = 0.5, timeout_s: float = 3600.0, evaluate: bool = True) -> dict:
+    """`decentral pipeline train`: plan the allocation, run every node as a process (on netlab hosts
+    when `netlab` is a rate), wait for the end, evaluate (unless told not to). Returns {"evaluation"
+    (None when not evaluated), "metrics" (the lead's records), "lead"}.
+
+    The nodes share a swarm key made for the run (OUT/swarm.key). PipelineError when the run fails."""
+    from decentral.metrics import read_metrics
+    from decentral.pipeline.evaluate import evaluate_run
+    from decentral.pipeline.recipe import load_pipeline_recipe
+    from decentral.swarm.admission import SwarmKey
+
+    recipe = load_pipeline_recipe(recipe_path)
+    network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed, effort=recipe.pipeline.effort)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = out / "swarm.key"
+    if not key.exists():
+        SwarmKey.generate(key)
+    node_args = ["--swarm-key", str(key)] + [a for path in data or () for a in ("--data", str(path))]
+    lab = None
+    if netlab:
+        from decentral.netlab import NetLab
+
+        lab = NetLab(len(network.nodes), netlab, latency_ms=latency_ms, name="skp")
+    try:
+        with LocalPipeline(Path(recipe_path), network, out, steps=steps, lab=lab, node_args=node_args,
+                           env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
+            run.start()
+            code = run.wait(timeout_s)
+            if code != 0:
+                raise PipelineError(f"the lead ({run.lead}) exited with {code}:\n{run.log(run.lead)[-3000:]}")
+            lead = run.lead
+    finally:
+        if lab is not None:
+            lab.close()
+    return {"evaluation": evaluate_run(out, drop=drop, data=data) if evaluate else None, "lead": lead,
+            "metrics": read_metrics(out / lead / "metrics.jsonl")}

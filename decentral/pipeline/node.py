@@ -1,0 +1,505 @@
+"""A pipeline node: one stage behind a gRPC server, computing its microbatches one task at a time.
+
+A microbatch with route (head, a, b) runs: `start` on the head (embedding and its blocks), `forward`
+on a then b, `loss` on the head (final norm, LM head, cross-entropy and its backward), `backward` on
+b then a, and `finish` on the head (the backward of its blocks). Every step after the first is
+triggered by a TensorFrame (Send RPC). Like the simulator (decentral.pipeline.simulator), a node
+runs one task at a time, a backward or loss before a forward, then the earliest ready, then the
+lowest microbatch; a microbatch is resident from the start of its forward here to the end of its
+backward here, and a forward starts only while fewer than `memory` are resident.
+
+Gradients are kept per microbatch until the iteration's `step` says which microbatches finished:
+their mean is the gradient (each stage averages over the microbatches that visited it; a skipped
+stage gets nothing from a microbatch), clipped, and the inner AdamW steps once per iteration. So a
+microbatch aborted after a node died contributes nowhere, and its second attempt counts once.
+`step` replies with the mean time of this iteration's forwards, losses and backwards here (what the
+simulator calls compute_ms, and its factors), so a plan's costs can be checked against the nodes'.
+
+With a swarm key, every call must be signed with it (decentral.pipeline.auth), else UNAUTHENTICATED.
+
+Control commands (Control RPC; JSON bodies):
+  begin    {iteration, coordinator, directory: {name: address}, launches: [[microbatch, attempt, route]]}
+  launch   {iteration, launches}                 start more microbatches (heads; after a re-plan)
+  abort    {iteration, keys: [[microbatch, attempt]]}  forget them: queued work, activations, gradients
+  step     {iteration, finished: {microbatch: attempt}, save}  step once on the finished microbatches
+  stop, ping, weights (replies with this stage's weights as safetensors)
+  report   {kind: done | failed, ...}            for the coordinator, which runs inside the lead node
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from decentral.checkpoint import save_checkpoint
+from decentral.pipeline.auth import CallKey
+from decentral.pipeline.frames import (ACTIVATIONS, GRADIENTS, FrameError, command_of, decode_command, decode_frame,
+                                       decode_reply, frame_of, frame_tensor, reply_of)
+from decentral.pipeline.links import CONTROL, SEND, SERVICE, Links, channel_options, is_gone
+from decentral.pipeline.network import PipelineError
+from decentral.pipeline.recipe import PipelineRecipe
+from decentral.pipeline.stages import Stage
+from decentral.worker import inner_lr
+
+log = logging.getLogger(__name__)
+
+START, FORWARD, LOSS, BACKWARD, FINISH, STEP = "start", "forward", "loss", "backward", "finish", "step"
+_RANK = {STEP: -1, LOSS: 0, BACKWARD: 0, FINISH: 0, START: 1, FORWARD: 1}  # lower runs first
+HEADER_ROOM = 64 * 1024  # bytes a message may carry besides its tensor
+
+
+Key = tuple[int, int, int]  # (iteration, microbatch, attempt)
+
+
+@dataclass
+class _Task:
+    kind: str
+    key: Key
+    route: tuple[str, ...]
+    hop: int
+    ready: float
+    seq: int
+    tensor: torch.Tensor | None = None
+    body: dict | None = None  # a step's command
+    finished: threading.Event | None = None  # set when a step is done
+    result: dict | None = None
+
+    def order(self) -> tuple:
+        return _RANK[self.kind], self.ready, self.key[1], self.seq
+
+
+@dataclass
+class _Flight:
+    """A resident microbatch: what its backward here needs."""
+
+    inputs: torch.Tensor | None  # the received activations (a leaf), None on the head
+    outputs: torch.Tensor  # what we sent on, with its graph
+    targets: torch.Tensor | None = None  # on the head
+
+
+def microbatch(tokens: np.ndarray, iteration: int, index: int, batch_size: int, context: int,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Microbatch `index` of `iteration`: random windows of `tokens` that depend only on these numbers,
+    so whichever head runs it (again, after a re-plan) trains on the same text."""
+    rng = np.random.default_rng([seed, iteration, index])
+    starts = rng.integers(0, len(tokens) - context, size=batch_size)
+    rows = torch.from_numpy(tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class StageNode:
+    """Serve `stage` as node `name` (see the module docstring). `tokens`: training text, for heads.
+    `memory`: microbatches resident at once. `shared_uplink`: send one message at a time whatever its
+    destination (decentral.pipeline.links), as the network says of nodes with an uplink.
+    `make_protocol(stage, optimizer)`, when given, wraps the inner optimizer in a sync protocol that
+    keeps this stage's replicas together (its hooks run at the step; `close` closes its transport).
+    `key`: sign our calls and refuse calls not signed with it (decentral.pipeline.auth).
+    `out`: where `step` with `save` writes the stage's checkpoint."""
+
+    def __init__(self, name: str, stage: Stage, recipe: PipelineRecipe, *, memory: int, host: str = "127.0.0.1",
+                 port: int = 0, tokens: np.ndarray | None = None, shared_uplink: bool = False,
+                 key: CallKey | None = None,
+                 make_protocol: Callable[[Stage, torch.optim.Optimizer], object] | None = None,
+                 out: Path | None = None):
+        if stage.index == 0 and tokens is None:
+            raise PipelineError(f"{name}: a stage-0 node needs training text")
+        self.name, self.stage, self.recipe, self.memory, self.out = name, stage, recipe, memory, out
+        train, model = recipe.recipe.train, recipe.recipe.model
+        self.tokens = tokens
+        self.optimizer = torch.optim.AdamW(stage.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.params = list(stage.parameters())
+        self._position = {id(p): i for i, p in enumerate(self.params)}
+        self.protocol = make_protocol(stage, self.optimizer) if make_protocol else None
+        self.max_frame = 4 * train.batch_size * train.context * model.d_model
+        # gRPC refuses longer messages unread: a frame, or our stage's weights (what a joining replica asks for)
+        max_message = max(self.max_frame, 4 * sum(p.numel() for p in self.params)) + HEADER_ROOM
+        self.key = key
+        self.links = Links(max_message, recipe.pipeline.link_timeout, shared_uplink=shared_uplink,
+                           key=key)
+        self.coordinator = None  # the lead node's Coordinator, which takes the reports
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-rpc"),
+                                  options=channel_options(max_message))
+        handlers = {"Send": grpc.unary_unary_rpc_method_handler(self._on_send),
+                    "Control": grpc.unary_unary_rpc_method_handler(self._on_control)}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if not bound:
+            raise PipelineError(f"{name}: cannot listen on {host}:{port}")
+        self.address = f"{host}:{bound}"
+        self.stopped = threading.Event()
+        self.last_command = time.monotonic()
+        self.iterations_done = 0
+        self._cond = threading.Condition()
+        self._iteration = -1  # the iteration begun; work of later ones waits for its begin
+        self._open = False  # whether it has not stepped yet (work of a stepped iteration is dropped)
+        self._coordinator = ""
+        self._directory: dict[str, str] = {}
+        self._begun = 0.0  # when this iteration's begin arrived (time.monotonic)
+        self._ready: list[_Task] = []
+        self._resident: dict[Key, _Flight | None] = {}  # None: its forward is running
+        self._aborted: set[Key] = set()
+        self._pending: dict[Key, list[torch.Tensor | None]] = {}  # per microbatch, a gradient per parameter
+        self._losses: dict[Key, float] = {}
+        self._compute: dict[str, list[float]] = {}  # this iteration's task durations (ms) by kind
+        self._seq = 0
+        self._worker = threading.Thread(target=self._work, name=f"{name}-compute", daemon=True)
+
+    # ----- life -----
+    def start(self) -> None:
+        if self.protocol is not None:
+            self.protocol.__enter__()  # joins the stage's replicas (a newcomer takes their state here)
+        self._worker.start()
+        self.server.start()
+
+    def close(self) -> None:
+        self.stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        self.server.stop(grace=0.2).wait()
+        self.links.close()
+        if self.protocol is not None:
+            self.protocol.__exit__(None, None, None)
+            self.protocol.transport.close()
+
+    # ----- RPC handlers -----
+    def _admit(self, method: str, request: bytes, context: grpc.ServicerContext) -> None:
+        """Abort a call not signed with our key (when we have one)."""
+        refusal = self.key.refusal(method, request, context.invocation_metadata()) if self.key else None
+        if refusal:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self.name}: {refusal}")
+
+    def _on_send(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(SEND, request, context)
+        train, model = self.recipe.recipe.train, self.recipe.recipe.model
+        try:
+            frame = decode_frame(request)
+            tensor = frame_tensor(frame, self.max_frame, width=model.d_model, max_rows=train.batch_size,
+                                  max_tokens=train.context)
+        except FrameError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
+        if frame.route[frame.hop] != self.name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a frame for {frame.route[frame.hop]} reached {self.name}")
+        if frame.hop == 0 and self.stage.index != 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name} holds stage {self.stage.index}, not a head")
+        if frame.kind == ACTIVATIONS:
+            kind = FORWARD if frame.hop else LOSS
+        else:
+            kind = BACKWARD if frame.hop else FINISH
+        self._queue(_Task(kind, frame.key, tuple(frame.route), frame.hop, time.monotonic(), 0, tensor))
+        return reply_of()
+
+    def _on_control(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(CONTROL, request, context)
+        try:
+            kind, body = decode_command(request)
+        except FrameError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
+        handler = {"begin": self._begin, "launch": self._launch, "abort": self._abort, "step": self._step_command,
+                   "stop": self._stop, "ping": self._ping, "weights": self._weights,
+                   "report": self._report_in}.get(kind)
+        if handler is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: unknown command {kind!r}")
+        self.last_command = time.monotonic()
+        try:
+            return handler(body)
+        except (KeyError, TypeError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: bad {kind} command: {e!r}")
+
+    def _begin(self, body: dict) -> bytes:
+        iteration = int(body["iteration"])
+        with self._cond:
+            if iteration < self._iteration:
+                return reply_of(False, f"{self.name} is at iteration {self._iteration} already")
+            self._iteration, self._begun, self._open = iteration, time.monotonic(), True
+            self._coordinator, self._directory = str(body["coordinator"]), dict(body["directory"])
+            self._aborted.clear()
+            self._ready = [task for task in self._ready if task.key[0] >= iteration]
+            self._queue_launches(iteration, body.get("launches", []))
+            self._cond.notify_all()
+        return reply_of()
+
+    def _launch(self, body: dict) -> bytes:
+        with self._cond:
+            self._queue_launches(int(body["iteration"]), body["launches"])
+            self._cond.notify_all()
+        return reply_of()
+
+    def _queue_launches(self, iteration: int, launches: list) -> None:
+        if launches and self.stage.index != 0:
+            raise ValueError(f"{self.name} holds stage {self.stage.index} and cannot launch microbatches")
+        for m, attempt, route in launches:
+            if route[0] != self.name:
+                raise ValueError(f"microbatch {m}'s route {route} does not start at {self.name}")
+            self._seq += 1
+            self._ready.append(_Task(START, (iteration, int(m), int(attempt)), tuple(route), 0, time.monotonic(),
+                                     self._seq))
+
+    def _abort(self, body: dict) -> bytes:
+        iteration = int(body["iteration"])
+        keys = {(iteration, int(m), int(a)) for m, a in body["keys"]}
+        with self._cond:
+            self._aborted |= keys
+            self._ready = [task for task in self._ready if task.key not in keys]
+            for key in keys:
+                if self._resident.get(key, False) is not None:  # a running forward frees its own slot
+                    self._resident.pop(key, None)
+                self._pending.pop(key, None)
+                self._losses.pop(key, None)
+            self._cond.notify_all()
+        return reply_of()
+
+    def _step_command(self, body: dict) -> bytes:
+        task = _Task(STEP, (int(body["iteration"]), -1, -1), (), 0, time.monotonic(), 0, body=body,
+                     finished=threading.Event())
+        self._queue(task)
+        task.finished.wait()
+        if task.result is None:
+            return reply_of(False, f"{self.name}: the step failed (see its log)")
+        return reply_of(body=task.result)
+
+    def _stop(self, body: dict) -> bytes:
+        self.stopped.set()
+        return reply_of()
+
+    def _ping(self, body: dict) -> bytes:
+        return reply_of(body={"name": self.name, "stage": self.stage.index, "iteration": self._iteration})
+
+    def _weights(self, body: dict) -> bytes:
+        with self._cond:  # not in the middle of a step
+            tensors = {k: v.detach().clone() for k, v in self.stage.global_state_dict().items()}
+        return reply_of(body={"iteration": self.iterations_done}, data=save_tensors(tensors))
+
+    def _report_in(self, body: dict) -> bytes:
+        if self.coordinator is None:
+            return reply_of(False, f"{self.name} does not coordinate")
+        self.coordinator.on_report(body)
+        return reply_of()
+
+    # ----- compute -----
+    def _queue(self, task: _Task) -> None:
+        with self._cond:
+            if task.key in self._aborted or (task.kind != STEP and not self._current_or_later(task.key[0])):
+                return  # a microbatch aborted after a re-plan, or one of an iteration that is over
+            self._seq += 1
+            task.seq = self._seq
+            self._ready.append(task)
+            self._cond.notify_all()
+
+    def _current_or_later(self, iteration: int) -> bool:
+        return iteration > self._iteration or (iteration == self._iteration and self._open)
+
+    def _take(self) -> _Task | None:
+        best = None
+        for task in self._ready:
+            if task.kind != STEP and (task.key[0] != self._iteration or not self._open):
+                continue
+            if task.kind in (START, FORWARD) and len(self._resident) >= self.memory:
+                continue
+            if best is None or task.order() < best.order():
+                best = task
+        if best is not None:
+            self._ready.remove(best)
+            if best.kind in (START, FORWARD):
+                self._resident[best.key] = None  # resident from the start of its forward
+        return best
+
+    def _work(self) -> None:
+        torch.set_grad_enabled(True)
+        while True:
+            with self._cond:
+                task = self._take()
+                while task is None and not self.stopped.is_set():
+                    self._cond.wait()
+                    task = self._take()
+                if task is None:
+                    return
+            started = time.perf_counter()
+            try:
+                {START: self._start, FORWARD: self._forward, LOSS: self._loss, BACKWARD: self._backward,
+                 FINISH: self._finish, STEP: self._step}[task.kind](task)
+                if task.kind != STEP:
+                    self._compute.setdefault(task.kind, []).append(1e3 * (time.perf_counter() - started))
+            except Exception as e:
+                log.exception("%s: %s of microbatch %s failed", self.name, task.kind, task.key[1:])
+                with self._cond:
+                    self._resident.pop(task.key, None)
+                    self._cond.notify_all()
+                if task.kind == STEP:
+                    task.finished.set()
+                else:
+                    self._report({"kind": "failed", "iteration": task.key[0], "microbatch": task.key[1],
+                                  "attempt": task.key[2], "node": self.name, "gone": False, "error": repr(e)})
+
+    def _keep(self, task: _Task, flight: _Flight) -> bool:
+        """Make `flight` resident, unless its microbatch was aborted while it ran (then free its slot)."""
+        with self._cond:
+            if task.key in self._aborted or task.key[0] != self._iteration or not self._open:
+                self._resident.pop(task.key, None)
+                self._cond.notify_all()
+                return False
+            self._resident[task.key] = flight
+            return True
+
+    def _release(self, key: Key) -> _Flight | None:
+        with self._cond:
+            flight = self._resident.pop(key, None)
+            self._cond.notify_all()
+            return flight
+
+    def _start(self, task: _Task) -> None:
+        train = self.recipe.recipe.train
+        tokens, targets = microbatch(self.tokens, task.key[0], task.key[1], train.batch_size, train.context, train.seed)
+        outputs = self.stage.begin(tokens)
+        if self._keep(task, _Flight(None, outputs, targets)):
+            self._send(task, 1, ACTIVATIONS, outputs)
+
+    def _forward(self, task: _Task) -> None:
+        inputs = task.tensor.requires_grad_()
+        outputs = self.stage(inputs)
+        if self._keep(task, _Flight(inputs, outputs)):
+            self._send(task, (task.hop + 1) % len(task.route), ACTIVATIONS, outputs)
+
+    def _loss(self, task: _Task) -> None:
+        flight = self._resident.get(task.key)
+        if flight is None:
+            return  # aborted
+        inputs = task.tensor.requires_grad_()
+        loss = self.stage.loss(inputs, flight.targets)
+        grads = torch.autograd.grad(loss, [inputs, *self.stage.loss_parameters()])
+        self._accumulate(task.key, self.stage.loss_parameters(), grads[1:])
+        self._losses[task.key] = loss.item()
+        self._send(task, len(task.route) - 1, GRADIENTS, grads[0])
+
+    def _backward(self, task: _Task) -> None:
+        flight = self._release(task.key)
+        if flight is None:
+            return  # aborted
+        params = self.stage.forward_parameters()
+        grads = torch.autograd.grad(flight.outputs, [flight.inputs, *params], grad_outputs=task.tensor)
+        self._accumulate(task.key, params, grads[1:])
+        self._send(task, task.hop - 1, GRADIENTS, grads[0])
+
+    def _finish(self, task: _Task) -> None:
+        flight = self._release(task.key)
+        if flight is None:
+            return  # aborted
+        params = self.stage.forward_parameters()
+        self._accumulate(task.key, params, torch.autograd.grad(flight.outputs, params, grad_outputs=task.tensor))
+        iteration, m, attempt = task.key
+        self._report({"kind": "done", "iteration": iteration, "microbatch": m, "attempt": attempt,
+                      "loss": self._losses.pop(task.key, float("nan")), "node": self.name, "begun": self._begun,
+                      "end": time.monotonic()})
+
+    def _accumulate(self, key: Key, params: list[torch.nn.Parameter], grads) -> None:
+        with self._cond:
+            if key in self._aborted:
+                return
+            slots = self._pending.setdefault(key, [None] * len(self.params))
+            for param, grad in zip(params, grads):
+                i = self._position[id(param)]
+                slots[i] = grad if slots[i] is None else slots[i] + grad
+
+    def _step(self, task: _Task) -> None:
+        body = task.body
+        iteration = int(body["iteration"])
+        finished = {int(m): int(a) for m, a in body["finished"].items()}
+        train = self.recipe.recipe.train
+        with self._cond:
+            keys = [k for k in self._pending if k[0] == iteration and finished.get(k[1]) == k[2]]
+            for i, param in enumerate(self.params):
+                parts = [self._pending[k][i] for k in keys if self._pending[k][i] is not None]
+                param.grad = torch.stack(parts).sum(0).div_(len(keys)) if parts else None
+            self._pending.clear()
+            self._losses.clear()
+            self._resident.clear()
+            self._ready = [t for t in self._ready if t.key[0] > iteration]
+            self._open = False
+        with_grad = [p for p in self.params if p.grad is not None]
+        if with_grad:
+            torch.nn.utils.clip_grad_norm_(with_grad, train.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = inner_lr(iteration, self.recipe.recipe)
+        self.optimizer.step()  # once per iteration; a replica protocol's hooks run here
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iterations_done = iteration + 1
+        spent = self._compute
+        times = {FORWARD: spent.get(START, []) + spent.get(FORWARD, []), LOSS: spent.get(LOSS, []),
+                 BACKWARD: spent.get(BACKWARD, []) + spent.get(FINISH, [])}
+        self._compute = {}
+        result = {"node": self.name, "microbatches": len(keys),
+                  "compute_ms": {kind: sum(t) / len(t) for kind, t in times.items() if t}}
+        report = self.protocol.pop_report() if self.protocol is not None else None
+        if report is not None:
+            result["sync"] = {"round": report.round, "group": len(report.group), "complete": report.complete,
+                              "wait_s": round(report.wait_s, 3)}
+        if body.get("save") and self.out is not None:
+            self.save()
+        task.result = result
+        task.finished.set()
+
+    def copy_replica(self, servers) -> str | None:
+        """Take the weights of the first of `servers` (discovery.Server) that serves our stage and answers:
+        a node joining a running pipeline starts where its stage is. Returns whose weights, or None."""
+        for server in servers:
+            if server.stage != self.stage.index or server.name == self.name:
+                continue
+            try:
+                ok, _, _, data = decode_reply(self.links.call(server.address, CONTROL, command_of("weights")))
+            except grpc.RpcError as e:
+                log.warning("%s: could not copy stage %d from %s: %s", self.name, self.stage.index, server.name,
+                            _describe(e))
+                continue
+            if ok:
+                self.stage.load_global_state_dict(load_tensors(data))
+                return server.name
+        return None
+
+    def save(self) -> Path:
+        """This stage's weights and where they belong (OUT/stage, a decentral checkpoint)."""
+        tensors = {f"model.{k}": v for k, v in self.stage.global_state_dict().items()}
+        meta = {"name": self.name, "stage": self.stage.index, "stages": self.recipe.pipeline.stages,
+                "iteration": self.iterations_done, "recipe": self.recipe.to_dict()}
+        return save_checkpoint(self.out / "stage", tensors, meta)
+
+    # ----- sending -----
+    def _send(self, task: _Task, hop: int, kind: str, tensor: torch.Tensor) -> None:
+        target = task.route[hop]
+        address = self._directory.get(target)
+        if address is None:
+            self._report({"kind": "failed", "iteration": task.key[0], "microbatch": task.key[1],
+                          "attempt": task.key[2], "node": target, "gone": True, "error": "not in the directory"})
+            return
+        payload = frame_of(kind, *task.key, task.route, hop, tensor, self.recipe.pipeline.wire_dtype)
+
+        def done(reply, error):
+            if error is not None:
+                self._report({"kind": "failed", "iteration": task.key[0], "microbatch": task.key[1],
+                              "attempt": task.key[2], "node": target, "gone": is_gone(error),
+                              "error": _describe(error)})
+
+        self.links.post(address, SEND, payload, done)
+
+    def _report(self, body: dict) -> None:
+        """Tell the coordinator (in this process when we are the lead)."""
+        if self.coordinator is not None:
+            self.coordinator.on_report(body)
+        elif self._coordinator:
+            self.links.post(self._coordinator, CONTROL, command_of("report", body))
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return repr(error)

@@ -1,0 +1,183 @@
+"""`decentral pipeline node`: one node of a SkipPipe pipeline, as a process.
+
+It joins the swarm's DHT (a SwarmPeer of run `swarm.run`, with the swarm key when given: then its
+gRPC calls are signed with it too, decentral.pipeline.auth), builds its stage of the reference GPT
+(every replica of a stage starts from the same seeded weights, and a node that finds a live replica
+of its stage copies that replica's weights first), wraps the inner AdamW in the recipe's sync
+protocol for the stage's replicas (a swarm group of run `{swarm.run}-stage{s}`; `local`: none),
+serves the stage over gRPC and announces itself (decentral.pipeline.discovery).
+
+The lead node (a head; `--lead`) also runs the coordinator: it waits for the network's nodes, runs
+`--steps` iterations, writes OUT/metrics.jsonl (a record per iteration) and OUT/events.jsonl
+(begins, deaths, re-launches, finished microbatches; both replaced by a new run: there is no
+resuming yet), and stops the others at the end. Every node
+writes its stage's checkpoint to OUT/stage every `train.eval_every` iterations and at the end.
+A node other than the lead leaves when told to, or when no command came for `idle_s` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decentral.data.corpus import load_corpus
+from decentral.metrics import MetricsLog
+from decentral.pipeline.auth import CallKey
+from decentral.pipeline.coordinator import Coordinator
+from decentral.pipeline.discovery import Announcer, ServerView, lookup_servers, new_server
+from decentral.pipeline.network import Network, PipelineError
+from decentral.pipeline.node import StageNode
+from decentral.pipeline.recipe import PipelineRecipe
+from decentral.pipeline.stages import make_stage
+from decentral.swarm.admission import SwarmKey
+from decentral.swarm.peer import SwarmPeer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeOptions:
+    name: str
+    recipe: PipelineRecipe
+    network: Network  # every node that may take part (the recipe's shape); the lead plans over it
+    out: Path
+    stage: int | None = None  # default: the stage the network pins this node to
+    host: str = "127.0.0.1"  # where the gRPC server and the DHT node listen
+    port: int = 0  # the gRPC server's port
+    dht_port: int = 0
+    announce_host: str | None = None  # the address others reach us at, when `host` is 0.0.0.0
+    join: Sequence[str] = ()
+    swarm_key: SwarmKey | None = None
+    lead: bool = False
+    steps: int | None = None  # iterations (the lead); default train.steps
+    data: Sequence[str] | None = None  # training text (heads); None = the Python standard library
+    maddr_file: Path | None = None  # where to write our DHT multiaddrs, for others to --join
+    wait_s: float = 300.0  # the lead waits this long for the network's nodes
+    idle_s: float = 600.0  # a node leaves after this long without a command
+    print_fn: Callable[[str], None] = print
+
+
+def run_node(opts: NodeOptions) -> int:
+    """Run one node until the run ends (see the module docstring); returns an exit code."""
+    torch.set_num_threads(1)
+    recipe, network = opts.recipe, opts.network
+    entry = next((node for node in network.nodes if node.name == opts.name), None)
+    if entry is None:
+        raise PipelineError(f"{network.source} has no node named {opts.name!r}")
+    index = opts.stage if opts.stage is not None else entry.stage
+    if index is None:
+        raise PipelineError(f"{opts.name}: give --stage, or pin the node to a stage in {network.source}")
+    if opts.lead and index != 0:
+        raise PipelineError(f"{opts.name}: the lead must be a head (stage 0), it holds stage {index}")
+    if opts.host == "0.0.0.0" and not opts.announce_host:
+        raise PipelineError("listening on 0.0.0.0 needs --announce-host (the address others reach us at)")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    tokens = load_corpus(opts.data).train if index == 0 else None
+    swarm = recipe.recipe.swarm
+    peer = SwarmPeer(swarm.run, opts.join, host=opts.host, port=opts.dht_port, announce_host=opts.announce_host,
+                     identity_path=opts.out / "identity.key", swarm_key=opts.swarm_key)
+    closers: list[Callable[[], None]] = [peer.shutdown]
+    try:
+        if opts.maddr_file:
+            opts.maddr_file.write_text("\n".join(peer.multiaddrs()) + "\n")
+        stage = make_stage(recipe.recipe.model, recipe.pipeline.stages, index, recipe.recipe.train.seed)
+        node = StageNode(opts.name, stage, recipe, memory=entry.memory, host=opts.host, port=opts.port,
+                         tokens=tokens, shared_uplink=entry.uplink_mbps is not None,
+                         key=CallKey(opts.swarm_key) if opts.swarm_key else None,
+                         make_protocol=_protocol_maker(opts, peer, index), out=opts.out)
+        closers.insert(0, node.close)
+        source = node.copy_replica(lookup_servers(peer).values())
+        if source:
+            opts.print_fn(f"[{opts.name}] copied stage {index}'s weights from {source}")
+        node.start()
+        address = f"{opts.announce_host or opts.host}:{node.address.rsplit(':', 1)[1]}"
+        announcer = Announcer(peer, new_server(opts.name, address, index))
+        closers.insert(0, announcer.close)
+        opts.print_fn(f"[{opts.name}] stage {index} at {address}")
+        if opts.lead:
+            return _lead(node, peer, address, opts, closers)
+        while not node.stopped.wait(1.0):
+            if time.monotonic() - node.last_command > opts.idle_s:
+                opts.print_fn(f"[{opts.name}] no command for {opts.idle_s:.0f}s; leaving")
+                return 1
+        return 0
+    finally:
+        for close in closers:
+            try:
+                close()
+            except Exception as e:
+                log.debug("closing %s: %s", close, e)
+
+
+def _protocol_maker(opts: NodeOptions, peer: SwarmPeer, index: int):
+    """How the stage's replicas stay in sync: the recipe's protocol over a swarm group of this stage."""
+    recipe = opts.recipe.recipe
+    if recipe.protocol == "local":
+        return None
+
+    def make(stage, optimizer):
+        from decentral.swarm import SwarmTransport
+        from decentral.sync import PROTOCOLS
+
+        s = recipe.swarm
+        transport = SwarmTransport(f"{s.run}-stage{index}", peer.multiaddrs(), host=opts.host,
+                                   announce_host=opts.announce_host, timeout=s.timeout, wire_dtype=s.wire_dtype,
+                                   max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
+                                   heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / "stage-identity.key"),
+                                   swarm_key=opts.swarm_key)
+        return PROTOCOLS[recipe.protocol](stage, optimizer, transport, **recipe.protocol_args)
+
+    return make
+
+
+def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, closers: list) -> int:
+    recipe = opts.recipe
+    train, config = recipe.recipe.train, recipe.pipeline
+    view = ServerView(peer)
+    closers.insert(0, view.close)
+    (opts.out / "metrics.jsonl").unlink(missing_ok=True)  # a run starts from iteration 0: no resuming yet
+    metrics = MetricsLog(opts.out / "metrics.jsonl")
+    events = open(opts.out / "events.jsonl", "w", encoding="utf-8")
+    closers.extend([metrics.close, events.close])
+
+    def on_event(record: dict) -> None:
+        events.write(json.dumps(record) + "\n")
+        events.flush()
+
+    coordinator = Coordinator(opts.network, view.get, node.links, address, seed=train.seed, effort=config.effort,
+                              routing=config.routing, on_event=on_event)
+    node.coordinator = coordinator
+    live = coordinator.wait_for_servers(opts.wait_s)
+    opts.print_fn(f"[{opts.name}] leading {len(live)} nodes: " + ", ".join(
+        f"{name} (stage {server.stage})" for name, server in sorted(live.items())))
+    steps = opts.steps or train.steps
+    start = time.perf_counter()
+    try:
+        for iteration in range(steps):
+            last = iteration + 1 == steps
+            record = coordinator.run_iteration(iteration, save=last or (iteration + 1) % train.eval_every == 0)
+            metrics.write(worker=opts.name, step=iteration + 1, wall_s=time.perf_counter() - start,
+                          **{**record, "dead": ",".join(record["dead"]), "sync": None,
+                             "sync_wait_s": max((s["wait_s"] for s in record["sync"]), default=None)})
+            if last or iteration % train.eval_every == 0 or record["dead"] or record["replanned"]:
+                opts.print_fn(_progress(opts.name, record))
+    finally:
+        coordinator.stop_all()
+    return 0
+
+
+def _progress(name: str, record: dict) -> str:
+    line = (f"[{name}] iteration {record['iteration'] + 1} loss {record['loss']:.3f} microbatches "
+            f"{record['microbatches']} makespan {record['makespan_ms'] / 1e3:.2f} s "
+            f"wall {record['wall_ms'] / 1e3:.2f} s")
+    if record["replanned"]:
+        line += " re-planned"
+    if record["dead"]:
+        line += f"; lost {', '.join(record['dead'])}, re-sent {record['relaunched']} microbatches"
+    return line

@@ -1,0 +1,249 @@
+"""The SkipPipe runtime: stage servers over real gRPC on loopback, in this process (fast, exact checks)
+and as separate `decentral pipeline node` processes found through the DHT (end to end, a killed node)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from decentral.data.corpus import load_corpus
+from decentral.models.gpt import GPT
+from decentral.pipeline.cli import add_pipeline_parser
+from decentral.pipeline.coordinator import Coordinator
+from decentral.pipeline.discovery import new_server
+from decentral.pipeline.launch import LocalPipeline
+from decentral.pipeline.network import NetworkError, parse_network
+from decentral.pipeline.node import StageNode, microbatch
+from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
+from decentral.pipeline.stages import cut, make_stage, partial_loss
+from decentral.swarm.admission import SwarmKey
+from decentral.sync import DiLoCo
+from decentral.worker import inner_lr
+
+MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32, "context": 32}
+TRAIN = {"batch_size": 4, "context": 32, "lr": 3.0e-3, "warmup_steps": 2, "eval_batches": 2, "eval_every": 100}
+
+
+def tiny_recipe(stages: int, skip: float, microbatches: int, **more) -> dict:
+    return {"pipeline": {"stages": stages, "skip": skip, "microbatches": microbatches, **more.pop("pipeline", {})},
+            "protocol": {"name": "local"}, "train": {**TRAIN, **more.pop("train", {})}, "model": MODEL,
+            "swarm": {"run": f"pipe{time.monotonic_ns()}", "timeout": 10.0, "heartbeat_s": 0.5}, **more}
+
+
+def pinned_network(recipe, stage_of: dict[str, int]):
+    return shaped_network(parse_network({
+        "stages": recipe.pipeline.stages, "skip": 0, "microbatches": 1, "activation_bytes": 0,
+        "nodes": [{"name": name, "compute_ms": 1, "stage": stage} for name, stage in stage_of.items()],
+        "default_link": {"latency_ms": 1, "bandwidth_mbps": 1000}}), recipe)
+
+
+class InProcessPipeline:
+    """Stage nodes of one pipeline as objects of this process (real gRPC servers on loopback); the
+    first head coordinates, with a fixed list of servers instead of the DHT."""
+
+    def __init__(self, recipe, stage_of: dict[str, int], tokens, make_protocol=None, network=None):
+        self.recipe, self.events, self.tokens, self.make_protocol = recipe, [], tokens, make_protocol
+        self.nodes: dict[str, StageNode] = {}
+        self.servers = {}
+        for name, stage in stage_of.items():
+            self.add(name, stage)
+        lead = next(node for node in self.nodes.values() if node.stage.index == 0)
+        self.coordinator = Coordinator(network or pinned_network(recipe, stage_of), lambda: dict(self.servers),
+                                       lead.links, lead.address, seed=recipe.recipe.train.seed,
+                                       routing=recipe.pipeline.routing, on_event=self.events.append)
+        lead.coordinator = self.coordinator
+
+    def make(self, name: str, stage: int) -> StageNode:
+        recipe = self.recipe
+        return StageNode(name, make_stage(recipe.recipe.model, recipe.pipeline.stages, stage, recipe.recipe.train.seed),
+                         recipe, memory=3, tokens=self.tokens if stage == 0 else None,
+                         make_protocol=self.make_protocol(name) if self.make_protocol else None)
+
+    def add(self, name: str, stage: int, node: StageNode | None = None) -> StageNode:
+        """Start a node (made here unless given) and list it among the servers up."""
+        node = node or self.make(name, stage)
+        node.start()
+        self.nodes[name] = node
+        self.servers[name] = new_server(name, node.address, stage)
+        return node
+
+    def visits(self, iteration: int) -> list[str]:
+        return [n for e in self.events if e["event"] == "begin" and e["iteration"] == iteration
+                for route in e["routes"] for n in route]
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.close()
+
+
+def test_one_microbatch_through_the_pipeline_is_the_whole_models_math(small_corpus):
+    """Loss, gradients (a skipped stage gets none) and one AdamW step per stage, as the whole GPT along
+    the same path computes them."""
+    recipe = parse_pipeline_recipe(tiny_recipe(4, 0.25, 1))
+    tokens = load_corpus([small_corpus]).train
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a": 1, "b": 2, "c": 3}, tokens)
+    try:
+        record = pipeline.coordinator.run_iteration(0)
+        route = pipeline.events[0]["routes"][0]
+        order = [pipeline.nodes[name].stage.index for name in route]
+        torch.manual_seed(recipe.recipe.train.seed)
+        model = GPT(recipe.recipe.model)
+        x, y = microbatch(tokens, 0, 0, TRAIN["batch_size"], TRAIN["context"], recipe.recipe.train.seed)
+        loss = partial_loss(model, 4, order, x, y)
+        assert record["microbatches"] == 1 and record["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        loss.backward()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=inner_lr(0, recipe.recipe),
+                                      weight_decay=recipe.recipe.train.weight_decay, betas=(0.9, 0.95))
+        for stage in cut(model, 4):
+            torch.nn.utils.clip_grad_norm_([p for p in stage.parameters() if p.grad is not None], 1.0)
+        optimizer.step()
+        skipped = ({0, 1, 2, 3} - set(order)).pop()
+        for node in pipeline.nodes.values():
+            ours, theirs = node.stage.global_state_dict(), model.state_dict()
+            assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours), node.name
+        untouched = make_stage(recipe.recipe.model, 4, skipped, recipe.recipe.train.seed).global_state_dict()
+        name = next(n for n, node in pipeline.nodes.items() if node.stage.index == skipped)
+        assert all(torch.equal(v, untouched[k]) for k, v in pipeline.nodes[name].stage.global_state_dict().items())
+    finally:
+        pipeline.close()
+
+
+def test_two_stages_train_with_replicas_kept_together_by_diloco_and_random_routing(small_corpus, make_swarm):
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 4, pipeline={"routing": "random"}))
+    swarm = dict(zip(("a1", "a2"), make_swarm(2)))
+    protocols = {}
+
+    def make_protocol(name):
+        if name not in swarm:
+            return None
+
+        def make(stage, optimizer):
+            protocols[name] = DiLoCo(stage, optimizer, swarm[name], every=4, outer_lr=1.0, outer_momentum=0.5)
+            return protocols[name]
+        return make
+
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a1": 1, "a2": 1}, load_corpus([small_corpus]).train, make_protocol)
+    try:
+        records = [pipeline.coordinator.run_iteration(i) for i in range(12)]
+        assert all(r["microbatches"] == 4 for r in records)
+        assert sum(r["loss"] for r in records[-3:]) / 3 < records[0]["loss"] - 0.5
+        visited = [name for e in pipeline.events if e["event"] == "begin" for route in e["routes"] for name in route]
+        assert visited.count("a1") > 4 and visited.count("a2") > 4  # random replicas, not always the planned one
+        assert [r["sync"] and len(r["sync"]) for r in records[3::4]] == [2, 2, 2]  # both replicas synced every 4th
+        a1, a2 = (pipeline.nodes[n].stage.global_state_dict() for n in ("a1", "a2"))
+        assert all(torch.equal(a1[k], a2[k]) for k in a1)  # right after a DiLoCo round: θ = φ on both
+        assert protocols["a1"].round == 3
+    finally:
+        pipeline.close()
+
+
+def test_a_joining_node_is_planned_in_with_its_stages_weights_and_a_leaving_one_planned_out(small_corpus):
+    recipe = parse_pipeline_recipe(tiny_recipe(3, 0.0, 4))
+    everyone = {"h": 0, "a1": 1, "b": 2, "a2": 1}
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a1": 1, "b": 2}, load_corpus([small_corpus]).train,
+                                 network=pinned_network(recipe, everyone))
+    try:
+        records = [pipeline.coordinator.run_iteration(i) for i in range(3)]
+        newcomer = pipeline.make("a2", 1)
+        assert newcomer.copy_replica(pipeline.servers.values()) == "a1"
+        trained = pipeline.nodes["a1"].stage.global_state_dict()
+        assert all(torch.equal(v, trained[k]) for k, v in newcomer.stage.global_state_dict().items())
+        pipeline.add("a2", 1, newcomer)
+        records += [pipeline.coordinator.run_iteration(i) for i in range(3, 5)]
+        assert records[3]["replanned"] and records[3]["nodes"] == 4 and not records[4]["replanned"]
+        assert "a2" in pipeline.visits(3) + pipeline.visits(4)
+        pipeline.nodes["a1"].close()  # leaves without a word: its server refuses connections
+        records += [pipeline.coordinator.run_iteration(i) for i in range(5, 7)]
+        assert records[5]["dead"] == ["a1"] and records[5]["microbatches"] == 4
+        assert records[6]["nodes"] == 3 and "a1" not in pipeline.visits(6)
+        assert all(r["microbatches"] == 4 for r in records) and records[-1]["loss"] < records[0]["loss"]
+    finally:
+        pipeline.close()
+
+
+def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus):
+    """Six `decentral pipeline node` processes find each other through the DHT (with a swarm key); one
+    replica of stage 1 is killed at the start of iteration 2. That iteration still finishes every
+    microbatch: those that did not cross the dead node with their first attempt, the others re-sent
+    along a re-plan; training goes on with five nodes and the loss falls."""
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(tiny_recipe(4, 0.25, 4)))
+    recipe = load_pipeline_recipe(recipe_path)
+    stage_of = {"h0": 0, "h1": 0, "a1": 1, "a2": 1, "b": 2, "c": 3}
+    network = pinned_network(recipe, stage_of)
+    SwarmKey.generate(tmp_path / "swarm.key")
+    steps, doomed_iteration = 8, 2
+    with LocalPipeline(recipe_path, network, tmp_path / "run", steps=steps,
+                       node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
+                       env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
+        run.start()
+        events = tmp_path / "run" / run.lead / "events.jsonl"
+        deadline = time.monotonic() + 120
+        begin = None
+        while begin is None:
+            assert time.monotonic() < deadline and run.procs[run.lead].poll() is None, run.log(run.lead)
+            if events.exists():
+                begin = next((e for e in map(json.loads, events.read_text().splitlines())
+                              if e["event"] == "begin" and e["iteration"] == doomed_iteration), None)
+            time.sleep(0.01)  # polling the lead's event log
+        crossing = [m for m, route in enumerate(begin["routes"]) if "a1" in route]
+        victim = "a1" if crossing else "a2"
+        crossing = [m for m, route in enumerate(begin["routes"]) if victim in route]
+        run.kill(victim)
+        assert run.wait(120) == 0, run.log(run.lead)
+    records = [json.loads(line) for line in (tmp_path / "run" / run.lead / "metrics.jsonl").read_text().splitlines()]
+    assert [r["microbatches"] for r in records] == [4] * steps
+    doomed = records[doomed_iteration]
+    assert doomed["dead"] == victim and doomed["relaunched"] == len(crossing) >= 1
+    done = [e for e in map(json.loads, events.read_text().splitlines())
+            if e["event"] == "done" and e["iteration"] == doomed_iteration]
+    assert sorted((e["microbatch"], e["attempt"]) for e in done) == [(m, int(m in crossing)) for m in range(4)]
+    assert all(r["nodes"] == 5 for r in records[doomed_iteration + 1:])
+    assert sum(r["loss"] for r in records[-2:]) / 2 < records[0]["loss"] - 0.3
+    for name in stage_of:  # every survivor wrote its stage at the end
+        assert (tmp_path / "run" / name / "stage" / "meta.json").exists() == (name != victim)
+
+
+def test_train_and_eval_from_the_command_line(tmp_path, small_corpus):
+    """`decentral pipeline train` runs a 2-stage pipeline of processes and evaluates it; `pipeline eval`
+    scores the run again; a recipe with a typo is one line and exit code 2."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"nodes": 2}, train={"steps": 15})))
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "decentral.cli", "pipeline", "train", "--recipe", str(recipe),
+                           "--out", str(out), "--data", str(small_corpus)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "whole model (2 stages)" in done.stdout and "1 of 2 stages" in done.stdout
+    evaluation = json.loads((out / "eval.json").read_text())
+    lead = next(p.parent.name for p in out.glob("*/metrics.jsonl"))
+    records = [json.loads(line) for line in (out / lead / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 15 and records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert evaluation["full_loss"] < records[0]["loss"] - 0.5 and evaluation["kept_stages"] == 1
+    again = subprocess.run([sys.executable, "-m", "decentral.cli", "pipeline", "eval", str(out), "--data",
+                            str(small_corpus)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and f"{evaluation['full_loss']:.4f}" in again.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"pipeline": {"stagse": 2}}))
+    refused = subprocess.run([sys.executable, "-m", "decentral.cli", "pipeline", "train", "--recipe", str(bad),
+                              "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "stagse" in refused.stderr
+
+
+def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_one_error(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="decentral")
+    add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
+    for command in ("train", "eval", "node"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["pipeline", command, "--help"])
+        lines = capsys.readouterr().out.rstrip().splitlines()
+        assert lines[-2] == "example:" and lines[-1].strip().startswith(f"decentral pipeline {command} ")
+    args = parser.parse_args(["pipeline", "eval", str(tmp_path)])
+    with pytest.raises(NetworkError, match="holds no stage checkpoints"):  # decentral.cli.main: one line, exit 2
+        args.func(args)
