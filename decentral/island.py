@@ -75,7 +75,7 @@ class IslandTransport:
         """Estimated bytes this rank received in averages; equal to bytes_sent for a ring all-reduce."""
         return self._bytes
 
-    def join_rounds(self, round: int) -> None:
+    def join_rounds(self, round: int, *, first: bool = False) -> None:
         """Nothing to announce: every rank takes part in every round."""
 
     def members(self, round: int) -> list[str]:

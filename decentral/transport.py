@@ -38,6 +38,7 @@ class AverageResult:
     rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was dropped
     absent: list[str] = field(default_factory=list)  # members that sent nothing: gone, or left us out
     disagree: list[str] = field(default_factory=list)  # members that ended with another result than ours
+    left_out: list[str] = field(default_factory=list)  # absent members that said they average without us
 
 
 class Transport(Protocol):
@@ -49,8 +50,10 @@ class Transport(Protocol):
     @property
     def bytes_received(self) -> int: ...
 
-    def join_rounds(self, round: int) -> None:
-        """Announce that we take part in outer rounds from `round` on (a few rounds ahead)."""
+    def join_rounds(self, round: int, *, first: bool = False) -> None:
+        """Announce that we take part in outer rounds from `round` on (a few rounds ahead). `first`: we
+        take part in none before it, even where we announced them (a newcomer that missed the round it
+        meant to join)."""
 
     def members(self, round: int) -> list[str]:
         """Sorted ids of the peers taking part in `round`; every peer derives the same list."""
@@ -95,7 +98,7 @@ class SoloTransport:
     bytes_sent = 0
     bytes_received = 0
 
-    def join_rounds(self, round: int) -> None:
+    def join_rounds(self, round: int, *, first: bool = False) -> None:
         pass
 
     def members(self, round: int) -> list[str]:

@@ -17,8 +17,8 @@ from decentral.swarm.wire import read_frame, write_frame
 async def knock(sender: SwarmPeer, target: str, stream: str) -> bytes | None:
     """Open `stream` to `target`, send a small request; the first frame answered, or None when closed unread."""
     reader, writer = await sender.open_stream(target, stream)
-    await write_frame(writer, b'{"tag": "x/r", "wire": "float32", "view": "", "numel": 2}', sender.stats)
-    try:
+    try:  # a refusal may close the stream before our request is even written
+        await write_frame(writer, b'{"tag": "x/r", "wire": "float32", "view": "", "numel": 2}', sender.stats)
         return await asyncio.wait_for(read_frame(reader, sender.stats, 1 << 20), 15)
     except (asyncio.IncompleteReadError, ConnectionError):
         return None

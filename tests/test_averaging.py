@@ -75,7 +75,7 @@ def test_views_of_the_same_size_never_mix_their_chunks(make_swarm):
 def test_a_peer_left_out_of_the_others_view_does_not_wait_for_them(make_swarm, first):
     """A averages over {A, B}; B, whose view left A out, averages over {B, C} with C up but silent.
     B answers A's push with a notice, so A stops waiting for B (whoever started first) while B waits
-    out C."""
+    out C, and A learns that B left it out (not that B is gone)."""
     timeout = 8.0
     a, b, c = make_swarm(3, timeout=timeout)
     xs = [torch.randn(64), torch.randn(64)]
@@ -96,7 +96,24 @@ def test_a_peer_left_out_of_the_others_view_does_not_wait_for_them(make_swarm, f
     assert finished["a"] - start < timeout / 2
     assert finished["b"] - start > timeout
     assert torch.equal(ra.tensor, xs[0]) and not ra.complete
+    assert ra.left_out == [b.peer_id]
     assert a.peer_id not in rb.rejected and torch.equal(rb.tensor, xs[1])
+
+
+def test_a_peer_that_finished_an_average_without_us_says_it_left_us_out(make_swarm):
+    """B and C commit an average over {B, C}; A, late and sure the group is {A, B, C}, is told by both
+    that they averaged without it, at once, and rolls back."""
+    timeout = 8.0
+    a, b, c = make_swarm(3, timeout=timeout)
+    xs = [torch.randn(64) for _ in range(3)]
+    rb, rc = run_in_threads([lambda: b.average(xs[1], sorted([b.peer_id, c.peer_id]), "late"),
+                             lambda: c.average(xs[2], sorted([b.peer_id, c.peer_id]), "late")])
+    assert rb.complete and rc.complete
+    start = time.monotonic()
+    ra = a.average(xs[0], sorted([a.peer_id, b.peer_id, c.peer_id]), "late")
+    assert time.monotonic() - start < timeout / 2
+    assert not ra.complete and torch.equal(ra.tensor, xs[0])
+    assert ra.left_out == sorted([b.peer_id, c.peer_id])
 
 
 def timed_average(finished: dict, name: str, peer, x, group, tag):

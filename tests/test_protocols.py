@@ -248,3 +248,46 @@ def test_a_ddp_peer_joining_mid_run_continues_the_swarms_step_and_ends_bit_ident
         assert torch.equal(flat(made[index].model), flat(made[0].model))
         ours, theirs = made[index].optimizer.state_dict()["state"], made[0].optimizer.state_dict()["state"]
         assert all(torch.equal(ours[i]["exp_avg_sq"], theirs[i]["exp_avg_sq"]) for i in theirs)
+
+
+def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_at_its_end(make_swarm):
+    """Peers 0 and 1 fixed the members of epoch 0 before peer 2's announcement reached them (forced
+    here: their view of round 0 is {0, 1}); peer 2, sure of all three, is left out of every average of
+    the epoch. At the epoch's end it takes their weights and optimizer state, and from then on all
+    three hold bit-identical state after every epoch."""
+    transports = make_swarm(3)
+    every, steps = 4, 16
+    data = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(16, 5, generator=data), torch.randn(16, 3, generator=data)) for _ in range(steps)]
+    made = []
+    for t in transports:
+        model = tiny_model(0)
+        made.append(DDP(model, torch.optim.AdamW(model.parameters(), lr=1e-2), t, membership_every=every))
+    for p in made:  # all hold the same state: none waits for another's epoch when it starts
+        p.transport.join_rounds(0)
+    ids = sorted(t.peer_id for t in transports)
+    wait_until(lambda: all(p.transport.members(0) == ids for p in made), 30, "every peer seeing every announcement")
+    early = sorted(t.peer_id for t in transports[:2])
+    for p in made[:2]:
+        members = p._members
+        p._members = lambda round, members=members: early if round == 0 else members(round)
+
+    def train(ddp):
+        reports = {}
+        with ddp:
+            while ddp.step < steps:
+                x, y = batches[ddp.step]
+                torch.nn.functional.mse_loss(ddp.model(x), y).backward()
+                ddp.optimizer.step()
+                ddp.optimizer.zero_grad()
+                report = ddp.pop_report()
+                if report is not None:
+                    reports[ddp.round] = report
+        return reports
+
+    reports = run_in_threads([lambda p=p: train(p) for p in made], timeout=120)
+    assert reports[2][1].repaired and not reports[0][1].repaired and not reports[1][1].repaired
+    for round in range(1, steps // every + 1):
+        assert len({r[round].digest for r in reports}) == 1, round
+    for p in made[1:]:
+        assert torch.equal(flat(p.model), flat(made[0].model))

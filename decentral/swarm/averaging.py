@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 _ACK = b"\x01"
 _REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, or does not know us yet)
 _NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (a restarted peer's earlier life did)
+_LEFT_OUT = b"\x03"  # we average (or averaged) the push's average over a member list without the sender
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
@@ -224,12 +225,15 @@ class GroupAverager:
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
-        if self._not_in(header.get("round")) or tag.rpartition("/")[0] in self._finished:
+        average = tag.rpartition("/")[0]
+        if average in self._groups and sender not in self._groups[average][0]:
+            await write_frame(writer, _LEFT_OUT, self.peer.stats)
+            return
+        if self._not_in(header.get("round")) or average in self._finished:
             await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)
             return
         await self.mailbox.put(tag, Message(sender, tensor_from_bytes(payload, wire), view, meta))
         await write_frame(writer, _ACK, self.peer.stats)
-        self._notice_outsiders(tag.rpartition("/")[0])
 
     async def _admits(self, sender: str) -> bool:
         """Whether a push from `sender` may be read: it is in the group of an average we run, or it has a
@@ -244,15 +248,16 @@ class GroupAverager:
         return await loop.run_in_executor(None, self.is_member, sender)
 
     def _notice_outsiders(self, tag: str) -> None:
-        """Tell every peer that pushed to average `tag` with us, but is not in our group for it, that we
-        will send it nothing (it stops waiting for us)."""
+        """Tell every peer that pushed to average `tag` before we began it, but is not in our group for it,
+        that we average without it (it stops waiting for us). Later pushes are answered so at once."""
         if tag not in self._groups:
             return
         group, deadline, told = self._groups[tag]
         pushed = self.mailbox.senders(f"{tag}/r") | self.mailbox.senders(f"{tag}/g")
         for outsider in pushed - group - told:
             told.add(outsider)
-            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), deadline))
+            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), deadline,
+                                                    meta={"left_out": True}))
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
 
@@ -288,6 +293,11 @@ class GroupAverager:
                         log.info("push %s to %s: it takes no part in this average (restarted, or done with it); "
                                  "not waiting for it", tag, target[-8:])
                         await self._gone(target, tag.rpartition("/")[0])
+                        return False
+                    if answer == _LEFT_OUT:
+                        log.info("push %s to %s: it averages without us; not waiting for it", tag, target[-8:])
+                        await self.mailbox.put(f"{tag.rpartition('/')[0]}/x",
+                                               Message(target, torch.empty(0), meta={"left_out": True}))
                         return False
                     if answer == _REFUSED:
                         log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
@@ -368,7 +378,8 @@ class GroupAverager:
             survivors = [p for p in alive if p not in dropped]
             retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
-                             absent=sorted(set(result.absent) | set(retry.absent)))
+                             absent=sorted(set(result.absent) | set(retry.absent)),
+                             left_out=sorted(set(result.left_out) | set(retry.left_out)))
         self._finish(tag, f"{tag}/again")
         result.rejected.update({p: f"excluded: {self.banned[p]}" for p in group if p in self.banned
                                 and p not in result.rejected})
@@ -401,7 +412,7 @@ class GroupAverager:
         others = [p for p in group if p != me]
         rejected: dict[str, str] = {}
         self._remember_group(tag, group, loop.time() + 1.5 * timeout)
-        self._notice_outsiders(tag)  # outsiders whose pushes arrived before we started
+        self._notice_outsiders(tag)
         probe = asyncio.ensure_future(self._probe(others, tag, round))
 
         def other_views(messages: dict[str, Message]) -> set[str]:
@@ -478,7 +489,9 @@ class GroupAverager:
             await asyncio.gather(*sends)
         finally:
             probe.cancel()
-        absent = sorted(set(group) & self.mailbox.senders(f"{tag}/x"))
+        notices = self.mailbox.peek(f"{tag}/x")
+        absent = sorted(set(group) & set(notices))
+        left_out = [p for p in absent if notices[p].meta.get("left_out") is True]
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
         agreed = min(counts) == len(group) and not disagree
@@ -496,6 +509,7 @@ class GroupAverager:
             rejected=rejected,
             absent=absent,
             disagree=disagree,
+            left_out=left_out,
         )
 
 

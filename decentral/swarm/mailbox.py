@@ -51,6 +51,10 @@ class Mailbox:
         """Who has a message waiting under `tag` (nothing is removed)."""
         return set(self._messages.get(tag, {}))
 
+    def peek(self, tag: str) -> dict[str, Message]:
+        """The messages waiting under `tag`, by sender (nothing is removed)."""
+        return dict(self._messages.get(tag, {}))
+
     async def collect(self, tag: str, senders: set[str], deadline: float, *, unless: str | None = None) -> dict[str, Message]:
         """Wait until every sender in `senders` has a message under `tag` (or, when given, under `unless`:
         a sender that says it will not send), or the loop time `deadline`.

@@ -76,10 +76,11 @@ class SwarmTransport:
     def multiaddrs(self) -> list[str]:
         return self.peer.multiaddrs()
 
-    def join_rounds(self, round: int) -> None:
-        """We will take part in rounds `round` … `round + lookahead`; announce them now. The first call
-        fixes the first round of this process: pushes for earlier ones are answered "not in this round"."""
-        if self.averager.first_round is None:
+    def join_rounds(self, round: int, *, first: bool = False) -> None:
+        """We will take part in rounds `round` … `round + lookahead`; announce them now. The first call, or
+        one with `first`, fixes the first round of this process: pushes for earlier ones are answered
+        "not in this round"."""
+        if first or self.averager.first_round is None:
             self.averager.first_round = round
         for r in range(round, round + self.lookahead + 1):
             self.membership.announce(r)

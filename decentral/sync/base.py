@@ -82,6 +82,8 @@ class SyncProtocol:
         self._report: SyncReport | None = None
         self._hooks: list = []
         self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
+        self._asked: set[str] = set()  # members we averaged with in this round (replicas only)
+        self._left_out: set[str] = set()  # those of them that said they averaged without us
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -160,6 +162,9 @@ class SyncProtocol:
         result = self.transport.average(flat, group, tag, self.round)
         waited = time.perf_counter() - start
         self.wait_s += waited
+        if self.identical_replicas:
+            self._asked.update(group)
+            self._left_out.update(result.left_out)
         return result, waited
 
     def _members(self, round: int) -> list[str]:
@@ -185,7 +190,9 @@ class SyncProtocol:
         """The swarm's state, when it is ahead of ours. A donor that has trained past the snapshot it
         offers is in the middle of a round, whose members are already fixed: we announce the rounds
         from the next one on (so the announcement has a round to reach everyone), wait for the donor's
-        snapshot of that round and join there, rather than make a round wait for our inner steps."""
+        snapshot of that round and join there, rather than make a round wait for our inner steps. When
+        the donor has gone past that round before we fetch, we join at the snapshot it offers then: the
+        rounds we announced and miss go on without us (we answer their pushes "not in this round")."""
         target = None  # the round we announced and wait for
         while True:
             got = self.transport.fetch_state(have=self.snapshot())
@@ -195,12 +202,14 @@ class SyncProtocol:
             if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
                 return None
             snapshot_round, snapshot_step = int(meta["round"]), int(meta.get("step", 0))
-            if snapshot_round == target:
+            if target is not None and snapshot_round >= target:
+                if snapshot_round > target:
+                    self.transport.join_rounds(snapshot_round, first=True)
                 return meta, tensors
             if target is None and int(meta.get("donor_step", snapshot_step)) <= snapshot_step:
                 return meta, tensors  # the donor has not trained since: we are at a boundary already
             target = snapshot_round + 1
-            self.transport.join_rounds(target)
+            self.transport.join_rounds(target, first=True)
             start = time.perf_counter()
             while heartbeat_round(self.transport.progress().get(donor), target) < target:
                 time.sleep(poll_s)  # polling the donor's heartbeat until its round ends (or it is gone)
@@ -209,7 +218,19 @@ class SyncProtocol:
     def _check_replicas(self, group: list[str], report: SyncReport) -> None:
         """At a boundary, once our snapshot of `self.round` is offered: compare our digest of the round
         before with `group`'s, and when the group's majority held another state, repair ours. Fills
-        `report.spread` (0 when every digest we see agrees with ours) and `report.repaired`."""
+        `report.spread` (0 when every digest we see agrees with ours) and `report.repaired`.
+
+        When at least half of the members we averaged with in the round just ended said they averaged
+        without us (their view of the swarm left us out: we joined as they fixed their members), we take
+        their state of this round at once."""
+        asked, left_out = self._asked, self._left_out
+        self._asked, self._left_out = set(), set()
+        if left_out and 2 * len(left_out) >= len(asked):
+            log.warning("round %d: %d of %d members averaged without us; taking their state",
+                        self.round, len(left_out), len(asked))
+            spread = self._repair(left_out)
+            report.repaired, report.spread = spread is not None, spread
+            return
         previous = self.round - 1
         ours = self._digests.get(previous)
         if ours is None:

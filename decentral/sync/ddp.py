@@ -73,7 +73,7 @@ class DDP(SyncProtocol):
         self._offer()
         report = self._step_report
         if report is not None:
-            self._check_replicas(self._group, report)
+            self._check_replicas(report.group, report)
             report.digest = self._digests[self.round]
         self.transport.join_rounds(self.round + 1)
         return report
