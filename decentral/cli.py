@@ -222,22 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
     suites = bench_parser.add_subparsers(dest="suite", title="other benchmarks")
-    btm = suites.add_parser("btm", help="branch-train-merge against a dense model of equal compute",
-                            description=btmbench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    btmbench.add_arguments(btm)
     from decentral.merge import bench as merge_bench
-
-    merge_parser = suites.add_parser("merge", help="merge time and peak memory against reading the inputs once",
-                                     description=merge_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    merge_bench.add_arguments(merge_parser)
-    soak = suites.add_parser("soak", help="a swarm whose peers are killed and restarted, against the same without",
-                             description=soakbench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    soakbench.add_arguments(soak)
     from decentral.pipeline import bench as pipeline_bench
 
-    pipe = suites.add_parser("pipeline", help="SkipPipe planner vs full pipeline and network-blind skipping (simulated)",
-                             description=pipeline_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pipeline_bench.add_arguments(pipe)
+    for name, module, help in (
+            ("btm", btmbench, "branch-train-merge against a dense model of equal compute"),
+            ("merge", merge_bench, "merge time and peak memory against reading the inputs once"),
+            ("soak", soakbench, "a swarm whose peers are killed and restarted, against the same without"),
+            ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)")):
+        module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter))
 
     sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow")
     syncbench.add_arguments(sync_parser)

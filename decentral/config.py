@@ -132,16 +132,20 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     )
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe file; raises RecipeError with the file name on any problem."""
+def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = RecipeError) -> Any:
+    """The YAML document in file `path`; `error` naming the file when it is missing or not YAML."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist")
+        raise error(f"{what} {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
-    return parse_recipe(data, str(path))
+        raise error(f"{path}: not valid YAML: {e}") from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file; raises RecipeError with the file name on any problem."""
+    return parse_recipe(read_yaml(path), str(path))
 
 
 def default_recipe_path(protocol: str) -> Path:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from decentral.config import read_yaml
 from decentral.experts.registry import RegistryError, check_name
 from decentral.merge.base import MergeError, MergeMethod
 
@@ -56,14 +56,7 @@ class MergeRecipe:
 
 def load_merge_recipe(path: str | Path, registry: str | Path | None = None) -> MergeRecipe:
     """Read and check a recipe file; `registry` (the CLI's --registry) overrides the recipe's."""
-    path = Path(path)
-    if not path.is_file():
-        raise MergeError(f"merge recipe {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise MergeError(f"{path}: not valid YAML: {e}") from None
-    return parse_merge_recipe(data, str(path), registry=registry)
+    return parse_merge_recipe(read_yaml(path, "merge recipe", MergeError), str(path), registry=registry)
 
 
 def parse_merge_recipe(data: Any, where: str = "recipe", registry: str | Path | None = None) -> MergeRecipe:

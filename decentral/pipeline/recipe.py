@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
-from decentral.config import Recipe, RecipeError, typed_section, parse_recipe
+from decentral.config import Recipe, RecipeError, parse_recipe, read_yaml, typed_section
 from decentral.pipeline.frames import DTYPES
 from decentral.pipeline.network import DEFAULT_MEMORY, Network, Node, parse_network
 
@@ -73,14 +72,7 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
 
 
 def load_pipeline_recipe(path: str | Path) -> PipelineRecipe:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
-    return parse_pipeline_recipe(data, str(path))
+    return parse_pipeline_recipe(read_yaml(path), str(path))
 
 
 def loopback_network(recipe: PipelineRecipe) -> Network:

@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 _ACK = b"\x01"
 _REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, or does not know us yet)
-_NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (a restarted peer's earlier life did)
+_NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (an earlier process of its peer id did)
 _LEFT_OUT = b"\x03"  # we average (or averaged) the push's average over a member list without the sender
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
@@ -197,7 +197,7 @@ class GroupAverager:
 
     def _not_in(self, round: object) -> bool:
         """Whether this process takes no part in `round`: one before the first it announced (or any, before
-        it announced one). Its peer id's previous life may have announced it; nobody should wait for us."""
+        it announced one). An earlier process under our peer id may have announced it; nobody should wait for us."""
         return isinstance(round, int) and (self.first_round is None or round < self.first_round)
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -359,14 +359,15 @@ class GroupAverager:
         """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures.
 
         `round`, when given, travels with every push: a member that takes no part in it (a restarted
-        process whose earlier life announced it: its `first_round` is later) says so at once, and the
-        average is redone without it.
+        process whose predecessor announced it, or a newcomer that missed it: its `first_round` is
+        later) says so at once, and the average is redone without it.
 
         Excluded members are left out (every member saw them misbehave, so every member leaves them out).
         When the average does not commit and members were absent, elsewhere (another member list) or
         excluded, it is redone once without them (`tag/again`), so the others commit a common result
         rather than roll back; those who did commit answer a redo's pushes with "no part in it", so a
-        member that redoes alone finds out at once."""
+        member that redoes alone finds out at once. A member that averages without us answers our
+        pushes "left out" (`AverageResult.left_out`)."""
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
         alive = [p for p in group if p not in self.banned]
