@@ -116,6 +116,21 @@ def test_a_peer_that_finished_an_average_without_us_says_it_left_us_out(make_swa
     assert ra.left_out == sorted([b.peer_id, c.peer_id])
 
 
+def test_a_member_done_with_an_average_whose_part_to_us_was_lost_is_not_waited_for(make_swarm):
+    """B took A's part and is done with the average (as if its own part to A had been lost on the way):
+    A's probes ask B about this average, B answers that it sends nothing more, and A stops waiting
+    within seconds instead of the timeout."""
+    timeout = 20.0
+    a, b = make_swarm(2, timeout=timeout)
+    finished = {}
+    start = time.monotonic()
+    ra, _ = run_in_threads([
+        lambda: timed_average(finished, "a", a, torch.randn(32), [a.peer_id, b.peer_id], "lost"),
+        lambda: (wait_until(lambda: a.peer_id in b.averager.mailbox.senders("lost/r")), b.averager._finish("lost"))])
+    assert finished["a"] - start < timeout / 4
+    assert not ra.complete and ra.absent == [b.peer_id]
+
+
 def timed_average(finished: dict, name: str, peer, x, group, tag):
     """peer.average(x) over `group`, noting in finished[name] when it returned."""
     result = peer.average(x, sorted(group), tag)

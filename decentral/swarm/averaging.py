@@ -186,14 +186,17 @@ class GroupAverager:
 
     # ----- serving -----
     async def _on_ping(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A probe asks whether we are there for a round: ACK, or _NOT_IN_ROUND (see `_not_in`)."""
+        """A probe asks whether we are there for an average of a round: ACK, or _NOT_IN_ROUND when we take
+        no part in the round (see `_not_in`) or are done with the average (we will send nothing more)."""
         try:
-            request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, 256), self.read_timeout))
+            request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, 1024), self.read_timeout))
         except (WireError, ValueError, TimeoutError) as e:
             log.debug("a malformed or late probe from %s: %r", sender[-8:], e)
             return
-        round = request.get("round") if isinstance(request, dict) else None
-        await write_frame(writer, _NOT_IN_ROUND if self._not_in(round) else _ACK, self.peer.stats)
+        request = request if isinstance(request, dict) else {}
+        tag = request.get("tag")
+        done = self._not_in(request.get("round")) or (isinstance(tag, str) and tag in self._finished)
+        await write_frame(writer, _NOT_IN_ROUND if done else _ACK, self.peer.stats)
 
     def _not_in(self, round: object) -> bool:
         """Whether this process takes no part in `round`: one before the first it announced (or any, before
@@ -324,13 +327,13 @@ class GroupAverager:
 
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
-        serves no averaging (yet), or takes no part in `round` (a restarted process), is left out of
-        this average."""
+        serves no averaging (yet), takes no part in `round` (a restarted process) or is done with average
+        `tag` (a part of its was lost, and it sends nothing more) is left out of this average."""
         async def ping(peer: str) -> None:
             try:
                 reader, writer = await self.peer.open_stream(peer, "ping")
                 try:
-                    await write_frame(writer, json.dumps({} if round is None else {"round": round}).encode(),
+                    await write_frame(writer, json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode(),
                                       self.peer.stats)
                     answer = await read_frame(reader, self.peer.stats, 1)
                 finally:
@@ -387,7 +390,7 @@ class GroupAverager:
         return result
 
     def _finish(self, *tags: str) -> None:
-        """We take no more part in these averages: pushes for them are answered so."""
+        """We take no more part in these averages: pushes and probes for them are answered so."""
         for tag in tags:
             self._finished[tag] = None
         while len(self._finished) > 4 * _REMEMBERED_VIEWS:
