@@ -328,13 +328,14 @@ class GroupAverager:
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
         serves no averaging (yet), takes no part in `round` (a restarted process) or is done with average
-        `tag` (a part of its was lost, and it sends nothing more) is left out of this average."""
+        `tag` (so it sends nothing more, though a part of its never reached us) is left out of this average."""
+        request = json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode()
+
         async def ping(peer: str) -> None:
             try:
                 reader, writer = await self.peer.open_stream(peer, "ping")
                 try:
-                    await write_frame(writer, json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode(),
-                                      self.peer.stats)
+                    await write_frame(writer, request, self.peer.stats)
                     answer = await read_frame(reader, self.peer.stats, 1)
                 finally:
                     writer.close()

@@ -84,6 +84,7 @@ class SyncProtocol:
         self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
         self._asked: set[str] = set()  # members we averaged with in this round (replicas only)
         self._left_out: set[str] = set()  # those of them that said they averaged without us
+        self.join_slack_steps = 0  # a newcomer joins a round its donor is at most this many steps into
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -190,7 +191,9 @@ class SyncProtocol:
         """The swarm's state, when it is ahead of ours. A donor that has trained past the snapshot it
         offers is in the middle of a round, whose members are already fixed: we announce the rounds
         from the next one on (so the announcement has a round to reach everyone), wait for the donor's
-        snapshot of that round and join there, rather than make a round wait for our inner steps. When
+        snapshot of that round and join there, rather than make a round wait for our inner steps, unless
+        the donor is at most `join_slack_steps` into it (peers starting together: the round waits a few
+        steps for us, rather than we for a whole round). When
         the donor has gone past that round before we fetch, we join at the snapshot it offers then: the
         rounds we announced and miss go on without us (we answer their pushes "not in this round")."""
         target = None  # the round we announced and wait for
@@ -206,8 +209,8 @@ class SyncProtocol:
                 if snapshot_round > target:
                     self.transport.join_rounds(snapshot_round, first=True)
                 return meta, tensors
-            if target is None and int(meta.get("donor_step", snapshot_step)) <= snapshot_step:
-                return meta, tensors  # the donor has not trained since: we are at a boundary already
+            if target is None and int(meta.get("donor_step", snapshot_step)) <= snapshot_step + self.join_slack_steps:
+                return meta, tensors  # the donor has (almost) not trained since: we are at a boundary already
             target = snapshot_round + 1
             self.transport.join_rounds(target, first=True)
             start = time.perf_counter()
@@ -294,6 +297,7 @@ class OuterProtocol(SyncProtocol):
         if every < 1:
             raise ValueError(f"every (H, inner steps per outer step) must be >= 1, got {every}")
         self.every = every
+        self.join_slack_steps = every // 10
         self.slow = self._fast_vector().clone()
         self._round_start = 0
 
