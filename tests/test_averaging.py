@@ -128,7 +128,7 @@ def test_a_member_done_with_an_average_whose_part_to_us_was_lost_is_not_waited_f
         lambda: timed_average(finished, "a", a, torch.randn(32), [a.peer_id, b.peer_id], "lost"),
         lambda: (wait_until(lambda: a.peer_id in b.averager.mailbox.senders("lost/r")), b.averager._finish("lost"))])
     assert finished["a"] - start < timeout / 4
-    assert not ra.complete and ra.absent == [b.peer_id]
+    assert not ra.complete and not ra.absent  # B is done with this average, not gone: a redo would count on it
 
 
 def timed_average(finished: dict, name: str, peer, x, group, tag):

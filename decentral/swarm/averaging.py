@@ -72,6 +72,7 @@ _ACK = b"\x01"
 _REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, or does not know us yet)
 _NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (an earlier process of its peer id did)
 _LEFT_OUT = b"\x03"  # we average (or averaged) the push's average over a member list without the sender
+_DONE = b"\x04"  # (to a probe) we are done with this average and send nothing more for it; alive all the same
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
@@ -186,8 +187,8 @@ class GroupAverager:
 
     # ----- serving -----
     async def _on_ping(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A probe asks whether we are there for an average of a round: ACK, or _NOT_IN_ROUND when we take
-        no part in the round (see `_not_in`) or are done with the average (we will send nothing more)."""
+        """A probe asks whether we are there for an average of a round: ACK; _NOT_IN_ROUND when we take no
+        part in the round (see `_not_in`); _DONE when we are done with the average (we send nothing more)."""
         try:
             request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, 1024), self.read_timeout))
         except (WireError, ValueError, TimeoutError) as e:
@@ -195,8 +196,9 @@ class GroupAverager:
             return
         request = request if isinstance(request, dict) else {}
         tag = request.get("tag")
-        done = self._not_in(request.get("round")) or (isinstance(tag, str) and tag in self._finished)
-        await write_frame(writer, _NOT_IN_ROUND if done else _ACK, self.peer.stats)
+        answer = (_NOT_IN_ROUND if self._not_in(request.get("round"))
+                  else _DONE if isinstance(tag, str) and tag in self._finished else _ACK)
+        await write_frame(writer, answer, self.peer.stats)
 
     def _not_in(self, round: object) -> bool:
         """Whether this process takes no part in `round`: one before the first it announced (or any, before
@@ -327,8 +329,9 @@ class GroupAverager:
 
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
-        serves no averaging (yet), takes no part in `round` (a restarted process) or is done with average
-        `tag` (so it sends nothing more, though a part of its never reached us) is left out of this average."""
+        serves no averaging (yet) or takes no part in `round` (a restarted process) is left out of this
+        average; one done with average `tag` (so it sends nothing more, though a part of its never reached
+        us) is no longer waited for, but is not absent: a redo counts on it."""
         request = json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode()
 
         async def ping(peer: str) -> None:
@@ -341,6 +344,8 @@ class GroupAverager:
                     writer.close()
                 if answer == _NOT_IN_ROUND:
                     await self._gone(peer, tag)
+                elif answer == _DONE:  # not gone: a redo of this average may count on it
+                    await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0), meta={"done": True}))
             except (NotServing, asyncio.IncompleteReadError, ConnectionError):
                 await self._gone(peer, tag)
             except Exception as e:  # a timeout proves nothing on a congested link
@@ -495,7 +500,7 @@ class GroupAverager:
         finally:
             probe.cancel()
         notices = self.mailbox.peek(f"{tag}/x")
-        absent = sorted(set(group) & set(notices))
+        absent = sorted(p for p in set(group) & set(notices) if not notices[p].meta.get("done"))
         left_out = [p for p in absent if notices[p].meta.get("left_out") is True]
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
