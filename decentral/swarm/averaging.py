@@ -32,10 +32,11 @@ costs next to nothing: a push to it, or a probe (`ping`, every `probe_s` while w
 ends at once with the stream closed or the connection refused, and we stop waiting for it (a probe
 that merely times out proves nothing on a congested link, so only a closed stream or a refused
 connection counts). The same for a member that says it takes no part in the average: a restarted
-process whose first round is later, one that serves no averaging yet, or one that has finished this
-average already. When the average did not commit, it is redone once without every member that was
-absent, averaged over another member list or was excluded, so the others still commit a common
-result. Phase 1 waits at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1
+process whose first round is later, one that serves no averaging yet, one that has finished this
+average already, or one that averages it over a member list without us ("left out"). When the
+average did not commit, it is redone once without every member that was absent, averaged over
+another member list or was excluded, so the others still commit a common result; a member a probe
+found done with the average is not absent (it may be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1
 if that is later; phase 3 by then, or `timeout / 4` after phase 2.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
