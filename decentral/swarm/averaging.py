@@ -280,6 +280,7 @@ class GroupAverager:
         either: that is noted as a notice under `tag`'s average, so nobody waits for it; a closed end or a
         refused connection also marks it gone for later averages, taking no part in the round for this one."""
         loop = asyncio.get_running_loop()
+        average = tag.rpartition("/")[0]  # tag is `average/phase`
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
                 try:
@@ -288,7 +289,7 @@ class GroupAverager:
                     raise _Unreachable(repr(e)) from e
                 except NotServing as e:
                     log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], e)
-                    await self._gone(target, tag.rpartition("/")[0])
+                    await self._silent(target, average)
                     return False
                 try:
                     header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(),
@@ -298,16 +299,15 @@ class GroupAverager:
                     if answer == _NOT_IN_ROUND:
                         log.info("push %s to %s: it takes no part in this average (restarted, or done with it); "
                                  "not waiting for it", tag, target[-8:])
-                        await self._gone(target, tag.rpartition("/")[0])
+                        await self._silent(target, average)
                         return False
                     if answer == _LEFT_OUT:
                         log.info("push %s to %s: it averages without us; not waiting for it", tag, target[-8:])
-                        await self.mailbox.put(f"{tag.rpartition('/')[0]}/x",
-                                               Message(target, torch.empty(0), meta={"left_out": True}))
+                        await self._silent(target, average, left_out=True)
                         return False
                     if answer == _REFUSED:
                         log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
-                        await self.mailbox.put(f"{tag.rpartition('/')[0]}/x", Message(target, torch.empty(0)))
+                        await self._silent(target, average)
                         return False
                     if answer != _ACK:
                         raise _Unreachable("no acknowledgement")
@@ -318,15 +318,17 @@ class GroupAverager:
                     writer.close()
         except _Unreachable as e:
             log.info("push %s to %s: its end closed (%s); not waiting for it", tag, target[-8:], e)
-            await self._gone(target, tag.rpartition("/")[0])
+            await self._silent(target, average)
         except Exception as e:  # unreachable or too slow: the round goes on without it
             log.info("push %s to %s failed: %r", tag, target[-8:], e)
         return False
 
-    async def _gone(self, peer: str, tag: str) -> None:
-        """`peer` will send nothing for average `tag`: nobody waits for it there. A later average asks
-        again (a dead peer's dial is refused at once; a restarted one may have joined by then)."""
-        await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0)))
+    async def _silent(self, peer: str, tag: str, **why: bool) -> None:
+        """`peer` will send nothing more for average `tag`: nobody waits for it there. Without `why` it is
+        gone (absent); `left_out=True`: it averages without us; `done=True`: it finished the average
+        and is no more absent than we are. A later average asks again (a dead peer's dial is refused at
+        once; a restarted one may have joined by then)."""
+        await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0), meta=why))
 
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
@@ -344,11 +346,11 @@ class GroupAverager:
                 finally:
                     writer.close()
                 if answer == _NOT_IN_ROUND:
-                    await self._gone(peer, tag)
+                    await self._silent(peer, tag)
                 elif answer == _DONE:  # not gone: a redo of this average may count on it
-                    await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0), meta={"done": True}))
+                    await self._silent(peer, tag, done=True)
             except (NotServing, asyncio.IncompleteReadError, ConnectionError):
-                await self._gone(peer, tag)
+                await self._silent(peer, tag)
             except Exception as e:  # a timeout proves nothing on a congested link
                 log.debug("ping %s: %r", peer[-8:], e)
 
