@@ -218,13 +218,15 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         _wait_for_peers(transport, opts)
         with protocol:
             batches = batches_from(protocol.step)
-            val_loss = evaluate(model, val)
+            first = dict(worker=opts.name, step=protocol.step, round=protocol.round)
+            if protocol.donor is None:  # a joiner skips it: the round under way goes on without waiting
+                first["val_loss"] = val_loss = evaluate(model, val)
             start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
-            log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss,
-                      bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
+            log.write(**first, bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
                       wall_s=0.0, wait_s=protocol.wait_s)
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
-                          f"step {protocol.step}, val {val_loss:.3f}")
+                          f"step {protocol.step}, " + (f"val {val_loss:.3f}" if val_loss is not None else
+                                                       f"from the state of {protocol.donor[-8:]}"))
             while protocol.step < last_step:
                 for group in optimizer.param_groups:
                     group["lr"] = inner_lr(protocol.step, recipe)

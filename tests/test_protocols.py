@@ -155,6 +155,45 @@ def test_late_joiner_downloads_slow_weights_momentum_and_round(make_swarm):
     assert torch.equal(flat(late.model), protocols[0].slow)
 
 
+def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_the_next(make_swarm):
+    transports = make_swarm(4)
+    protocols = make_protocols(transports[:2], DiLoCo, every=10)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    for p in protocols:  # 4 of round 2's 10 inner steps done
+        p.step = p._round_start + 4
+        p.transport.set_progress(p.step, p.round)
+    near = []
+    joining = threading.Thread(target=lambda: near.extend(make_protocols(transports[2:3], DiLoCo, seeds=[7], every=10)),
+                               daemon=True)
+    joining.start()
+    joining.join(timeout=60)
+    assert near, "the near newcomer waited for the next round"
+    (near,) = near
+    assert (near.round, near.step, near.donor is not None) == (2, 24, True)  # the donor's step, not round 2's start
+    assert torch.equal(near.slow, protocols[0].slow) and torch.equal(flat(near.model), near.slow)
+    for p in protocols:  # 6 of 10 done: a newcomer now waits for round 3
+        p.step = p._round_start + 6
+        p.transport.set_progress(p.step, p.round)
+    far = []
+    joining = threading.Thread(target=lambda: far.extend(make_protocols(transports[3:], DiLoCo, seeds=[8], every=10)),
+                               daemon=True)
+    joining.start()
+    wait_until(lambda: transports[3].averager.first_round == 3, 30, "the far newcomer announcing round 3")
+    before = protocols[0].slow.clone()
+    fasts = [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in [*protocols, near]]
+    reports = outer_round([*protocols, near], fasts)  # round 2: the incumbents and the near newcomer
+    assert [(r.complete, len(r.group), r.contributors) for r in reports] == [(True, 3, 3)] * 3, reports
+    joining.join(timeout=60)
+    assert not joining.is_alive()
+    (far,) = far
+    assert (far.round, far.step) == (3, 30)
+    assert not torch.equal(protocols[0].slow, before)
+    for p in [near, far, protocols[1]]:
+        assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
+
+
 def test_inner_steps_through_the_optimizer_hooks_leave_slow_weights_alone(make_swarm):
     """Regression: θ must be a copy of φ, or every inner step also moves φ and the outer gradient is 0."""
     (p,) = make_protocols(make_swarm(1), DiLoCo, every=4, outer_lr=1.0, outer_momentum=0.0, nesterov=False)

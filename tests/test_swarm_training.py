@@ -93,10 +93,12 @@ def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     assert w.wait(timeout=300) == {0: 0, 1: 0, 2: 0}, w.log(2)
     late = w.metrics(2)
     first = late[0]
-    assert first["round"] >= 3 and first["step"] == 50 * first["round"]  # the swarm's round and step, at a boundary
+    # the swarm's round and step: at its boundary, or at most half a round into it (it trains the rest)
+    assert first["round"] >= 3 and 50 * first["round"] <= first["step"] <= 50 * first["round"] + 25, first
+    assert all(r["step"] % 50 == 0 for r in late if "group_size" in r)  # it syncs at the swarm's boundaries
     assert late[-1]["step"] == 800  # --steps is the swarm's total: it stopped with the others
     fresh = val_losses(w.metrics(0))[0]  # what an untrained model scores
-    assert first["val_loss"] < fresh - 0.5, (first, fresh)
+    assert val_losses(late)[0] < fresh - 0.5, (late[:3], fresh)
     joined = min(r["round"] for r in late if r.get("group_size") == 3)  # its first round with the others
     for i in range(3):  # which nobody had to wait out: it was complete for everyone
         assert [r["complete"] for r in w.metrics(i) if r.get("round") == joined and "complete" in r] == [True], i

@@ -84,7 +84,9 @@ class SyncProtocol:
         self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
         self._asked: set[str] = set()  # members we averaged with in this round (replicas only)
         self._left_out: set[str] = set()  # those of them that said they averaged without us
-        self.join_slack_steps = 0  # a newcomer joins a round its donor is at most this many steps into
+        self._round_start = 0  # the inner step at which the current round began
+        self.join_within_steps = 0  # a newcomer joins a round its donor is at most this many steps into
+        self.donor: str | None = None  # the peer whose state we joined the swarm with, if any
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -115,13 +117,14 @@ class SyncProtocol:
     # ----- what protocols override -----
     def start(self) -> None:
         """Join the swarm: catch up with its state, round and inner step (so the LR schedule and `--steps`
-        are the swarm's), taken at a round boundary; offer our own; announce the coming rounds."""
+        are the swarm's), offer our own, announce the coming rounds."""
+        self._round_start = self.step
         if self.shares_state:
-            got = self._fetch_at_boundary()
+            got = self._fetch_to_join()
             if got is not None:
-                meta, tensors = got
+                self.donor, meta, tensors, step = got
                 self.load_snapshot(meta, tensors)
-                self.round, self.step = int(meta["round"]), int(meta.get("step", self.step))
+                self.round, self._round_start, self.step = int(meta["round"]), int(meta.get("step", step)), step
             self._offer()
         self.transport.join_rounds(self.round)
 
@@ -156,6 +159,7 @@ class SyncProtocol:
         if meta.get("protocol") != self.name:
             raise ValueError(f"state is for protocol {meta.get('protocol')!r}, this is {self.name!r}")
         self.step, self.round = int(meta["step"]), int(meta["round"])
+        self._round_start = self.step
 
     # ----- helpers -----
     def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str):
@@ -180,22 +184,24 @@ class SyncProtocol:
         """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""
         tensors = self.snapshot()
         digest = state_digest(tensors)
-        self.transport.offer_state({"protocol": self.name, "round": self.round, "step": self.step,
+        self.transport.offer_state({"protocol": self.name, "round": self.round, "step": self._round_start,
                                     **self.snapshot_meta()}, tensors, digest)
         self._digests = {r: d for r, d in self._digests.items() if r > self.round - KEPT_DIGESTS}
         self._digests[self.round] = digest
         self.transport.set_progress(self.step, self.round, digest)
         return digest
 
-    def _fetch_at_boundary(self, poll_s: float = 0.25) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        """The swarm's state, when it is ahead of ours. A donor that has trained past the snapshot it
-        offers is in the middle of a round, whose members are already fixed: we announce the rounds
-        from the next one on (so the announcement has a round to reach everyone), wait for the donor's
-        snapshot of that round and join there, rather than make a round wait for our inner steps, unless
-        the donor is at most `join_slack_steps` into it (peers starting together: the round waits a few
-        steps for us, rather than we for a whole round). When
-        the donor has gone past that round before we fetch, we join at the snapshot it offers then: the
-        rounds we announced and miss go on without us (we answer their pushes "not in this round")."""
+    def _fetch_to_join(self, poll_s: float = 0.25) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
+        """(donor, meta, tensors, step): the swarm's state of a round and the inner step we go on from,
+        when the swarm is ahead of us. A donor's snapshot is the state its current round began from.
+
+        A donor at most `join_within_steps` into that round: we join the round under way at the donor's
+        step (its heartbeat's, when that is further than when it served us), training its remaining
+        steps from the round's starting state, so the round ends for us when it ends for the others and
+        nobody waits for us; our announcement has the rest of the round to reach the members. A donor
+        further in: we announce the rounds from the next one on and wait for the donor's snapshot of it.
+        When the donor has gone past that round before we fetch, we join at the snapshot it offers then:
+        the rounds we announced and miss go on without us (we answer their pushes "not in this round")."""
         target = None  # the round we announced and wait for
         while True:
             got = self.transport.fetch_state(have=self.snapshot())
@@ -208,9 +214,13 @@ class SyncProtocol:
             if target is not None and snapshot_round >= target:
                 if snapshot_round > target:
                     self.transport.join_rounds(snapshot_round, first=True)
-                return meta, tensors
-            if target is None and int(meta.get("donor_step", snapshot_step)) <= snapshot_step + self.join_slack_steps:
-                return meta, tensors  # the donor has (almost) not trained since: we are at a boundary already
+                return donor, meta, tensors, snapshot_step
+            if target is None:
+                heartbeat = self.transport.progress().get(donor)
+                live = heartbeat.get("step") if isinstance(heartbeat, dict) else None
+                donor_step = max(int(meta.get("donor_step", snapshot_step)), live if isinstance(live, int) else 0)
+                if donor_step <= snapshot_step + self.join_within_steps:
+                    return donor, meta, tensors, max(donor_step, snapshot_step)
             target = snapshot_round + 1
             self.transport.join_rounds(target, first=True)
             start = time.perf_counter()
@@ -297,9 +307,8 @@ class OuterProtocol(SyncProtocol):
         if every < 1:
             raise ValueError(f"every (H, inner steps per outer step) must be >= 1, got {every}")
         self.every = every
-        self.join_slack_steps = every // 10
+        self.join_within_steps = every // 2
         self.slow = self._fast_vector().clone()
-        self._round_start = 0
 
     def _fast_vector(self) -> torch.Tensor:
         return parameters_to_vector(self.params).detach().to(device="cpu", dtype=torch.float32)
@@ -316,8 +325,7 @@ class OuterProtocol(SyncProtocol):
 
     def start(self) -> None:
         super().start()
-        self._load_fast(self.slow)
-        self._round_start = self.step
+        self._load_fast(self.slow)  # a newcomer joining a round under way trains its rest from φ
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Slow weights and the protocol's outer tensors (copies)."""
@@ -367,7 +375,6 @@ class OuterProtocol(SyncProtocol):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.load_snapshot(state["meta"], state["tensors"])
-        self._round_start = self.step
 
 
 def heartbeat_round(info: object, default: int) -> int:

@@ -69,7 +69,7 @@ class DDP(SyncProtocol):
         next epochs; report the last step."""
         if self.step % self.membership_every:
             return None
-        self.round = self.step // self.membership_every
+        self.round, self._round_start = self.step // self.membership_every, self.step
         self._offer()
         report = self._step_report
         if report is not None:
