@@ -142,3 +142,30 @@ def optimizer_state_dict(tensors: dict[str, torch.Tensor], param_groups: list) -
         _, index, name = key.split(".", 2)
         state.setdefault(int(index), {})[name] = value
     return {"state": state, "param_groups": param_groups}
+
+
+def training_state(model_tensors: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                   sync: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, meta) to resume training from: the model's tensors as `model.*`, the inner optimizer's
+    state as `inner.*` (its param groups in meta), and a sync protocol's `state_dict()` as `outer.*`
+    (its meta as meta["sync"])."""
+    tensors = {f"model.{k}": v for k, v in model_tensors.items()}
+    tensors.update(optimizer_tensors(optimizer))
+    meta: dict[str, Any] = {"inner_optimizer": {"param_groups": optimizer.state_dict()["param_groups"]}}
+    if sync is not None:
+        tensors.update({f"outer.{k}": v for k, v in sync["tensors"].items()})
+        meta["sync"] = sync["meta"]
+    return tensors, meta
+
+
+def load_training_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                        optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Inverse of `training_state`: loads the inner optimizer's state; returns the model's tensors and the
+    sync protocol's state dict (None when the checkpoint has none)."""
+    optimizer.load_state_dict(optimizer_state_dict(
+        {k: v for k, v in tensors.items() if k.startswith("inner.")}, meta["inner_optimizer"]["param_groups"]))
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if "sync" not in meta:
+        return model, None
+    return model, {"meta": meta["sync"], "tensors": {k[len("outer."):]: v for k, v in tensors.items()
+                                                       if k.startswith("outer.")}}

@@ -52,7 +52,7 @@ def test_an_uplink_sends_one_message_at_a_time_whatever_the_destination():
 
 def test_the_timing_benchmarks_network_is_what_netlab_emulates():
     from decentral.pipeline.recipe import parse_pipeline_recipe
-    from decentral.pipeline.trainbench import calibrate, timing_network, with_compute
+    from decentral.pipeline.trainbench import calibrate, timing_network
 
     recipe = parse_pipeline_recipe({"pipeline": {"stages": 3, "skip": 0.0, "microbatches": 4},
                                     "train": {"batch_size": 2, "context": 16},
@@ -63,7 +63,7 @@ def test_the_timing_benchmarks_network_is_what_netlab_emulates():
     assert all(node.uplink_mbps == 20.0 and node.stage is not None for node in net.nodes)
     assert {node.stage for node in net.nodes} == {0, 1, 2} and net.activation_bytes == 2 * 16 * 16 * 4
     assert (net.latency_ms[0, 1], net.bandwidth_mbps[0, 1]) == (20.0, 20.0)
-    measured = with_compute(net, {net.nodes[0].name: {"forward": 4.0, "backward": 8.0, "loss": 1.0},
-                                  net.nodes[1].name: {"forward": 2.0, "backward": 6.0}})
+    measured = net.with_measured_compute({net.nodes[0].name: {"forward": 4.0, "backward": 8.0, "loss": 1.0},
+                                         net.nodes[1].name: {"forward": 2.0, "backward": 6.0}})
     assert [n.compute_ms for n in measured.nodes[:2]] == [4.0, 2.0] and measured.nodes[2] == net.nodes[2]
     assert (measured.backward_factor, measured.loss_factor) == (2.5, 0.25)

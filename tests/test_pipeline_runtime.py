@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+from decentral.checkpoint import load_checkpoint
+from decentral.config import RecipeError
 from decentral.data.corpus import load_corpus
 from decentral.models.gpt import GPT
 from decentral.pipeline.cli import add_pipeline_parser
@@ -22,6 +24,7 @@ from decentral.pipeline.launch import LocalPipeline
 from decentral.pipeline.network import NetworkError, parse_network
 from decentral.pipeline.node import StageNode, microbatch
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
+from decentral.pipeline.simulator import simulate
 from decentral.pipeline.stages import cut, make_stage, partial_loss
 from decentral.swarm.admission import SwarmKey
 from decentral.sync import DiLoCo
@@ -168,18 +171,40 @@ def test_a_joining_node_is_planned_in_with_its_stages_weights_and_a_leaving_one_
         pipeline.close()
 
 
+def test_after_calibrate_at_iterations_the_plan_takes_the_compute_the_nodes_measured(small_corpus):
+    recipe = parse_pipeline_recipe(tiny_recipe(3, 0.0, 3))
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a": 1, "b": 2}, load_corpus([small_corpus]).train)
+    pipeline.coordinator.calibrate_at = 2  # the network file says 1 ms per forward; the nodes take longer
+    try:
+        records = [pipeline.coordinator.run_iteration(i) for i in range(4)]
+        assert [r["replanned"] for r in records] == [False, False, True, False]
+        measured = next(e["compute_ms"] for e in pipeline.events if e["event"] == "step" and e["iteration"] == 1)
+        network = pipeline.coordinator.network
+        assert {node.name: node.compute_ms for node in network.nodes} == {n: m["forward"] for n, m in measured.items()}
+        heads = [m["loss"] / m["forward"] for m in measured.values() if m.get("loss")]
+        assert network.loss_factor == pytest.approx(sum(heads) / len(heads))
+        routes = next(e["routes"] for e in pipeline.events if e["event"] == "begin" and e["iteration"] == 3)
+        expected = simulate(network, [[network.index(n) for n in route] for route in routes], record=False)
+        assert records[3]["predicted_ms"] == pytest.approx(expected.makespan_ms)
+        assert records[3]["predicted_ms"] > records[0]["predicted_ms"]
+    finally:
+        pipeline.close()
+
+
 def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus):
     """Six `decentral pipeline node` processes find each other through the DHT (with a swarm key); one
     replica of stage 1 is killed at the start of iteration 2. That iteration still finishes every
     microbatch: those that did not cross the dead node with their first attempt, the others re-sent
-    along a re-plan; training goes on with five nodes and the loss falls."""
+    along a re-plan; training goes on with five nodes and the loss falls. The killed node is started
+    again, as a process joining from elsewhere would: it copies its stage from the live replica and
+    is planned in."""
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(tiny_recipe(4, 0.25, 4)))
     recipe = load_pipeline_recipe(recipe_path)
     stage_of = {"h0": 0, "h1": 0, "a1": 1, "a2": 1, "b": 2, "c": 3}
     network = pinned_network(recipe, stage_of)
     SwarmKey.generate(tmp_path / "swarm.key")
-    steps, doomed_iteration = 8, 2
+    steps, doomed_iteration = 30, 2
     with LocalPipeline(recipe_path, network, tmp_path / "run", steps=steps,
                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
                        env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
@@ -197,6 +222,7 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
         victim = "a1" if crossing else "a2"
         crossing = [m for m, route in enumerate(begin["routes"]) if victim in route]
         run.kill(victim)
+        run.restart(victim)
         assert run.wait(120) == 0, run.log(run.lead)
     records = [json.loads(line) for line in (tmp_path / "run" / run.lead / "metrics.jsonl").read_text().splitlines()]
     assert [r["microbatches"] for r in records] == [4] * steps
@@ -205,10 +231,49 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
     done = [e for e in map(json.loads, events.read_text().splitlines())
             if e["event"] == "done" and e["iteration"] == doomed_iteration]
     assert sorted((e["microbatch"], e["attempt"]) for e in done) == [(m, int(m in crossing)) for m in range(4)]
-    assert all(r["nodes"] == 5 for r in records[doomed_iteration + 1:])
+    nodes = [r["nodes"] for r in records[doomed_iteration + 1:]]
+    back = nodes.index(6)  # the restarted node, planned in again
+    assert set(nodes[:back]) == {5} and set(nodes[back:]) == {6} and records[doomed_iteration + 1 + back]["replanned"]
+    other = next(name for name, stage in stage_of.items() if stage == 1 and name != victim)
+    assert f"copied stage 1's weights from {other}" in run.log(victim)
     assert sum(r["loss"] for r in records[-2:]) / 2 < records[0]["loss"] - 0.3
-    for name in stage_of:  # every survivor wrote its stage at the end
-        assert (tmp_path / "run" / name / "stage" / "meta.json").exists() == (name != victim)
+    for name in stage_of:  # every node wrote its stage at the end, the restarted one too
+        assert (tmp_path / "run" / name / "stage" / "meta.json").exists()
+
+
+def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus):
+    """The lead of a 2-stage run is killed after its checkpoint at iteration 4; `pipeline train --resume`
+    goes on from there with every node's weights and AdamW state: its iterations 5.. have the losses
+    the killed run logged for them (the same microbatches on the same state), and it ends at --steps."""
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, train={"eval_every": 4})))
+    recipe = load_pipeline_recipe(recipe_path)
+    network = pinned_network(recipe, {"h": 0, "a": 1})
+    out = tmp_path / "run"
+    with LocalPipeline(recipe_path, network, out, steps=12, node_args=["--data", str(small_corpus)],
+                       env={"DECENTRAL_LINK_LATENCY_MS": "40"}) as run:
+        run.start()
+        metrics = out / run.lead / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not metrics.exists() or metrics.read_text().count("\n") < 6:
+            assert time.monotonic() < deadline and run.procs[run.lead].poll() is None, run.log(run.lead)
+            time.sleep(0.01)  # polling the lead's metrics
+        run.kill(run.lead)
+    killed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert 6 <= len(killed) < 8, len(killed)  # it died between the checkpoints of iterations 4 and 8
+    done = subprocess.run([sys.executable, "-m", "decentral.cli", "pipeline", "train", "--recipe", str(recipe_path),
+                           "--out", str(out), "--data", str(small_corpus), "--steps", "12", "--resume"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumes stage 0 at iteration 4" in (out / "h.log").read_text()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert [r["loss"] for r in records[:4]] == [r["loss"] for r in killed[:4]]  # kept
+    for again, first in zip(records[4:len(killed)], killed[4:]):  # redone from the checkpoint
+        assert again["loss"] == pytest.approx(first["loss"], rel=1e-4), (again, first)
+    for name in ("h", "a"):
+        tensors, meta = load_checkpoint(out / name / "stage")
+        assert meta["iteration"] == 12 and any(k.startswith("inner.") for k in tensors)
 
 
 def test_train_and_eval_from_the_command_line(tmp_path, small_corpus):
@@ -247,3 +312,8 @@ def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_on
     args = parser.parse_args(["pipeline", "eval", str(tmp_path)])
     with pytest.raises(NetworkError, match="holds no stage checkpoints"):  # decentral.cli.main: one line, exit 2
         args.func(args)
+    args = parser.parse_args(["pipeline", "train", "--out", str(tmp_path), "--resume"])
+    with pytest.raises(NetworkError, match="holds no run to resume"):
+        args.func(args)
+    with pytest.raises(RecipeError, match="calibrate_at >= 0"):
+        parse_pipeline_recipe(tiny_recipe(2, 0.0, 2, pipeline={"calibrate_at": -1}))

@@ -109,12 +109,14 @@ def add_arguments(parser) -> None:
     timing.add_argument("--stages", type=int, default=4)
     timing.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.25])
     timing.add_argument("--microbatches", type=int, default=8)
-    timing.add_argument("--iterations", type=int, default=6, help="measured iterations (after one left out)")
+    timing.add_argument("--iterations", type=int, default=6, help="measured iterations (after the warm-up)")
+    timing.add_argument("--warmup", type=int, default=2, help="iterations whose measured compute the plan is "
+                        "made again with, left out of the comparison")
     timing.add_argument("--data", action="append", metavar="PATH")
     timing.add_argument("--out", default="runs/bench-skippipe-timing")
     timing.set_defaults(func=lambda args: trainbench.timing_bench(
         args.out, args.recipe, args.bandwidth, args.latency_ms, args.nodes, args.stages, tuple(args.skips),
-        args.microbatches, args.iterations, args.data) and 0)
+        args.microbatches, args.iterations, args.warmup, args.data) and 0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--regions", type=int, default=5)

@@ -32,7 +32,8 @@ with its stage; the first head leads. With --netlab, every node runs in its own 
 behind an uplink capped at that rate, with --latency-ms added to every message. Afterwards the
 model is put together from the nodes' checkpoints and evaluated whole and with --drop of its
 stages dropped (stage 0 kept). Writes OUT/<node>/ (stage checkpoints, logs), OUT/<lead>/metrics.jsonl
-(one record per iteration: loss, measured and simulated makespan), OUT/eval.json.
+(one record per iteration: loss, measured and simulated makespan), OUT/eval.json. Nodes checkpoint
+every train.eval_every iterations; --resume goes on from there (after a stop, or the lead's death).
 
 example:
   decentral pipeline train --recipe protocols/skippipe.yaml --steps 300 --out runs/skippipe
@@ -89,6 +90,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--latency-ms", type=float, default=0.0, help="latency added to every message we send")
     t.add_argument("--drop", type=float, default=0.5, help="share of stages dropped in the evaluation (default 0.5)")
     t.add_argument("--timeout", type=float, default=3600.0, help="the longest the run may take, in seconds")
+    t.add_argument("--resume", action="store_true", help="go on from the nodes' checkpoints in OUT (a run "
+                   "stopped or whose lead died), to --steps")
     t.set_defaults(func=cmd_train)
 
     e = commands.add_parser("eval", help="evaluate a pipeline run: whole model and with stages dropped",
@@ -122,6 +125,7 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     n.add_argument("--data", action="append", metavar="PATH",
                    help="training text, for heads (default: Python's stdlib)")
     n.add_argument("--wait", type=float, default=300.0, help="seconds the lead waits for the network's nodes")
+    n.add_argument("--resume", action="store_true", help="start from OUT/stage (the lead: from its iteration)")
     n.set_defaults(func=cmd_node)
     return pipeline
 
@@ -138,7 +142,7 @@ def cmd_train(args) -> int:
 
     result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,
                        latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
-                       timeout_s=args.timeout)
+                       timeout_s=args.timeout, resume=args.resume)
     print(format_evaluation(result["evaluation"]))
     print(f"wrote {args.out}/eval.json; `decentral pipeline eval {args.out}` scores it again")
     return 0
@@ -168,7 +172,7 @@ def cmd_node(args) -> int:
         stage=args.stage, host=args.host, port=args.port, dht_port=args.dht_port, announce_host=args.announce_host,
         join=args.join or (), swarm_key=SwarmKey.load(key) if key else None, lead=args.lead, steps=args.steps,
         data=args.data, maddr_file=Path(args.maddr_file) if args.maddr_file else None, wait_s=args.wait,
-        print_fn=lambda line: print(line, flush=True)))
+        resume=args.resume, print_fn=lambda line: print(line, flush=True)))
 
 
 def cmd_plan(args) -> int:

@@ -15,7 +15,10 @@ Each iteration:
    of that path, and `launch` them again (next attempt) along the new plan's paths. A microbatch whose
    frame is refused (not a death: bad data) is dropped from the iteration.
 4. **Step.** When every microbatch is done or dropped, `step` goes to every node with the finished
-   (microbatch, attempt) pairs; each node steps its optimizer once, on those microbatches' gradients.
+   (microbatch, attempt) pairs; each node steps its optimizer once, on those microbatches' gradients,
+   and replies with the compute times it measured. After iteration `calibrate_at` (counting from 1),
+   the network takes those times as its nodes' compute and the next iteration is re-planned: a
+   network file's guesses (or a calibration on an idle machine) give way to what the nodes do.
 
 Every iteration writes a record: loss (mean over the finished microbatches), the measured makespan
 (first `begin` received at a head to the last backward end, on the heads' clocks: one machine, or
@@ -71,11 +74,13 @@ class Coordinator:
 
     def __init__(self, network: Network, servers: Callable[[], dict[str, Server]], links: Links, address: str, *,
                  seed: int = 0, effort: float = 0.3, routing: str = "planned", probe_s: float = 1.0,
-                 stall_s: float = 600.0, step_timeout_s: float = 600.0,
+                 stall_s: float = 600.0, step_timeout_s: float = 600.0, calibrate_at: int = 0,
                  on_event: Callable[[dict], None] | None = None):
         self.network, self.servers, self.links, self.address = network, servers, links, address
         self.seed, self.effort, self.routing = seed, effort, routing
         self.probe_s, self.stall_s, self.step_timeout_s = probe_s, stall_s, step_timeout_s
+        self.calibrate_at = calibrate_at
+        self._calibrated = False  # the network's compute changed since the plan was made
         self.on_event = on_event or (lambda record: None)
         self.plan: Plan | None = None
         self.dead: dict[str, str] = {}  # name -> the incarnation found dead (a restart comes back with another)
@@ -129,6 +134,8 @@ class Coordinator:
         """Run `iteration` (module docstring) and return its record; `save` asks the nodes for checkpoints."""
         started = time.monotonic()
         self._live = self.live_servers()
+        # a node found dead that is up again (a new incarnation: restarted) is one of the live ones again
+        self.dead = {name: incarnation for name, incarnation in self.dead.items() if name not in self._live}
         network = self._network_of(self._live)
         replanned = self._plan_for(network, iteration)
         self._current = network
@@ -153,8 +160,11 @@ class Coordinator:
                                                                        "save": save},
                                     timeout_s=self.step_timeout_s)
         self._lose([name for name, reply in replies.items() if reply is None], iteration, {}, lost)
-        self.on_event({"event": "step", "iteration": iteration, "compute_ms": {
-            name: reply["compute_ms"] for name, reply in replies.items() if reply and reply.get("compute_ms")}})
+        compute = {name: reply["compute_ms"] for name, reply in replies.items() if reply and reply.get("compute_ms")}
+        self.on_event({"event": "step", "iteration": iteration, "compute_ms": compute})
+        if iteration + 1 == self.calibrate_at and compute:
+            self.network, self._calibrated = self.network.with_measured_compute(compute), True
+            log.info("iteration %d: re-planning with the compute the nodes measured", iteration)
         done = [s for s in state.values() if s.done]
         end = time.monotonic()
         return {"iteration": iteration, "loss": float(np.mean([s.loss for s in done])) if done else math.nan,
@@ -166,15 +176,16 @@ class Coordinator:
                 "sync": [reply["sync"] for reply in replies.values() if reply and "sync" in reply]}
 
     def _plan_for(self, network: Network, iteration: int) -> bool:
-        """Plan (first iteration) or re-plan (when the nodes changed); True when it re-planned."""
+        """Plan (first iteration) or re-plan (when the nodes or their compute changed); True when it re-planned."""
         names = {node.name for node in network.nodes}
         try:
             if self.plan is None:
                 self.plan = plan(network, seed=self.seed, effort=self.effort)
                 return False
-            if set(self.plan.nodes) == names:
+            if set(self.plan.nodes) == names and not self._calibrated:
                 return False
             self.plan = replan(self.plan, network, seed=self.seed + iteration, effort=self.effort)
+            self._calibrated = False
         except NetworkError as e:
             raise PipelineError(f"iteration {iteration}: cannot plan the live nodes {sorted(names)}: {e}") from None
         return True

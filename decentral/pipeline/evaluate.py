@@ -35,7 +35,8 @@ def load_run(run: str | Path) -> tuple[GPT, PipelineRecipe]:
     for folder in sorted(p.parent for p in run.glob("*/stage/meta.json")):
         tensors, meta = load_checkpoint(folder)
         recipe = recipe or parse_pipeline_recipe(meta["recipe"], str(folder))
-        found.setdefault(int(meta["stage"]), (meta["name"], {k[len("model."):]: v for k, v in tensors.items()}))
+        found.setdefault(int(meta["stage"]), (meta["name"], {k[len("model."):]: v for k, v in tensors.items()
+                                                                  if k.startswith("model.")}))
     if recipe is None:
         raise PipelineError(f"{run} holds no stage checkpoints (<node>/stage); is it a `decentral pipeline train` run?")
     missing = sorted(set(range(recipe.pipeline.stages)) - set(found))

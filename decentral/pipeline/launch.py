@@ -16,8 +16,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from decentral.pipeline.network import Network, PipelineError
+from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
+from decentral.pipeline.recipe import loopback_network, shaped_network
 
 
 def pinned(network: Network, seed: int = 0, effort: float = 0.3) -> Network:
@@ -55,11 +56,17 @@ class LocalPipeline:
         """Start every node; the first one's DHT address must appear within `timeout_s`."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.network.save(self.out / "network.json")
-        join: list[str] = []
+        self.join: list[str] = []
         for i, node in enumerate(self.network.nodes):
-            self._start(i, node.name, join)
-            if not join:
-                join = self._bootstrap(node.name, timeout_s)
+            self._start(i, node.name, self.join)
+            if not self.join:
+                self.join = self._bootstrap(node.name, timeout_s)
+
+    def restart(self, name: str) -> None:
+        """Start node `name` again (after `kill`), joining through the first node's DHT address as a
+        node on another machine would."""
+        index = next(i for i, node in enumerate(self.network.nodes) if node.name == name)
+        self._start(index, name, self.join)
 
     def _start(self, index: int, name: str, join: list[str]) -> subprocess.Popen:
         host = self.lab.hosts[index] if self.lab is not None else None
@@ -69,6 +76,7 @@ class LocalPipeline:
         if join:
             cmd += [arg for maddr in join for arg in ("--join", maddr)]
         else:
+            (self.out / f"{name}.maddrs").unlink(missing_ok=True)  # an earlier run's (a resumed run's folder)
             cmd += ["--maddr-file", str(self.out / f"{name}.maddrs")]
         if name == self.lead:
             cmd += ["--lead"] + (["--steps", str(self.steps)] if self.steps else [])
@@ -137,34 +145,39 @@ class LocalPipeline:
 def node_network(recipe, path: str | Path | None = None) -> Network:
     """The network a run plans over: the file at `path` (else the recipe's pipeline.network, else the
     recipe's loopback network), shaped as the recipe says (stages, skip, microbatches, activation size)."""
-    from decentral.pipeline.network import load_network
-    from decentral.pipeline.recipe import loopback_network, shaped_network
-
     path = path or recipe.pipeline.network
     return shaped_network(load_network(path) if path else loopback_network(recipe), recipe)
 
 
 def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | Path | None = None,
               netlab: str | None = None, latency_ms: float = 0.0, steps: int | None = None, data=None,
-              drop: float = 0.5, timeout_s: float = 3600.0, evaluate: bool = True) -> dict:
+              drop: float = 0.5, timeout_s: float = 3600.0, evaluate: bool = True, resume: bool = False) -> dict:
     """`decentral pipeline train`: plan the allocation, run every node as a process (on netlab hosts
     when `netlab` is a rate), wait for the end, evaluate (unless told not to). Returns {"evaluation"
     (None when not evaluated), "metrics" (the lead's records), "lead"}.
 
-    The nodes share a swarm key made for the run (OUT/swarm.key). PipelineError when the run fails."""
+    The nodes share a swarm key made for the run (OUT/swarm.key). `resume`: every node goes on from its
+    checkpoint in OUT, with the allocation of OUT/network.json. PipelineError when the run fails."""
     from decentral.metrics import read_metrics
     from decentral.pipeline.evaluate import evaluate_run
     from decentral.pipeline.recipe import load_pipeline_recipe
     from decentral.swarm.admission import SwarmKey
 
     recipe = load_pipeline_recipe(recipe_path)
-    network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed, effort=recipe.pipeline.effort)
     out = Path(out)
+    if resume:
+        if not (out / "network.json").exists():
+            raise PipelineError(f"--resume: {out} holds no run to resume (no network.json)")
+        network = shaped_network(load_network(out / "network.json"), recipe)  # the first run's allocation
+    else:
+        network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed,
+                         effort=recipe.pipeline.effort)
     out.mkdir(parents=True, exist_ok=True)
     key = out / "swarm.key"
     if not key.exists():
         SwarmKey.generate(key)
     node_args = ["--swarm-key", str(key)] + [a for path in data or () for a in ("--data", str(path))]
+    node_args += ["--resume"] if resume else []
     lab = None
     if netlab:
         from decentral.netlab import NetLab
@@ -176,7 +189,8 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
             run.start()
             code = run.wait(timeout_s)
             if code != 0:
-                raise PipelineError(f"the lead ({run.lead}) exited with {code}:\n{run.log(run.lead)[-3000:]}")
+                raise PipelineError(f"the lead ({run.lead}) exited with {code}:\n{run.log(run.lead)[-3000:]}\n"
+                                    f"the nodes' last checkpoints are in {out}: `--resume` goes on from them")
             lead = run.lead
     finally:
         if lab is not None:

@@ -118,6 +118,19 @@ class Network:
                                    latency_ms=self.latency_ms[np.ix_(keep, keep)],
                                    bandwidth_mbps=self.bandwidth_mbps[np.ix_(keep, keep)])
 
+    def with_measured_compute(self, compute: dict[str, dict]) -> Network:
+        """The network with the compute its nodes measured ({name: {"forward", "loss", "backward"}}, mean
+        ms per microbatch): each node's forward as its compute_ms; as the factors, the mean over nodes of
+        backward / forward, and over heads of loss / forward. Nodes that measured nothing keep theirs."""
+        measured = {name: m for name, m in compute.items() if m.get("forward")}
+        backward = [m["backward"] / m["forward"] for m in measured.values() if m.get("backward")]
+        loss = [m["loss"] / m["forward"] for m in measured.values() if m.get("loss")]
+        nodes = tuple(dataclasses.replace(node, compute_ms=float(measured[node.name]["forward"]))
+                      if node.name in measured else node for node in self.nodes)
+        return dataclasses.replace(self, nodes=nodes,
+                                   backward_factor=float(np.mean(backward)) if backward else self.backward_factor,
+                                   loss_factor=float(np.mean(loss)) if loss else self.loss_factor)
+
     def to_json(self) -> dict:
         """The JSON form read by `parse_network`, every ordered pair as its own link."""
         nodes = [{key: value for key, value in vars(node).items() if value not in (None, "")} for node in self.nodes]

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from decentral.checkpoint import save_checkpoint
+from decentral.checkpoint import load_checkpoint, load_training_state, save_checkpoint, training_state
 from decentral.pipeline.auth import CallKey
 from decentral.pipeline.frames import (ACTIVATIONS, GRADIENTS, FrameError, command_of, decode_command, decode_frame,
                                        decode_reply, frame_of, frame_tensor, reply_of)
@@ -467,11 +467,27 @@ class StageNode:
         return None
 
     def save(self) -> Path:
-        """This stage's weights and where they belong (OUT/stage, a decentral checkpoint)."""
-        tensors = {f"model.{k}": v for k, v in self.stage.global_state_dict().items()}
-        meta = {"name": self.name, "stage": self.stage.index, "stages": self.recipe.pipeline.stages,
-                "iteration": self.iterations_done, "recipe": self.recipe.to_dict()}
+        """This stage's weights and where they belong, with what resuming needs: the inner AdamW's state
+        and the replica protocol's (OUT/stage, a decentral checkpoint)."""
+        sync = self.protocol.state_dict() if self.protocol is not None else None
+        tensors, meta = training_state(self.stage.global_state_dict(), self.optimizer, sync)
+        meta.update(name=self.name, stage=self.stage.index, stages=self.recipe.pipeline.stages,
+                    iteration=self.iterations_done, recipe=self.recipe.to_dict())
         return save_checkpoint(self.out / "stage", tensors, meta)
+
+    def restore(self) -> int:
+        """Before `start`: load OUT/stage (see `save`); returns the iterations it had done. PipelineError
+        when it holds another stage or another pipeline's; CheckpointError when it is missing or corrupt."""
+        tensors, meta = load_checkpoint(self.out / "stage")
+        if (meta.get("stage"), meta.get("stages")) != (self.stage.index, self.recipe.pipeline.stages):
+            raise PipelineError(f"{self.out / 'stage'} holds stage {meta.get('stage')} of {meta.get('stages')}, "
+                                f"this node serves stage {self.stage.index} of {self.recipe.pipeline.stages}")
+        model, sync = load_training_state(tensors, meta, self.optimizer)
+        self.stage.load_global_state_dict(model)
+        if self.protocol is not None and sync is not None:
+            self.protocol.load_state_dict(sync)
+        self.iterations_done = int(meta["iteration"])
+        return self.iterations_done
 
     # ----- sending -----
     def _send(self, task: _Task, hop: int, kind: str, tensor: torch.Tensor) -> None:

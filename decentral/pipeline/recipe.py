@@ -34,6 +34,7 @@ class PipelineConfig:
     network: str = ""  # a network file (decentral.pipeline.network); "" = the loopback network above
     link_timeout: float = 60.0  # the longest one message may take before its receiver counts as gone
     effort: float = 0.3  # the planner's search effort (decentral.pipeline.planner.plan)
+    calibrate_at: int = 0  # after this iteration (1: the first; 0: never) re-plan with the compute the nodes measured in it
 
 
 @dataclass
@@ -63,8 +64,9 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
         raise RecipeError(f"{where}: pipeline.routing must be one of {list(ROUTINGS)}, got {config.routing!r}")
     if config.wire_dtype not in DTYPES:
         raise RecipeError(f"{where}: pipeline.wire_dtype must be one of {sorted(DTYPES)}, got {config.wire_dtype!r}")
-    if config.stages < 2 or config.microbatches < 1 or config.memory < 1 or config.nodes < 0:
-        raise RecipeError(f"{where}: pipeline needs stages >= 2, microbatches >= 1, memory >= 1 and nodes >= 0")
+    if config.stages < 2 or config.microbatches < 1 or config.memory < 1 or min(config.nodes, config.calibrate_at) < 0:
+        raise RecipeError(f"{where}: pipeline needs stages >= 2, microbatches >= 1, memory >= 1, nodes >= 0 and "
+                          "calibrate_at >= 0")
     recipe = parse_recipe(rest, where)
     if recipe.train.context > recipe.model.context:
         raise RecipeError(f"{where}: train.context {recipe.train.context} exceeds model.context {recipe.model.context}")

@@ -9,9 +9,12 @@ serves the stage over gRPC and announces itself (decentral.pipeline.discovery).
 
 The lead node (a head; `--lead`) also runs the coordinator: it waits for the network's nodes, runs
 `--steps` iterations, writes OUT/metrics.jsonl (a record per iteration) and OUT/events.jsonl
-(begins, deaths, re-launches, finished microbatches; both replaced by a new run: there is no
-resuming yet), and stops the others at the end. Every node
-writes its stage's checkpoint to OUT/stage every `train.eval_every` iterations and at the end.
+(begins, deaths, re-launches, finished microbatches), and stops the others at the end. Every node
+writes its stage's checkpoint (weights, AdamW, replica protocol) to OUT/stage every
+`train.eval_every` iterations and at the end. With `resume`, each node starts from its checkpoint
+and the lead from the iteration of its own, keeping the records up to it: microbatches and the LR
+depend only on the iteration, so a resumed run trains on what the first would have. That is how a
+run goes on after its lead died (the lead's death ends a run: the others leave after `idle_s`).
 A node other than the lead leaves when told to, or when no command came for `idle_s` seconds.
 """
 
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 from decentral.data.corpus import load_corpus
-from decentral.metrics import MetricsLog
+from decentral.metrics import MetricsLog, read_metrics
 from decentral.pipeline.auth import CallKey
 from decentral.pipeline.coordinator import Coordinator
 from decentral.pipeline.discovery import Announcer, ServerView, lookup_servers, new_server
@@ -58,6 +61,7 @@ class NodeOptions:
     steps: int | None = None  # iterations (the lead); default train.steps
     data: Sequence[str] | None = None  # training text (heads); None = the Python standard library
     maddr_file: Path | None = None  # where to write our DHT multiaddrs, for others to --join
+    resume: bool = False  # start from OUT/stage (and the lead from its iteration)
     wait_s: float = 300.0  # the lead waits this long for the network's nodes
     idle_s: float = 600.0  # a node leaves after this long without a command
     print_fn: Callable[[str], None] = print
@@ -92,9 +96,12 @@ def run_node(opts: NodeOptions) -> int:
                          key=CallKey(opts.swarm_key) if opts.swarm_key else None,
                          make_protocol=_protocol_maker(opts, peer, index), out=opts.out)
         closers.insert(0, node.close)
-        source = node.copy_replica(lookup_servers(peer).values())
-        if source:
-            opts.print_fn(f"[{opts.name}] copied stage {index}'s weights from {source}")
+        if opts.resume:
+            opts.print_fn(f"[{opts.name}] resumes stage {index} at iteration {node.restore()}")
+        else:
+            source = node.copy_replica(lookup_servers(peer).values())
+            if source:
+                opts.print_fn(f"[{opts.name}] copied stage {index}'s weights from {source}")
         node.start()
         address = f"{opts.announce_host or opts.host}:{node.address.rsplit(':', 1)[1]}"
         announcer = Announcer(peer, new_server(opts.name, address, index))
@@ -141,9 +148,10 @@ def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, clo
     train, config = recipe.recipe.train, recipe.pipeline
     view = ServerView(peer)
     closers.insert(0, view.close)
-    (opts.out / "metrics.jsonl").unlink(missing_ok=True)  # a run starts from iteration 0: no resuming yet
+    first = node.iterations_done  # 0, or the resumed checkpoint's
+    _keep_records_until(opts.out / "metrics.jsonl", first)
     metrics = MetricsLog(opts.out / "metrics.jsonl")
-    events = open(opts.out / "events.jsonl", "w", encoding="utf-8")
+    events = open(opts.out / "events.jsonl", "a" if first else "w", encoding="utf-8")
     closers.extend([metrics.close, events.close])
 
     def on_event(record: dict) -> None:
@@ -151,7 +159,7 @@ def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, clo
         events.flush()
 
     coordinator = Coordinator(opts.network, view.get, node.links, address, seed=train.seed, effort=config.effort,
-                              routing=config.routing, on_event=on_event)
+                              routing=config.routing, calibrate_at=config.calibrate_at, on_event=on_event)
     node.coordinator = coordinator
     live = coordinator.wait_for_servers(opts.wait_s)
     opts.print_fn(f"[{opts.name}] leading {len(live)} nodes: " + ", ".join(
@@ -159,7 +167,7 @@ def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, clo
     steps = opts.steps or train.steps
     start = time.perf_counter()
     try:
-        for iteration in range(steps):
+        for iteration in range(first, steps):
             last = iteration + 1 == steps
             record = coordinator.run_iteration(iteration, save=last or (iteration + 1) % train.eval_every == 0)
             metrics.write(worker=opts.name, step=iteration + 1, wall_s=time.perf_counter() - start,
@@ -170,6 +178,15 @@ def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, clo
     finally:
         coordinator.stop_all()
     return 0
+
+
+def _keep_records_until(path: Path, iteration: int) -> None:
+    """Drop the lead's records of iterations after `iteration` (all of them for a new run): a resumed
+    run writes those again."""
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if iteration and r.get("step", 0) <= iteration]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _progress(name: str, record: dict) -> str:
