@@ -12,6 +12,7 @@ its state), so all ranks start from rank 0's state without any change to the pro
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -96,17 +97,48 @@ class IslandTransport:
         ring estimate 2 (k-1)/k * numel * 4 each way. Raises RuntimeError when the mean is not finite:
         a collective cannot drop one rank's part.
         """
+        values, buffer = self._prepare(tensor, group)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
+        return self._mean(values, buffer, tag)
+
+    def _prepare(self, tensor: torch.Tensor, group: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(our values as float32 on the collective's device, the buffer the all-reduce sums into)."""
         if set(group) != set(self._ids):
             raise ValueError(f"islands average over all ranks {self._ids}; got group {sorted(group)}")
         values = tensor.detach().reshape(-1).to(device=self._device or "cpu", dtype=torch.float32)
-        buffer = values.clone()
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
+        return values, values.clone()
+
+    def _mean(self, values: torch.Tensor, summed: torch.Tensor, tag: str) -> AverageResult:
         k = self.world_size
-        self._bytes += int(2 * (k - 1) / k * buffer.numel() * buffer.element_size())
-        mean = (buffer / k).cpu()
+        self._bytes += int(2 * (k - 1) / k * summed.numel() * summed.element_size())
+        mean = (summed / k).cpu()
         if not bool(torch.isfinite(mean).all()):
             raise RuntimeError(f"island average {tag!r} is not finite")
         return AverageResult(tensor=mean, sent=values.cpu(), group=list(self._ids), complete=True, contributors=k)
+
+    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
+        """`average` as an asynchronous all-reduce (`async_op`): returns at once; the future is done when the
+        collective is. Every rank must start its averages in the same order."""
+        values, buffer = self._prepare(tensor, group)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        future: Future[AverageResult] = Future()
+
+        def done(_) -> None:
+            try:
+                future.set_result(self._mean(values, buffer, tag))
+            except Exception as e:  # a non-finite mean, or a failed collective
+                future.set_exception(e)
+
+        work.get_future().then(done)
+        return future
+
+    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+        """Every rank met the others at the rendezvous already."""
+
+    def multiaddrs(self) -> list[str]:
+        """Ranks meet at the island's init_method, not through addresses of ours."""
+        return []
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         """Rank 0's first offer is the island's starting state: broadcast it to the other ranks, which

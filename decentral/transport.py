@@ -1,12 +1,15 @@
-"""What a sync protocol needs from the network, and nothing more.
+"""What a sync protocol (and the worker) needs from the network, and nothing more.
 
 Protocols never import hivemind or torch.distributed: they get a `Transport`. `SwarmTransport`
-(decentral.swarm) implements it over hivemind; tests and other layers can supply their own.
+(decentral.swarm) implements it over hivemind, `IslandTransport` (decentral.island) over
+torch.distributed, `LoopbackTransport` (decentral.loopback) between peers of one process, and
+`SoloTransport` (here) for a peer alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +75,18 @@ class Transport(Protocol):
         the same number of inner steps. `round`: the outer round the average belongs to (a member that
         does not take part in it is left out at once rather than waited for)."""
 
+    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
+        """`average` started in the background: returns at once, and training may go on while it runs
+        (the result is the future's). `tensor` must not change until the future is done."""
+
+    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+        """Block until `count` peers (us included) are live; an error naming the shortfall after `timeout_s`.
+        A transport whose peers meet otherwise (an island's rendezvous), or that has none, returns at once."""
+
+    def multiaddrs(self) -> list[str]:
+        """Where other peers join us ([] where nobody can)."""
+
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         """Serve this snapshot of outer state to newcomers until the next offer (`digest`: its
         `state_digest`, when the caller has it already)."""
@@ -114,6 +129,13 @@ class SoloTransport:
         flat = tensor.detach().float().reshape(-1).clone()
         return AverageResult(tensor=flat, sent=flat.clone(), group=[self.peer_id], complete=True, contributors=1)
 
+    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
+        return finished(self.average(tensor, group, tag, round))
+
+    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+        """Nobody to wait for: training alone (the compute reference of a benchmark) starts at once."""
+
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         pass
 
@@ -125,3 +147,10 @@ class SoloTransport:
 
     def close(self) -> None:
         pass
+
+
+def finished(result: AverageResult) -> Future[AverageResult]:
+    """A future already done with `result` (a transport whose average is over when it returns)."""
+    future: Future[AverageResult] = Future()
+    future.set_result(result)
+    return future

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from decentral.checkpoint import load_checkpoint, optimizer_state_dict, optimizer_tensors, save_checkpoint
+from decentral.checkpoint import load_checkpoint, load_training_state, save_checkpoint, training_state
 from decentral.config import Recipe
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
@@ -33,7 +33,7 @@ from decentral.experts.branch import StartPoint, load_start_point
 from decentral.experts.registry import RegistryError
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
-from decentral.swarm import SwarmError, SwarmTransport
+from decentral.swarm import SwarmTransport
 from decentral.swarm.admission import SwarmKey
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol
 from decentral.transport import SoloTransport, Transport
@@ -76,25 +76,18 @@ def inner_lr(step: int, recipe: Recipe) -> float:
 
 
 def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: dict) -> None:
-    state = protocol.state_dict()
-    tensors = {f"model.{k}": v for k, v in protocol.model.state_dict().items()}
-    tensors.update({f"outer.{k}": v for k, v in state["tensors"].items()})
+    tensors, meta = training_state(protocol.model.state_dict(), protocol.optimizer, protocol.state_dict())
     tokens = lineage["start_tokens"] + (protocol.step - lineage["start_step"]) * recipe.train.batch_size * recipe.train.context
-    meta = {"sync": state["meta"], "recipe": recipe.to_dict(), "lineage": {**lineage, "tokens": tokens},
-            "inner_optimizer": {"param_groups": protocol.optimizer.state_dict()["param_groups"]}}
-    tensors.update(optimizer_tensors(protocol.optimizer))
+    meta.update(recipe=recipe.to_dict(), lineage={**lineage, "tokens": tokens})
     save_checkpoint(opts.out / "checkpoint", tensors, meta)
 
 
 def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> dict:
     """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage."""
     tensors, meta = load_checkpoint(opts.out / "checkpoint")
-    protocol.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    protocol.optimizer.load_state_dict(optimizer_state_dict(
-        {k: v for k, v in tensors.items() if k.startswith("inner.")}, meta["inner_optimizer"]["param_groups"]))
-    protocol.load_state_dict(
-        {"meta": meta["sync"], "tensors": {k[6:]: v for k, v in tensors.items() if k.startswith("outer.")}}
-    )
+    model, sync = load_training_state(tensors, meta, protocol.optimizer)
+    protocol.model.load_state_dict(model)
+    protocol.load_state_dict(sync)
     return meta.get("lineage", {"parent": None, "start_step": 0, "start_tokens": 0})
 
 
@@ -180,14 +173,9 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
 
 
 def _wait_for_peers(transport: Transport, opts: WorkerOptions) -> None:
-    if opts.min_peers <= 1 or not isinstance(transport, SwarmTransport):
-        return
-    opts.print_fn(f"[{opts.name}] waiting for {opts.min_peers} peers")
-    deadline = time.monotonic() + opts.wait_peers_s
-    while len(transport.membership.alive()) < opts.min_peers:
-        if time.monotonic() > deadline:
-            raise SwarmError(f"fewer than {opts.min_peers} peers joined within {opts.wait_peers_s:.0f}s")
-        time.sleep(transport.membership.heartbeat_s / 2)  # peers announce themselves by heartbeat
+    if opts.min_peers > 1:
+        opts.print_fn(f"[{opts.name}] waiting for {opts.min_peers} peers")
+        transport.wait_for_peers(opts.min_peers, opts.wait_peers_s)
 
 
 def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
@@ -213,14 +201,14 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     val_loss = None
     last_sync = None
     try:
-        if opts.on_ready and isinstance(transport, SwarmTransport):
+        if opts.on_ready and transport.multiaddrs():
             opts.on_ready(transport.multiaddrs())
         _wait_for_peers(transport, opts)
         with protocol:
             batches = batches_from(protocol.step)
             first = dict(worker=opts.name, step=protocol.step, round=protocol.round)
-            if protocol.donor is None:  # a joiner skips it: the round under way goes on without waiting
-                first["val_loss"] = val_loss = evaluate(model, val)
+            if protocol.donor is None or protocol.step == 0:  # one joining mid-run skips it: the round
+                first["val_loss"] = val_loss = evaluate(model, val)  # under way goes on without waiting
             start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
             log.write(**first, bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
                       wall_s=0.0, wait_s=protocol.wait_s)

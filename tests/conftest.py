@@ -18,6 +18,7 @@ import yaml
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 
+from decentral.loopback import LoopbackHub, LoopbackTransport  # noqa: E402
 from decentral.swarm import SwarmTransport  # noqa: E402
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
@@ -75,6 +76,27 @@ def make_swarm():
     yield make
     for t in made:
         t.close()
+
+
+@pytest.fixture
+def make_loopback():
+    """make_loopback(n) -> n LoopbackTransports of one hub (decentral.loopback); closed after the test."""
+    hub, made = LoopbackHub(timeout_s=10.0), []
+
+    def make(n: int) -> list[LoopbackTransport]:
+        while len(made) < n:
+            made.append(hub.transport())
+        return made[:n]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.fixture(params=["loopback", "swarm"])
+def make_peers(request):
+    """make_loopback or make_swarm: a protocol's rules, checked in milliseconds and over the real swarm."""
+    return request.getfixturevalue(f"make_{request.param}")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from decentral.swarm.pairing import group_of, round_groups
+from decentral.sync.pairing import group_of, round_groups
 
 PEERS = [f"peer{i}" for i in range(6)]
 

@@ -58,8 +58,8 @@ def test_a_newcomer_that_already_holds_the_donors_state_downloads_no_copy(make_s
     assert newcomer.bytes_received - before > 800_000
 
 
-def test_replicas_start_identical_even_from_different_seeds(make_swarm):
-    protocols = make_protocols(make_swarm(3), DiLoCo, seeds=[1, 2, 3], every=10)
+def test_replicas_start_identical_even_from_different_seeds(make_peers):
+    protocols = make_protocols(make_peers(3), DiLoCo, seeds=[1, 2, 3], every=10)
     reference = flat(protocols[0].model)
     assert not torch.equal(reference, flat(tiny_model(2)))  # the seeds really differ
     for p in protocols:
@@ -67,8 +67,8 @@ def test_replicas_start_identical_even_from_different_seeds(make_swarm):
         assert torch.equal(p.slow, reference)
 
 
-def test_diloco_outer_step_matches_torch_sgd_nesterov_and_moves_towards_workers(make_swarm):
-    protocols = make_protocols(make_swarm(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
+def test_diloco_outer_step_matches_torch_sgd_nesterov_and_moves_towards_workers(make_peers):
+    protocols = make_protocols(make_peers(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
     phi = protocols[0].slow.clone()
     reference = phi.clone().requires_grad_(True)
     opt = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
@@ -89,9 +89,9 @@ def test_diloco_outer_step_matches_torch_sgd_nesterov_and_moves_towards_workers(
             assert torch.dot(protocols[0].slow - before, progress) > 0
 
 
-def test_noloco_pair_round_is_the_section_3_update_for_both_peers(make_swarm):
+def test_noloco_pair_round_is_the_section_3_update_for_both_peers(make_peers):
     alpha, beta, gamma = 0.5, 0.7, 0.6
-    protocols = make_protocols(make_swarm(2), NoLoCo, every=10, alpha=alpha, beta=beta, gamma=gamma)
+    protocols = make_protocols(make_peers(2), NoLoCo, every=10, alpha=alpha, beta=beta, gamma=gamma)
     gen = torch.Generator().manual_seed(1)
     n = protocols[0].slow.numel()
     # give the replicas different slow weights, as they have after some rounds of pairwise averaging
@@ -133,8 +133,8 @@ def test_noloco_in_float16_leaves_identical_replicas_identical_and_unrounded(mak
         assert torch.equal(p.slow, expected)
 
 
-def test_noloco_lone_peer_applies_its_own_delta(make_swarm):
-    (p,) = make_protocols(make_swarm(1), NoLoCo, every=5, alpha=0.5, beta=0.7)
+def test_noloco_lone_peer_applies_its_own_delta(make_peers):
+    (p,) = make_protocols(make_peers(1), NoLoCo, every=5, alpha=0.5, beta=0.7)
     phi = p.slow.clone()
     fast = phi + 0.1
     (report,) = outer_round([p], [fast])
@@ -142,8 +142,8 @@ def test_noloco_lone_peer_applies_its_own_delta(make_swarm):
     torch.testing.assert_close(p.slow, phi + 0.7 * (fast - phi), rtol=0, atol=1e-6)
 
 
-def test_late_joiner_downloads_slow_weights_momentum_and_round(make_swarm):
-    transports = make_swarm(3)
+def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
+    transports = make_peers(3)
     protocols = make_protocols(transports[:2], DiLoCo, every=10)
     gen = torch.Generator().manual_seed(2)
     for _ in range(2):
@@ -228,8 +228,8 @@ def test_non_finite_local_weights_are_never_sent(make_swarm):
     assert torch.isfinite(p.slow).all()
 
 
-def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_swarm):
-    protocols = make_protocols(make_swarm(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
+def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_peers):
+    protocols = make_protocols(make_peers(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
     gen = torch.Generator().manual_seed(3)
     n = protocols[0].slow.numel()
     outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])

@@ -42,10 +42,11 @@ def test_four_peer_swarm_trains(workers, protocol):
         w.start(i)
     codes = w.wait(timeout=240)
     assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, [w.log(i) for i in range(4)]
+    fresh = val_losses(w.metrics(0))[0]  # the untrained model's (a peer that joined a few steps late skips it)
     for i in range(4):
         records = w.metrics(i)
         vals = val_losses(records)
-        assert vals[-1] < vals[0] - 0.5, (protocol, i, vals)
+        assert vals[-1] < fresh - 0.5, (protocol, i, vals, fresh)
         groups = [r["group_size"] for r in records if "group_size" in r]
         assert max(groups) == (2 if protocol == "noloco" else 4), groups
         assert records[-1]["bytes_sent"] > 0

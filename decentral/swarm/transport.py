@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
@@ -14,7 +16,7 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.transport import AverageResult
 from decentral.swarm.membership import Membership
-from decentral.swarm.peer import SwarmPeer
+from decentral.swarm.peer import SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,20 @@ class SwarmTransport:
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
-        return self.peer.call(self.averager.average(tensor, group, tag, self.timeout, round)).result()
+        return self.average_async(tensor, group, tag, round).result()
+
+    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
+        """The same average on the swarm's event loop, returning at once."""
+        return self.peer.call(self.averager.average(tensor, group, tag, self.timeout, round))
+
+    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+        """Block until `count` peers (us included) have a live heartbeat; SwarmError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.membership.alive()) < count:
+            if time.monotonic() > deadline:
+                raise SwarmError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
+            time.sleep(self.membership.heartbeat_s / 2)  # peers announce themselves by heartbeat
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         self.state.offer(meta, tensors, digest)

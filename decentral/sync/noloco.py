@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from decentral.swarm.pairing import group_of, round_groups
+from decentral.sync.pairing import group_of, round_groups
 from decentral.sync.base import OuterProtocol, SyncReport
 from decentral.transport import Transport
 

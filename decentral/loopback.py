@@ -1,0 +1,175 @@
+"""Peers of one process joined by a `LoopbackHub`: the `Transport` with exact float32 averages and no
+network, so the protocols' rules are tested in milliseconds (the real swarm's tests are the
+integration tests: decentral.swarm).
+
+Every transport of a hub sees the others' announcements, progress and offers at once. An average is
+done when every member of its group has started the same tag with the same group: each then holds
+the exact mean. When a member has closed, or has not started it within the hub's `timeout_s`, the
+average rolls back for those that did (each keeps its own input; `absent` names who was missing), as
+a swarm average that cannot commit does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from decentral.transport import AverageResult, finished, state_digest
+
+LOOKAHEAD = 2  # rounds past the one joined that `join_rounds` announces, as the swarm does
+KEPT_DIGESTS = 3  # rounds of state digests a peer's progress keeps
+
+
+class LoopbackHub:
+    """What the transports of one in-process swarm share. `transport()` makes the next peer."""
+
+    def __init__(self, timeout_s: float = 10.0):
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._open: set[str] = set()
+        self._announced: dict[int, set[str]] = {}
+        self._progress: dict[str, dict] = {}
+        self._offers: dict[str, tuple[dict, dict[str, torch.Tensor], str]] = {}
+        self._pending: dict[tuple[str, tuple[str, ...]], dict[str, tuple[torch.Tensor, Future]]] = {}
+        self._timers: dict[tuple[str, tuple[str, ...]], threading.Timer] = {}
+
+    def transport(self) -> LoopbackTransport:
+        with self._cond:
+            peer = f"loop{next(self._ids):04d}"
+            self._open.add(peer)
+            self._progress[peer] = {"step": 0, "round": 0, "digests": {}}
+            self._cond.notify_all()
+        return LoopbackTransport(self, peer)
+
+    # ----- averages -----
+    def start_average(self, peer: str, tensor: torch.Tensor, group: list[str], tag: str) -> Future[AverageResult]:
+        if peer not in group:
+            raise ValueError(f"{peer} averages over a group it is not in: {group}")
+        flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu", copy=True)
+        members = tuple(sorted(set(group)))
+        if members == (peer,):
+            return finished(AverageResult(flat, flat.clone(), [peer], True, 1))
+        key = (tag, members)
+        future: Future[AverageResult] = Future()
+        with self._cond:
+            started = self._pending.setdefault(key, {})
+            if not started:
+                timer = self._timers[key] = threading.Timer(self.timeout_s, self._give_up, (key,))
+                timer.daemon = True
+                timer.start()
+            started[peer] = (flat, future)
+            self._settle(key)
+        return future
+
+    def _settle(self, key: tuple[str, tuple[str, ...]], give_up: bool = False) -> None:
+        """Finish average `key` when every member started it (the mean), or roll it back for those that
+        did when a member is closed or `give_up` (under the lock)."""
+        started, members = self._pending.get(key), key[1]
+        if started is None:
+            return
+        missing = [m for m in members if m not in started]
+        if not missing:
+            mean = torch.stack([started[m][0] for m in members]).mean(0)
+            for m in members:
+                flat, future = started[m]
+                future.set_result(AverageResult(mean.clone(), flat, list(members), True, len(members)))
+        elif give_up or any(m not in self._open for m in missing):
+            for flat, future in started.values():
+                future.set_result(AverageResult(flat.clone(), flat, list(members), False, 1, absent=missing))
+        else:
+            return
+        del self._pending[key]
+        self._timers.pop(key).cancel()
+
+    def _give_up(self, key: tuple[str, tuple[str, ...]]) -> None:
+        with self._cond:
+            self._settle(key, give_up=True)
+
+    # ----- membership, progress, state -----
+    def leave(self, peer: str) -> None:
+        with self._cond:
+            self._open.discard(peer)
+            for key in [k for k in self._pending if peer in k[1]]:
+                self._settle(key)
+            self._cond.notify_all()
+
+
+class LoopbackTransport:
+    """One peer of a `LoopbackHub` (module docstring); made by `LoopbackHub.transport()`.
+
+    Byte counters count each average's tensor once each way, as float32 (there is no wire)."""
+
+    def __init__(self, hub: LoopbackHub, peer_id: str):
+        self.hub, self.peer_id = hub, peer_id
+        self.bytes_sent = self.bytes_received = 0
+
+    def join_rounds(self, round: int, *, first: bool = False) -> None:
+        with self.hub._cond:
+            if first:
+                for r, peers in self.hub._announced.items():
+                    if r < round:
+                        peers.discard(self.peer_id)
+            for r in range(round, round + LOOKAHEAD + 1):
+                self.hub._announced.setdefault(r, set()).add(self.peer_id)
+
+    def members(self, round: int) -> list[str]:
+        with self.hub._cond:
+            return sorted(self.hub._announced.get(round, set()) & self.hub._open)
+
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
+        with self.hub._cond:
+            digests = self.hub._progress[self.peer_id]["digests"]
+            if digest is not None:
+                digests = {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
+            self.hub._progress[self.peer_id] = {"step": int(step), "round": int(round), "digests": digests}
+
+    def progress(self) -> dict[str, dict]:
+        with self.hub._cond:
+            return {p: dict(self.hub._progress[p]) for p in self.hub._open}
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
+        return self.average_async(tensor, group, tag, round).result()
+
+    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
+        if len(set(group)) > 1:
+            self.bytes_sent += 4 * tensor.numel()
+            self.bytes_received += 4 * tensor.numel()
+        return self.hub.start_average(self.peer_id, tensor, group, tag)
+
+    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+        with self.hub._cond:
+            if not self.hub._cond.wait_for(lambda: len(self.hub._open) >= count, timeout_s):
+                raise TimeoutError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
+
+    def multiaddrs(self) -> list[str]:
+        return []
+
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+        copies = {k: v.detach().clone() for k, v in tensors.items()}
+        with self.hub._cond:
+            self.hub._offers[self.peer_id] = (dict(meta), copies, digest or state_digest(copies))
+
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
+                    ) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
+        """The offer of the open peer with the highest round (the lowest id among equals), with `donor_step`
+        its step now; None when nobody offers one, or when it is exactly `have` and the donor has not
+        trained since."""
+        with self.hub._cond:
+            offers = {p: o for p, o in self.hub._offers.items()
+                      if p != self.peer_id and p in self.hub._open and (donors is None or p in donors)}
+            if not offers:
+                return None
+            donor = min(offers, key=lambda p: (-int(offers[p][0].get("round", 0)), p))
+            meta, tensors, digest = offers[donor]
+            step_now = self.hub._progress[donor]["step"]
+        if have is not None and state_digest(have) == digest and step_now <= int(meta.get("step", 0)):
+            return None
+        return donor, ({**meta, "donor_step": step_now}, {k: v.clone() for k, v in tensors.items()})
+
+    def close(self) -> None:
+        self.hub.leave(self.peer_id)

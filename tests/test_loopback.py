@@ -1,0 +1,64 @@
+"""The in-process loopback transport: exact means, roll-backs like the swarm's, averages in the background."""
+
+import threading
+
+import torch
+
+from decentral.loopback import LoopbackHub
+from decentral.transport import SoloTransport
+
+
+def test_an_average_is_the_exact_mean_and_runs_in_the_background_until_the_last_member_starts():
+    hub = LoopbackHub()
+    peers = [hub.transport() for _ in range(3)]
+    group = sorted(p.peer_id for p in peers)
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    first = peers[0].average_async(inputs[0], group, "t")
+    second = peers[1].average_async(inputs[1], group, "t")
+    assert not first.done() and not second.done()  # a training step could run here
+    last = peers[2].average(inputs[2], group, "t")
+    expected = torch.stack(inputs).mean(0)
+    for result in (first.result(timeout=1), second.result(timeout=1), last):
+        assert result.complete and result.contributors == 3 and torch.equal(result.tensor, expected)
+    assert torch.equal(first.result().sent, inputs[0])
+
+
+def test_a_closed_member_rolls_the_average_back_at_once_and_a_silent_one_after_the_timeout():
+    hub = LoopbackHub(timeout_s=0.3)
+    a, b, c = (hub.transport() for _ in range(3))
+    group = sorted([a.peer_id, b.peer_id, c.peer_id])
+    pending = a.average_async(torch.ones(4), group, "closed")
+    c.close()
+    assert pending.done()  # no timeout waited for a member that left
+    result = pending.result()
+    assert not result.complete and result.absent == sorted([b.peer_id, c.peer_id])  # b had not started yet
+    assert torch.equal(result.tensor, torch.ones(4))
+    silent = a.average(torch.ones(4), [a.peer_id, b.peer_id], "silent")  # b never starts it
+    assert not silent.complete and silent.absent == [b.peer_id]
+    assert c.peer_id not in a.members(0) and c.peer_id not in a.progress()
+
+
+def test_members_progress_and_state_are_what_the_peers_announced():
+    hub = LoopbackHub()
+    a, b = hub.transport(), hub.transport()
+    a.join_rounds(0)
+    b.join_rounds(2, first=True)
+    assert a.members(0) == [a.peer_id] and a.members(2) == sorted([a.peer_id, b.peer_id])
+    a.set_progress(7, 1, "d1")
+    assert b.progress()[a.peer_id] == {"step": 7, "round": 1, "digests": {"1": "d1"}}
+    state = {"slow": torch.arange(5.0)}
+    a.offer_state({"round": 1, "step": 5}, state)
+    donor, (meta, tensors) = b.fetch_state()
+    assert donor == a.peer_id and meta["donor_step"] == 7 and torch.equal(tensors["slow"], state["slow"])
+    a.set_progress(5, 1)
+    assert b.fetch_state(have=state) is None  # the same state, and the donor has not trained since
+    waiter = threading.Thread(target=a.wait_for_peers, args=(3, 5.0))
+    waiter.start()
+    hub.transport()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+
+
+def test_the_solo_transports_background_average_is_done_at_once():
+    future = SoloTransport().average_async(torch.ones(3), ["solo"], "t")
+    assert future.done() and torch.equal(future.result().tensor, torch.ones(3))
