@@ -171,6 +171,8 @@ def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_el
     joining.join(timeout=60)
     assert near, "the near newcomer waited for the next round"
     (near,) = near
+    wait_until(lambda: all(near.transport.peer_id in p.transport.members(2) for p in protocols), 30,
+               "the incumbents seeing the near newcomer's announcement of round 2")
     assert (near.round, near.step, near.donor is not None) == (2, 24, True)  # the donor's step, not round 2's start
     assert torch.equal(near.slow, protocols[0].slow) and torch.equal(flat(near.model), near.slow)
     for p in protocols:  # 6 of 10 done: a newcomer now waits for round 3
