@@ -17,10 +17,9 @@ from concurrent.futures import Future
 
 import torch
 
-from decentral.transport import AverageResult, finished, state_digest
+from decentral.transport import AverageResult, finished, state_digest, with_digest
 
 LOOKAHEAD = 2  # rounds past the one joined that `join_rounds` announces, as the swarm does
-KEPT_DIGESTS = 3  # rounds of state digests a peer's progress keeps
 
 
 class LoopbackHub:
@@ -124,7 +123,7 @@ class LoopbackTransport:
         with self.hub._cond:
             digests = self.hub._progress[self.peer_id]["digests"]
             if digest is not None:
-                digests = {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
+                digests = with_digest(digests, round, digest)
             self.hub._progress[self.peer_id] = {"step": int(step), "round": int(round), "digests": digests}
 
     def progress(self) -> dict[str, dict]:

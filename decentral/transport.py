@@ -26,6 +26,15 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+KEPT_DIGESTS = 3  # rounds whose state digest a peer's progress carries
+
+
+def with_digest(digests: dict[str, str], round: int, digest: str) -> dict[str, str]:
+    """A peer's published digests ({str(round): digest}) with `digest` for `round`, beside those of the
+    previous `KEPT_DIGESTS - 1` rounds."""
+    return {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
+
+
 @dataclass
 class AverageResult:
     """Outcome of one group average: committed (`complete`: every member that answered holds exactly

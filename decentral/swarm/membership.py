@@ -25,10 +25,10 @@ import threading
 import time
 
 from decentral.swarm.peer import SwarmPeer
+from decentral.transport import with_digest
 
 log = logging.getLogger(__name__)
 
-KEPT_DIGESTS = 3  # rounds whose state digest a heartbeat carries
 
 
 class Membership:
@@ -50,10 +50,10 @@ class Membership:
 
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         """What the next heartbeat reports; a `digest` of the state after `round` rounds is published at
-        once, beside those of the previous `KEPT_DIGESTS - 1` rounds."""
+        once, beside those of the previous few rounds (decentral.transport.with_digest)."""
         digests = self._progress["digests"]
         if digest is not None:
-            digests = {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
+            digests = with_digest(digests, round, digest)
         self._progress = {"step": int(step), "round": int(round), "digests": digests}
         if digest is not None:
             self._news.set()
