@@ -107,6 +107,11 @@ def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float
     finally:
         for f in logs:
             f.close()
+    for host, code in zip(lab.hosts, codes):
+        if code != 0:  # what the worker said last: why the method failed, without opening its log
+            tail = (out / f"w{host.index}.log").read_text(errors="replace").splitlines()[-12:]
+            print(f"bench: {method} w{host.index} exited with {code}; its log ends:", *("  " + line for line in tail),
+                  sep="\n", file=sys.stderr)
     after = _tx_bytes(lab)
     records = read_metrics(sorted(out.glob("w*/metrics.jsonl"))) if list(out.glob("w*/metrics.jsonl")) else []
     return {"codes": codes, "records": records,

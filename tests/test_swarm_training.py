@@ -24,6 +24,12 @@ def val_losses(records):
     return [r["val_loss"] for r in records if "val_loss" in r]
 
 
+def fresh_val_loss(workers, n):
+    """What the untrained model scores: a peer that started at step 0 validated it (one that started a
+    few steps late joined the round under way and skipped it)."""
+    return next(r["val_loss"] for i in range(n) for r in workers.metrics(i) if r["step"] == 0 and "val_loss" in r)
+
+
 def wait_for_round(workers, index, round, proc, timeout=120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -42,7 +48,7 @@ def test_four_peer_swarm_trains(workers, protocol):
         w.start(i)
     codes = w.wait(timeout=240)
     assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, [w.log(i) for i in range(4)]
-    fresh = val_losses(w.metrics(0))[0]  # the untrained model's (a peer that joined a few steps late skips it)
+    fresh = fresh_val_loss(w, 4)
     for i in range(4):
         records = w.metrics(i)
         vals = val_losses(records)
@@ -98,7 +104,7 @@ def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     assert first["round"] >= 3 and 50 * first["round"] <= first["step"] <= 50 * first["round"] + 25, first
     assert all(r["step"] % 50 == 0 for r in late if "group_size" in r)  # it syncs at the swarm's boundaries
     assert late[-1]["step"] == 800  # --steps is the swarm's total: it stopped with the others
-    fresh = val_losses(w.metrics(0))[0]  # what an untrained model scores
+    fresh = fresh_val_loss(w, 2)
     assert val_losses(late)[0] < fresh - 0.5, (late[:3], fresh)
     joined = min(r["round"] for r in late if r.get("group_size") == 3)  # its first round with the others
     for i in range(3):  # which nobody had to wait out: it was complete for everyone
