@@ -204,7 +204,7 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
     stage_of = {"h0": 0, "h1": 0, "a1": 1, "a2": 1, "b": 2, "c": 3}
     network = pinned_network(recipe, stage_of)
     SwarmKey.generate(tmp_path / "swarm.key")
-    steps, doomed_iteration = 30, 2
+    steps, doomed_iteration = 60, 2  # a restarted process takes 5-20 s to start: it has 35 s here
     with LocalPipeline(recipe_path, network, tmp_path / "run", steps=steps,
                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
                        env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
