@@ -212,9 +212,12 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
             start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
             log.write(**first, bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
                       wall_s=0.0, wait_s=protocol.wait_s)
+            copies = protocol.memory_copies()
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
                           f"step {protocol.step}, " + (f"val {val_loss:.3f}" if val_loss is not None else
-                                                       f"from the state of {protocol.donor[-8:]}"))
+                                                       f"from the state of {protocol.donor[-8:]}")
+                          + (f"; {protocol.name} keeps {len(copies)} model-sized copies ({', '.join(copies)})"
+                             if copies else ""))
             while protocol.step < last_step:
                 for group in optimizer.param_groups:
                     group["lr"] = inner_lr(protocol.step, recipe)
@@ -246,11 +249,11 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
                     _save(protocol, opts, recipe, lineage)
                 log.write(**record)
-            val_loss = evaluate(model, val)
-            log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
-                      bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                      wall_s=time.perf_counter() - start, wait_s=protocol.wait_s)
-            _save(protocol, opts, recipe, lineage)
+        val_loss = evaluate(model, val)  # after the protocol finished what it had in the background
+        log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
+                  bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
+                  wall_s=time.perf_counter() - start, wait_s=protocol.wait_s)
+        _save(protocol, opts, recipe, lineage)
     except DivergedError as e:
         opts.print_fn(f"[{opts.name}] stopped: {e}; the last good checkpoint is in {opts.out / 'checkpoint'}")
         raise

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run_in_threads, wait_until
-from decentral.sync import DDP, DiLoCo, DivergedError, NoLoCo
+from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -332,3 +332,109 @@ def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_a
         assert len({r[round].digest for r in reports}) == 1, round
     for p in made[1:]:
         assert torch.equal(flat(p.model), flat(made[0].model))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_co2_steps_on_the_round_befores_average_with_the_penalty_and_a_clip_that_clips(make_peers, adaptive):
+    lr, mu, penalty, clip = 0.8, 0.5, 2.0, 0.04
+    protocols = make_protocols(make_peers(3), CO2, every=10, outer_lr=lr, outer_momentum=mu, penalty=penalty,
+                               staleness_adaptive=adaptive, clip=clip)
+    phi, momentum, clipped = protocols[0].slow.clone(), torch.zeros_like(protocols[0].slow), False
+    stale = anchor = None  # the average in flight, and the φ it was measured from
+    gen = torch.Generator().manual_seed(6)
+    own_grads = [torch.zeros_like(phi)] * 3  # each one's progress φ does not hold yet
+    for round in range(4):
+        starts = [phi - own for own in own_grads]
+        fasts = [start + 0.1 * torch.randn(phi.numel(), generator=gen) for start in starts]
+        reports = outer_round(protocols, fasts)
+        assert all(r.complete for r in reports)
+        own_grads = [start - f for start, f in zip(starts, fasts)]
+        launched = torch.stack(own_grads).mean(0)
+        if stale is not None:  # §4, written out: the round before's average, penalised, momentum clipped
+            p = penalty * (1 + float((phi - anchor).norm()) / float(stale.norm())) if adaptive else penalty
+            unclipped = mu * momentum + stale / p
+            momentum = unclipped.clamp(-clip, clip)
+            clipped |= not torch.equal(momentum, unclipped)
+            anchor, phi = phi, phi - lr * momentum
+        else:
+            anchor = phi
+        stale = launched
+        for p, own in zip(protocols, own_grads):  # the next round starts from φ plus our own progress in flight
+            torch.testing.assert_close(p.slow, phi, rtol=0, atol=1e-6)
+            torch.testing.assert_close(p.momentum, momentum, rtol=0, atol=1e-6)
+            torch.testing.assert_close(flat(p.model), phi - own, rtol=0, atol=1e-6)
+        assert len({r.digest for r in reports}) == 1
+    assert clipped and momentum.abs().max() <= clip
+    run_in_threads([p.finish for p in protocols])  # the last average, still in flight, is applied at the end
+    p = penalty * (1 + float((phi - anchor).norm()) / float(stale.norm())) if adaptive else penalty
+    momentum = (mu * momentum + stale / p).clamp(-clip, clip)
+    for p in protocols:
+        torch.testing.assert_close(p.slow, phi - lr * momentum, rtol=0, atol=1e-6)
+        assert torch.equal(flat(p.model), p.slow)
+
+
+def test_a_co2_average_runs_in_the_background_while_the_next_round_trains(make_loopback):
+    first, second = make_protocols(make_loopback(2), CO2, every=4)
+    x = torch.randn(8, 5)
+
+    def inner_step(p):
+        p.model(x).pow(2).mean().backward()
+        p.optimizer.step()
+        p.optimizer.zero_grad()
+
+    with first, second:
+        for _ in range(4):
+            inner_step(first)
+        in_flight = first.in_flight.future
+        for _ in range(3):  # training goes on, and the average waits for the second peer's part
+            inner_step(first)
+            assert not in_flight.done()
+        for _ in range(4):
+            inner_step(second)
+        assert in_flight.result().complete and in_flight.result().contributors == 2
+        inner_step(first)  # first's next boundary: the average of round 0 is applied
+        assert first.round == 2 and first.momentum.abs().sum() > 0
+        for _ in range(4):
+            inner_step(second)
+    assert torch.equal(first.slow, second.slow)  # leaving the block applied round 1's average on both
+
+
+def test_a_co2_average_that_did_not_commit_goes_out_again_so_nothing_trained_is_lost(make_loopback):
+    transports = make_loopback(2)
+    alone, leaving = make_protocols(transports, CO2, every=10, outer_lr=1.0, outer_momentum=0.0, clip=None)
+    gen = torch.Generator().manual_seed(7)
+    phi0 = alone.slow.clone()
+    fasts = [phi0 + 0.1 * torch.randn(phi0.numel(), generator=gen) for _ in range(2)]
+    outer_round([alone, leaving], fasts)  # round 0: launched by both
+    grads = [torch.stack([phi0 - f for f in fasts]).mean(0)]
+    for round in range(1, 4):
+        start = flat(alone.model)
+        fast = start + 0.1 * torch.randn(phi0.numel(), generator=gen)
+        grads.append(start - fast)
+        (report,) = outer_round([alone], [fast])
+        if round == 1:  # round 1's average over both never commits: the other peer leaves before its part
+            leaving.transport.close()
+        if round == 2:
+            assert not report.complete  # round 1's, applied at round 2's end: rolled back
+    alone.finish()
+    torch.testing.assert_close(alone.slow, phi0 - sum(grads), rtol=0, atol=1e-5)
+
+
+def test_a_co2_newcomer_takes_the_members_state_once_they_applied_the_average_it_missed(make_peers):
+    transports = make_peers(3)
+    protocols = make_protocols(transports[:2], CO2, every=10)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    (late,) = make_protocols(transports[2:], CO2, seeds=[9], every=10)  # round 1's average is in flight
+    assert late.round == 2 and torch.equal(late.slow, protocols[0].slow)
+    wait_until(lambda: all(late.transport.peer_id in p.transport.members(2) for p in protocols), 30,
+               "the incumbents seeing the newcomer's announcement of round 2")
+    everyone = [*protocols, late]
+    for round in (2, 3):
+        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
+        assert [len(r.group) for r in reports] == ([2, 2, 1] if round == 2 else [3, 3, 3])  # what each applied
+        assert reports[2].repaired == (round == 2)
+        for p in everyone:
+            assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
+        assert len({r.digest for r in reports}) == 1

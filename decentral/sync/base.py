@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from decentral.transport import Transport, state_digest
+from decentral.transport import AverageResult, Transport, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,12 @@ class SyncProtocol:
         ]
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if exc_type is None:
+            self.finish()
 
     def _after_step(self) -> None:
         self.step += 1
@@ -143,6 +146,15 @@ class SyncProtocol:
     def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
         """After `load_snapshot` replaced our state `before` in mid-training (a repair)."""
 
+    def memory_copies(self) -> list[str]:
+        """What the protocol keeps besides the model and the inner optimizer: one name per model-sized
+        float32 CPU vector (the worker prints them at start)."""
+        return []
+
+    def finish(self) -> None:
+        """Called when training ends without an error (leaving the `with` block): a protocol with work
+        in the background completes it here, so the model holds everything trained."""
+
     def before_step(self) -> None:
         """Called after backward, before the inner optimizer step."""
 
@@ -162,9 +174,18 @@ class SyncProtocol:
         self._round_start = self.step
 
     # ----- helpers -----
-    def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str):
+    def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str) -> tuple[AverageResult, float]:
+        """The group's average of `flat` for this round, waited for; (result, seconds waited)."""
         start = time.perf_counter()
-        result = self.transport.average(flat, group, tag, self.round)
+        return self._counted(self.transport.average(flat, group, tag, self.round), group, start)
+
+    def _await_average(self, future: Future[AverageResult], group: list[str]) -> tuple[AverageResult, float]:
+        """The result of an average over `group` launched with `transport.average_async`, waited for."""
+        start = time.perf_counter()
+        return self._counted(future.result(), group, start)
+
+    def _counted(self, result: AverageResult, group: list[str], start: float) -> tuple[AverageResult, float]:
+        """Count the wait for `result` since `start` in `wait_s`; note who averaged without us (replicas)."""
         waited = time.perf_counter() - start
         self.wait_s += waited
         if self.identical_replicas:
@@ -323,6 +344,15 @@ class OuterProtocol(SyncProtocol):
         """Outer state besides φ (momentum and the like), flat fp32."""
         return {}
 
+    def round_start_weights(self) -> torch.Tensor:
+        """Where θ starts a round after an outer step: φ."""
+        return self.slow
+
+    def memory_copies(self) -> list[str]:
+        """φ, the outer state, and the copy of both offered to newcomers."""
+        names = ["slow", *self.outer_tensors()]
+        return names + [f"{n} (offered)" for n in names]
+
     def start(self) -> None:
         super().start()
         self._load_fast(self.slow)  # a newcomer joining a round under way trains its rest from φ
@@ -355,7 +385,7 @@ class OuterProtocol(SyncProtocol):
         self.round += 1
         self._round_start = self.step
         if not report.rolled_back:
-            self._load_fast(self.slow)
+            self._load_fast(self.round_start_weights())
         self._offer()
         if self.identical_replicas:
             self._check_replicas(report.group, report)

@@ -38,6 +38,9 @@ class DDP(SyncProtocol):
         weights = parameters_to_vector(self.params).detach().float().cpu().clone()
         return {"weights": weights, **{k: v.detach().cpu().clone() for k, v in optimizer_tensors(self.optimizer).items()}}
 
+    def memory_copies(self) -> list[str]:
+        return ["weights (offered)", "inner optimizer state (offered; 2 model-sized vectors for AdamW)"]
+
     def snapshot_meta(self) -> dict:
         return {"param_groups": self.optimizer.state_dict()["param_groups"]}
 

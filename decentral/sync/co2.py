@@ -1,0 +1,179 @@
+"""CO2 (Sun et al., ICLR 2024, arXiv 2401.16265): DiLoCo's outer step with the average fully overlapped.
+
+The average of round t's outer gradients runs in the background while round t+1 trains; the outer
+step at the end of round t+1 uses it, one round stale (ALGORITHMS.md §4). At the boundary ending round t:
+    g_i^t  = s_i − θ_i                          outer gradient: where this round started minus where it ended
+    launch ḡ^t = mean_i g_i^t                   in the background: it has all of round t+1 to finish
+    wait for ḡ^{t−1}                            launched one boundary ago (no wait when it is done)
+    m      ← μ·m + ḡ^{t−1} / p_t                staleness gap penalty p_t
+    m      ← clamp(m, −c, c)                    outer momentum clipping, element-wise
+    φ_{t+1} = φ_t − lr·m
+    θ_i    ← s_i = φ_{t+1} − g_i^t              the next round starts from φ plus our own progress in flight
+The penalty is constant by default (p_t = `penalty`, the reference code's, 1.0); `staleness_adaptive`
+scales it by how far φ moved since the point ḡ^{t−1} was measured from, relative to ḡ^{t−1}'s size:
+p_t = penalty · (1 + ‖φ_t − φ_{t−1}‖ / ‖ḡ^{t−1}‖). The reference code's clip discards its result (never
+clips); this one clips. `clip=None` turns it off.
+
+Where the next round starts: the reference code (SlowMo's) sets θ ← φ_{t+1}, which lacks round t's
+progress (still in flight), so every round trains from a point one round behind. That is a delayed
+outer step, and with H=50 it oscillated here (4 workers, protocols/co2.yaml: validation loss 2.43 at
+step 150, 3.83 at 250; DiLoCo 2.09). Starting from φ_{t+1} plus our own part of the average in flight
+keeps our own progress undelayed; only the others' arrives a round late. φ and m stay identical on
+every replica; θ_i differs by each one's own progress, as it does within a DiLoCo round.
+
+An average that did not commit changes nothing, and our part of it goes out again with the next
+round's, so nothing trained is lost. A peer that starts while an average is in flight that it had no
+part in (a newcomer, or a resumed peer) takes the members' state at its first boundary, when they have
+applied it; a resumed peer alone applies its own part of the round it had in flight.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from decentral.sync.base import OuterProtocol, SyncReport
+from decentral.transport import AverageResult, Transport, finished
+
+
+@dataclass
+class InFlight:
+    """An average launched at a boundary and not yet applied."""
+
+    future: Future[AverageResult]
+    group: list[str]
+    sent: torch.Tensor  # our part of it (our progress φ does not hold yet: sent again if it does not commit)
+    anchor: torch.Tensor | None  # φ it was measured from (kept for the staleness-adaptive penalty only)
+
+
+class CO2(OuterProtocol):
+    name = "co2"
+    identical_replicas = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        transport: Transport,
+        *,
+        every: int = 48,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.5,
+        penalty: float = 1.0,
+        staleness_adaptive: bool = False,
+        clip: float | None = 1.0,
+    ):
+        super().__init__(model, optimizer, transport, every=every)
+        if not penalty > 0:
+            raise ValueError(f"penalty (the staleness gap penalty's divisor) must be > 0, got {penalty}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip (the outer momentum's element-wise bound) must be > 0 or None, got {clip}")
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.penalty, self.staleness_adaptive, self.clip = penalty, staleness_adaptive, clip
+        self.momentum = torch.zeros_like(self.slow)
+        self.in_flight: InFlight | None = None
+        self._unsent: torch.Tensor | None = None  # our part of an average that did not commit
+        self._behind = False  # an average we had no part in is in flight: take the members' state after it
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self.momentum}
+
+    def memory_copies(self) -> list[str]:
+        copies = [*super().memory_copies(), "outer gradient in flight", "its average"]
+        return copies + (["φ it was measured from"] if self.staleness_adaptive else [])
+
+    def round_start_weights(self) -> torch.Tensor:
+        """φ plus our own progress that φ does not hold yet (in flight, or to go out again)."""
+        pending = torch.zeros_like(self.slow)
+        for part in (self.in_flight.sent if self.in_flight else None, self._unsent):
+            if part is not None:
+                pending -= part
+        return self.slow + pending
+
+    def start(self) -> None:
+        super().start()
+        self._behind = self._behind or (self.donor is not None and self.round > 0)
+
+    def after_step(self) -> SyncReport | None:
+        report = super().after_step()
+        if report is not None and self._behind:
+            self._behind = False
+            self._take_members_state(report)
+        return report
+
+    def outer_step(self, fast: torch.Tensor) -> SyncReport:
+        group = self._members(self.round)
+        outer_grad = self.round_start_weights() - fast
+        if self._unsent is not None:
+            outer_grad, self._unsent = outer_grad + self._unsent, None
+        future = self.transport.average_async(outer_grad, group, f"co2/{self.round}", self.round)
+        previous, self.in_flight = self.in_flight, InFlight(
+            future, group, outer_grad, self.slow.clone() if self.staleness_adaptive else None)
+        if previous is None:  # our first boundary: nothing of ours was in flight, nothing to apply
+            return SyncReport(self.round, [self.transport.peer_id], True, 1, 0.0)
+        return self._apply(previous)
+
+    def _apply(self, stale: InFlight) -> SyncReport:
+        """Wait for the average launched a boundary ago and take the outer step on it."""
+        result, waited = self._await_average(stale.future, stale.group)
+        if not result.complete and len(result.group) > 1:
+            self._unsent = stale.sent if self._unsent is None else self._unsent + stale.sent
+        else:
+            gap = None if stale.anchor is None else self.slow - stale.anchor
+            self.slow = co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
+                                       staleness_penalty(self.penalty, result.tensor, gap), self.clip)
+        return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected)
+
+    def _take_members_state(self, report: SyncReport) -> None:
+        """After our first boundary, the state the other members hold once they applied the average we
+        had no part in (checked against their digests); alone, we keep ours."""
+        others = set(self.in_flight.group) - {self.transport.peer_id}
+        if not others:
+            return
+        spread = self._repair(others)
+        report.repaired, report.spread = spread is not None, spread
+        report.digest = self._digests[self.round]
+
+    def finish(self) -> None:
+        """Apply the average still in flight, so the model holds the last round's progress too."""
+        if self.in_flight is not None:
+            stale, self.in_flight = self.in_flight, None
+            self._apply(stale)
+            self._load_fast(self.round_start_weights())
+            self._offer()
+
+    def state_dict(self) -> dict:
+        """Also our part of the average in flight: a peer resumed alone applies it at its first boundary
+        (among others it takes their state instead, which holds the average)."""
+        state = super().state_dict()
+        if self.in_flight is not None:
+            state["tensors"]["in_flight"] = self.in_flight.sent
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        mine = state["tensors"].get("in_flight")
+        if mine is not None:
+            me = [self.transport.peer_id]
+            self.in_flight = InFlight(finished(AverageResult(mine.float().clone(), mine, me, True, 1)), me, mine, None)
+            self._behind = True
+
+
+def staleness_penalty(penalty: float, stale_grad: torch.Tensor, gap: torch.Tensor | None) -> float:
+    """p_t: `penalty`, times 1 + ‖gap‖/‖stale_grad‖ where `gap` (how far φ moved since the stale average
+    was measured from) is given (the staleness-adaptive option)."""
+    if gap is None:
+        return penalty
+    norm = float(stale_grad.norm())
+    return penalty * (1.0 + float(gap.norm()) / norm) if norm > 0 else penalty
+
+
+def co2_outer_step(slow: torch.Tensor, stale_grad: torch.Tensor, momentum: torch.Tensor, lr: float, mu: float,
+                   penalty: float, clip: float | None) -> torch.Tensor:
+    """m ← clamp(μ·m + ḡ/p, −c, c) in place on `momentum`; returns φ − lr·m (§4)."""
+    momentum.mul_(mu).add_(stale_grad, alpha=1.0 / penalty)
+    if clip is not None:
+        momentum.clamp_(-clip, clip)
+    return slow - lr * momentum
