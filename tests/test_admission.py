@@ -53,6 +53,7 @@ def test_a_stranger_without_the_key_reads_no_record_writes_none_and_is_refused_o
         results = run_in_threads([lambda p=p, x=x: p.average(x, sorted([a.peer_id, b.peer_id]), "k")
                                   for p, x in zip((a, b), xs)])
         for r in results:
+            assert r.complete, (r.absent, r.rejected, r.disagree)  # why it did not commit (CI failed once here)
             torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
     finally:
         stranger.shutdown()
