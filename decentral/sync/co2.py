@@ -16,8 +16,8 @@ clips); this one clips. `clip=None` turns it off.
 
 Where the next round starts: the reference code (SlowMo's) sets θ ← φ_{t+1}, which lacks round t's
 progress (still in flight), so every round trains from a point one round behind. That is a delayed
-outer step, and with H=50 it oscillated here (4 workers, protocols/co2.yaml: validation loss 2.43 at
-step 150, 3.83 at 250; DiLoCo 2.09). Starting from φ_{t+1} plus our own part of the average in flight
+outer step, and with H=50 it oscillated here (4 peers of one LoopbackHub, protocols/co2.yaml, an ad-hoc
+script not kept: validation loss 2.43 at step 150, 3.83 at 250; DiLoCo 2.09). Starting from φ_{t+1} plus our own part of the average in flight
 keeps our own progress undelayed; only the others' arrives a round late. φ and m stay identical on
 every replica; θ_i differs by each one's own progress, as it does within a DiLoCo round.
 
@@ -86,11 +86,11 @@ class CO2(OuterProtocol):
 
     def round_start_weights(self) -> torch.Tensor:
         """φ plus our own progress that φ does not hold yet (in flight, or to go out again)."""
-        pending = torch.zeros_like(self.slow)
+        start = self.slow
         for part in (self.in_flight.sent if self.in_flight else None, self._unsent):
             if part is not None:
-                pending -= part
-        return self.slow + pending
+                start = start - part
+        return start
 
     def start(self) -> None:
         super().start()
