@@ -5,7 +5,7 @@ A recipe has four sections; every one is optional and falls back to the defaults
     protocol: {name: noloco, every: 50, alpha: 0.5, ...}   # the protocol's own keyword arguments
     train:    {steps: 400, batch_size: 16, lr: 3.0e-3, ...}
     model:    {n_layer: 4, d_model: 128, ...}               # decentral.models.GPTConfig fields
-    swarm:    {timeout: 60, wire_dtype: float32, ...}
+    swarm:    {timeout: 60, codec: float16, ...}
 
 Unknown keys are errors that name the key and list the allowed ones.
 """
@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from decentral.models import GPTConfig
+from decentral.codec import make_codec
 from decentral.sync import PROTOCOLS
 
 
@@ -48,7 +49,7 @@ class TrainConfig:
 class SwarmConfig:
     run: str = "decentral"
     timeout: float = 60.0  # the most one average may take, dead peers included
-    wire_dtype: str = "float32"
+    codec: str = "float32"  # how averages travel: float32, float16, bfloat16, int8, int4, topk[:DENSITY]
     max_norm_ratio: float = 2.0  # parts are clipped to this multiple of their chunk's lower-median norm
     aggregation: str = "mean"  # or "trimmed": each coordinate without its extremes, in groups of 3+
     heartbeat_s: float = 2.0
@@ -128,8 +129,24 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
         protocol_args=proto,
         train=typed_section(TrainConfig, data.get("train"), f"{where}: train"),
         model=typed_section(GPTConfig, data.get("model"), f"{where}: model"),
-        swarm=typed_section(SwarmConfig, data.get("swarm"), f"{where}: swarm"),
+        swarm=_swarm_section(data.get("swarm"), f"{where}: swarm", name),
     )
+
+
+def _swarm_section(values: Any, where: str, protocol: str) -> SwarmConfig:
+    """The swarm section, its codec checked: a known one, and one the protocol can use."""
+    if isinstance(values, dict) and "wire_dtype" in values:
+        raise RecipeError(f"{where}: wire_dtype is now codec (e.g. codec: float16)")
+    swarm = typed_section(SwarmConfig, values, where)
+    try:
+        codec = make_codec(swarm.codec)
+    except ValueError as e:
+        raise RecipeError(f"{where}.codec: {e}") from None
+    if codec.error_feedback and not PROTOCOLS[protocol].error_feedback:
+        users = sorted(n for n, cls in PROTOCOLS.items() if cls.error_feedback)
+        raise RecipeError(f"{where}.codec: {swarm.codec} sends a small part of each tensor and needs a protocol "
+                          f"that keeps the rest (error feedback): {users}, not {protocol!r}")
+    return swarm
 
 
 def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = RecipeError) -> Any:

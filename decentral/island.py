@@ -37,6 +37,8 @@ class IslandTransport:
     One island per process: torch.distributed holds a single default process group.
     """
 
+    error_feedback = False  # averages are exact float32 all-reduces
+
     def __init__(
         self, init_method: str, rank: int, world_size: int, *, backend: str | None = None, timeout: float = 60.0
     ):

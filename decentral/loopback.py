@@ -102,6 +102,8 @@ class LoopbackTransport:
 
     Byte counters count each average's tensor once each way, as float32 (there is no wire)."""
 
+    error_feedback = False  # averages are exact
+
     def __init__(self, hub: LoopbackHub, peer_id: str):
         self.hub, self.peer_id = hub, peer_id
         self.bytes_sent = self.bytes_received = 0

@@ -55,6 +55,8 @@ class AverageResult:
 
 class Transport(Protocol):
     peer_id: str
+    error_feedback: bool  # averages travel in a codec that drops most of a tensor (top-k): a protocol keeps
+    # what the average did not count of its input (input − AverageResult.sent) and adds it to its next input
 
     @property
     def bytes_sent(self) -> int: ...
@@ -119,6 +121,7 @@ class SoloTransport:
     """
 
     peer_id = "solo"
+    error_feedback = False
     bytes_sent = 0
     bytes_received = 0
 

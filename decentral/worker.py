@@ -118,7 +118,7 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
         return IslandTransport(opts.island, opts.rank, opts.world_size, backend=backend, timeout=s.timeout)
     return SwarmTransport(
         s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
-        timeout=s.timeout, wire_dtype=s.wire_dtype, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
+        timeout=s.timeout, codec=s.codec, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
         heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
         swarm_key=SwarmKey.load(s.key_file) if s.key_file else None,
     )

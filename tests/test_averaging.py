@@ -23,7 +23,7 @@ def test_mean_of_three_peers_equals_independent_mean(make_swarm):
 
 
 def test_fp16_on_the_wire_gives_every_peer_the_same_result(make_swarm):
-    peers = make_swarm(2, wire_dtype="float16")
+    peers = make_swarm(2, codec="float16")
     group = sorted(p.peer_id for p in peers)
     xs = [torch.randn(500), torch.randn(500)]
     a, b = run_in_threads([lambda p=p, x=x: p.average(x, group, "h") for p, x in zip(peers, xs)])

@@ -121,7 +121,7 @@ def test_noloco_in_float16_leaves_identical_replicas_identical_and_unrounded(mak
     """On a float16 wire the pull toward the pair's mean compares rounded with rounded: replicas that
     agree are not moved by rounding, and φ is never replaced by its float16 value (which would lose
     every update below half a float16 step, round after round)."""
-    protocols = make_protocols(make_swarm(2, wire_dtype="float16"), NoLoCo, every=10, alpha=0.5, beta=0.7)
+    protocols = make_protocols(make_swarm(2, codec="float16"), NoLoCo, every=10, alpha=0.5, beta=0.7)
     gen = torch.Generator().manual_seed(5)
     phi = protocols[0].slow.clone()
     assert not torch.equal(phi, phi.half().float())  # φ has more precision than float16 holds

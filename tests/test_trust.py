@@ -141,17 +141,18 @@ def test_a_member_sending_nan_is_excluded_and_the_others_commit_their_mean(make_
 def lying_owner(peer, lie, cover_up=False):
     """Make `peer` send `lie(result, receiver)` instead of its chunk's average in the all-gather phase;
     with `cover_up`, also the digest of that lie, to that receiver, in the commit phase."""
-    push, sent = peer.averager._push, {}
+    push, codec, sent = peer.averager._push, peer.averager.codec, {}
 
-    async def lying_push(target, tag, tensor, deadline, view="", meta=None, round=None):
+    async def lying_push(target, tag, encoded, deadline, view="", meta=None, round=None):
         if tag.endswith("/g"):
-            tensor = sent[target] = (lie(tensor, target), meta["norms"])
-            tensor = tensor[0]
+            lied = codec.round_trip(lie(codec.decode(*encoded), target))
+            sent[target] = (lied, meta["norms"])
+            encoded = (codec.encode(lied), lied.numel())
         elif tag.endswith("/c") and cover_up:
             digests = list(meta["digests"])
             digests[sorted(peer.averager._groups[tag[:-2]][0]).index(peer.peer_id)] = chunk_digest(*sent[target])
             meta = {"digests": digests}
-        return await push(target, tag, tensor, deadline, view, meta, round)
+        return await push(target, tag, encoded, deadline, view, meta, round)
 
     peer.averager._push = lying_push
 

@@ -3,20 +3,8 @@
 import asyncio
 import time
 
-import pytest
-import torch
 
-from decentral.swarm.wire import LinkShaper, TrafficStats, WireError, read_message, tensor_from_bytes, tensor_to_bytes, write_message
-
-
-def test_tensor_bytes_round_trip_and_bad_payloads():
-    x = torch.randn(33)
-    assert torch.equal(tensor_from_bytes(tensor_to_bytes(x, "float32"), "float32"), x)
-    torch.testing.assert_close(tensor_from_bytes(tensor_to_bytes(x, "float16"), "float16"), x, atol=1e-2, rtol=1e-2)
-    with pytest.raises(WireError, match="whole number"):
-        tensor_from_bytes(b"\x00" * 7, "float32")
-    with pytest.raises(WireError, match="unknown wire dtype"):
-        tensor_from_bytes(b"", "int4")
+from decentral.swarm.wire import LinkShaper, TrafficStats, read_message, write_message
 
 
 def test_messages_cross_a_real_socket_and_are_counted():

@@ -134,7 +134,7 @@ def _protocol_maker(opts: NodeOptions, peer: SwarmPeer, index: int):
 
         s = recipe.swarm
         transport = SwarmTransport(f"{s.run}-stage{index}", peer.multiaddrs(), host=opts.host,
-                                   announce_host=opts.announce_host, timeout=s.timeout, wire_dtype=s.wire_dtype,
+                                   announce_host=opts.announce_host, timeout=s.timeout, codec=s.codec,
                                    max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
                                    heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / "stage-identity.key"),
                                    swarm_key=opts.swarm_key)

@@ -2,7 +2,12 @@
 
 Peer j of the sorted group owns chunk j. Phase 1: every peer pushes chunk j of its tensor to peer j,
 which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyone. Each peer sends
-2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce. Every member counts once: weights
+2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce, in the swarm's codec
+(decentral.swarm.codec): each chunk is encoded on its own, every part decoded and averaged in float32,
+and the owner's average encoded again, so every member holds what the owner's encoding decodes to.
+With a codec that drops most of a tensor (`error_feedback`), the owner counts its own part as
+`fold_owner_error` says, so what the average counted of each member (`AverageResult.sent`) has the
+result as its exact mean and the sender's error feedback keeps everything the codecs lost. Every member counts once: weights
 are the protocol's to fix, not a sender's to claim. Phase 3 (commit): members swap a digest of every
 chunk they hold; the average stands only if we hold every chunk averaged over the whole group and
 every member that answered holds exactly our result, else it is rolled back (our input comes back
@@ -62,9 +67,9 @@ import torch
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import NotServing, SwarmError, SwarmPeer
 from decentral.swarm.wire import (
-    WIRE_DTYPES, WireError, read_frame, read_header, tensor_from_bytes, tensor_to_bytes, wire_itemsize, write_frame,
-    write_message,
+    WireError, read_frame, read_header, write_frame, write_message,
 )
+from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.transport import AverageResult
 
 log = logging.getLogger(__name__)
@@ -77,6 +82,7 @@ _DONE = b"\x04"  # (to a probe) we are done with this average and send nothing m
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
+_NOTHING = (b"", 0)  # the encoding of an empty tensor in every codec: notices and votes carry no tensor
 
 
 class _Unreachable(Exception):
@@ -147,9 +153,6 @@ def aggregate(parts: list[torch.Tensor], how: str) -> torch.Tensor:
     return torch.stack(parts).mean(dim=0)
 
 
-def _quantize(tensor: torch.Tensor, wire_dtype: str) -> torch.Tensor:
-    """Round to the wire precision, so our own contribution matches what the others receive."""
-    return tensor.to(WIRE_DTYPES[wire_dtype]).to(torch.float32)
 
 
 class GroupAverager:
@@ -159,15 +162,13 @@ class GroupAverager:
     answer from a lookup up to `member_refresh_s` old.
     """
 
-    def __init__(self, peer: SwarmPeer, *, wire_dtype: str = "float32", max_norm_ratio: float = 2.0,
+    def __init__(self, peer: SwarmPeer, *, codec: Codec = Dense("float32"), max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
                  read_timeout: float = 90.0, probe_s: float = 1.0, member_refresh_s: float = 1.0):
-        if wire_dtype not in WIRE_DTYPES:
-            raise SwarmError(f"swarm.wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
         if aggregation not in AGGREGATIONS:
             raise SwarmError(f"swarm.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
         self.peer = peer
-        self.wire_dtype = wire_dtype
+        self.codec = codec
         self.max_norm_ratio = max_norm_ratio
         self.aggregation = aggregation
         self.is_member = is_member
@@ -224,7 +225,9 @@ class GroupAverager:
                     raise WireError("a push's meta is not an object")
                 if not 0 <= numel <= self.max_part_numel:
                     raise WireError(f"a part of {numel} elements (at most {self.max_part_numel} here)")
-                size = numel * wire_itemsize(wire)
+                if wire != self.codec.name:
+                    raise WireError(f"a part in codec {wire!r}; this swarm's is {self.codec.name!r}")
+                size = self.codec.size(numel)
                 payload = await read_frame(reader, self.peer.stats, size)
                 if len(payload) != size:
                     raise WireError(f"payload of {len(payload)} bytes, the header announced {size}")
@@ -238,7 +241,12 @@ class GroupAverager:
         if self._not_in(header.get("round")) or average in self._finished:
             await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)
             return
-        await self.mailbox.put(tag, Message(sender, tensor_from_bytes(payload, wire), view, meta))
+        try:
+            part = self.codec.decode(payload, numel)
+        except CodecError as e:
+            log.warning("dropping a malformed push from %s: %r", sender[-8:], e)
+            return
+        await self.mailbox.put(tag, Message(sender, part, view, meta))
         await write_frame(writer, _ACK, self.peer.stats)
 
     async def _admits(self, sender: str) -> bool:
@@ -262,7 +270,7 @@ class GroupAverager:
         pushed = self.mailbox.senders(f"{tag}/r") | self.mailbox.senders(f"{tag}/g")
         for outsider in pushed - group - told:
             told.add(outsider)
-            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", torch.empty(0), deadline,
+            task = asyncio.ensure_future(self._push(outsider, f"{tag}/x", _NOTHING, deadline,
                                                     meta={"left_out": True}))
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
@@ -273,9 +281,9 @@ class GroupAverager:
             self._groups.popitem(last=False)
 
     # ----- sending -----
-    async def _push(self, target: str, tag: str, tensor: torch.Tensor, deadline: float, view: str = "",
+    async def _push(self, target: str, tag: str, encoded: tuple[bytes, int], deadline: float, view: str = "",
                     meta: dict | None = None, round: int | None = None) -> bool:
-        """Deliver `tensor` to `target`; False when it did not arrive. When `target` refuses it, takes no
+        """Deliver a tensor (`encoded`: its encoding in our codec and its element count) to `target`; False when it did not arrive. When `target` refuses it, takes no
         part in `round`, or its end closes (its process is gone), it will send us nothing for this average
         either: that is noted as a notice under `tag`'s average, so nobody waits for it; a closed end or a
         refused connection also marks it gone for later averages, taking no part in the round for this one."""
@@ -292,9 +300,9 @@ class GroupAverager:
                     await self._silent(target, average)
                     return False
                 try:
-                    header = {"tag": tag, "wire": self.wire_dtype, "view": view, "numel": tensor.numel(),
+                    header = {"tag": tag, "wire": self.codec.name, "view": view, "numel": encoded[1],
                               "meta": meta or {}, **({} if round is None else {"round": round})}
-                    await write_message(writer, header, tensor_to_bytes(tensor, self.wire_dtype), self.peer.stats)
+                    await write_message(writer, header, encoded[0], self.peer.stats)
                     answer = await read_frame(reader, self.peer.stats, 1)
                     if answer == _NOT_IN_ROUND:
                         log.info("push %s to %s: it takes no part in this average (restarted, or done with it); "
@@ -420,7 +428,9 @@ class GroupAverager:
         flat = flat.detach().float().reshape(-1).cpu()
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
-        own = list(torch.tensor_split(_quantize(flat, self.wire_dtype), len(group)))
+        raw = torch.tensor_split(flat, len(group))  # chunk j goes to member j, encoded on its own
+        encoded = [(self.codec.encode(chunk), chunk.numel()) for chunk in raw]
+        own = [self.codec.decode(*e) for e in encoded]  # our parts as their owners receive them
         mine = group.index(me)
         others = [p for p in group if p != me]
         rejected: dict[str, str] = {}
@@ -444,7 +454,7 @@ class GroupAverager:
 
         try:
             # phase 1: reduce-scatter. Parts are clipped to the group's norm bound, ours included.
-            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", own[group.index(p)], deadline, view, round=round))
+            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", encoded[group.index(p)], deadline, view, round=round))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
             note_silent(set(others), received)
@@ -457,13 +467,19 @@ class GroupAverager:
                 if sizes[sender] > bound and sender != me:
                     log.info("%s: clipped the part from %s to the group's bound %.3g", tag, sender[-8:], bound)
             parts = {s: clip(t, sizes[s], bound) for s, t in parts.items()}
-            averaged_mine = _quantize(aggregate(list(parts.values()), self.aggregation), self.wire_dtype)
+            mean_mine = aggregate(list(parts.values()), self.aggregation)
+            encoded_mine = (self.codec.encode(mean_mine), mean_mine.numel())
+            averaged_mine = self.codec.decode(*encoded_mine)  # what every member holds of our chunk
+            counted = list(own)  # our input as the average counted it
+            counted[mine] = parts[me]
+            if self.codec.error_feedback and self.aggregation == "mean":
+                counted[mine] = fold_owner_error(parts[me], mean_mine, averaged_mine, len(parts))
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
             # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
             deadline = max(deadline, loop.time() + timeout / 2)
-            sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", averaged_mine, deadline, view,
+            sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", encoded_mine, deadline, view,
                                                        {"norms": my_norms}, round))
                       for p in others if p not in elsewhere]
             gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
@@ -487,7 +503,7 @@ class GroupAverager:
                        for j, (c, n) in enumerate(zip(result, norms))]
             deadline = max(deadline, loop.time() + timeout / 4)
             voters = set(others) - elsewhere
-            sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", torch.empty(0), deadline, view,
+            sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", _NOTHING, deadline, view,
                                                        {"digests": digests}, round))
                       for p in voters]
             votes = await self.mailbox.collect(f"{tag}/c", voters, deadline, unless=f"{tag}/x")
@@ -515,7 +531,7 @@ class GroupAverager:
                  f"; waited out {[p[-8:] for p in sorted(silent)]}" if silent else "")
         return AverageResult(
             tensor=torch.cat(result) if agreed else flat,
-            sent=torch.cat(own) if agreed else flat,
+            sent=torch.cat(counted) if agreed else flat,
             group=group,
             complete=agreed,
             contributors=min(counts) if agreed else 1,

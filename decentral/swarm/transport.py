@@ -14,6 +14,7 @@ import torch
 
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
+from decentral.codec import make_codec
 from decentral.transport import AverageResult
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import SwarmError, SwarmPeer
@@ -27,7 +28,7 @@ class SwarmTransport:
 
     timeout: how long an average waits for late or dead peers (it takes at most 1.5x this); also how long
         a peer's heartbeat stays valid (at least 3 heartbeats), so a dead peer leaves every view within it.
-    wire_dtype: precision of tensors on the wire (float32, float16, bfloat16).
+    codec: how averages travel (decentral.swarm.codec: float32, float16, bfloat16, int8, int4, topk[:DENSITY]).
     identity_path: a key file that keeps the peer id across restarts (see SwarmPeer).
     max_norm_ratio: every part is clipped to this multiple of the lower median of its chunk's parts'
         norms (ours included), which bounds what one member can move an average by.
@@ -45,7 +46,7 @@ class SwarmTransport:
         port: int = 0,
         announce_host: str | None = None,
         timeout: float = 60.0,
-        wire_dtype: str = "float32",
+        codec: str = "float32",
         max_norm_ratio: float = 2.0,
         aggregation: str = "mean",
         heartbeat_s: float = 2.0,
@@ -53,12 +54,16 @@ class SwarmTransport:
         identity_path: str | None = None,
         swarm_key: SwarmKey | None = None,
     ):
+        try:
+            wire_codec = make_codec(codec)
+        except ValueError as e:
+            raise SwarmError(f"swarm.codec: {e}") from e
         self.timeout = timeout
         self.lookahead = lookahead
         self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host,
                               identity_path=identity_path, swarm_key=swarm_key)
         self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
-        self.averager = GroupAverager(self.peer, wire_dtype=wire_dtype, max_norm_ratio=max_norm_ratio,
+        self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
                                       read_timeout=1.5 * timeout)
         self.state = StateExchange(self.peer, live_step=lambda: self.membership.step)
@@ -66,6 +71,11 @@ class SwarmTransport:
     @property
     def peer_id(self) -> str:
         return self.peer.peer_id
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether our codec drops most of what it sends (see Transport.error_feedback)."""
+        return self.averager.codec.error_feedback
 
     @property
     def bytes_sent(self) -> int:

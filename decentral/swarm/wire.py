@@ -1,6 +1,6 @@
 """Framing of our messages on libp2p streams, with every byte counted.
 
-A message is a JSON header frame followed by a payload frame (raw little-endian tensor bytes).
+A message is a JSON header frame followed by a payload frame (a tensor in the swarm's codec, decentral.codec).
 Each frame is an 8-byte big-endian length and the bytes (hivemind's `P2P.send_raw_data` format).
 """
 
@@ -13,14 +13,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 _LEN_BYTES = 8
 MAX_FRAME = 1 << 34  # 16 GiB: anything larger is a corrupt length, not a model
 MAX_HEADER = 1 << 16  # a JSON header frame; checked before anything is allocated
-
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class WireError(RuntimeError):
     """A peer sent bytes that do not form a valid message."""
@@ -89,29 +85,6 @@ async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats, max_byte
     data = await reader.readexactly(length)
     stats.add(received=_LEN_BYTES + length)
     return data
-
-
-def tensor_to_bytes(tensor: torch.Tensor, wire_dtype: str) -> bytes:
-    """Flat tensor → bytes in `wire_dtype` (one of WIRE_DTYPES)."""
-    flat = tensor.detach().reshape(-1).to(device="cpu", dtype=WIRE_DTYPES[wire_dtype]).contiguous()
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
-def wire_itemsize(wire_dtype: str) -> int:
-    """Bytes per element of `wire_dtype`; WireError for an unknown dtype."""
-    if wire_dtype not in WIRE_DTYPES:
-        raise WireError(f"unknown wire dtype {wire_dtype!r}")
-    return torch.empty((), dtype=WIRE_DTYPES[wire_dtype]).element_size()
-
-
-def tensor_from_bytes(data: bytes, wire_dtype: str) -> torch.Tensor:
-    """Inverse of `tensor_to_bytes`; returns a flat float32 tensor. Raises WireError on a bad size or dtype."""
-    itemsize = wire_itemsize(wire_dtype)
-    dtype = WIRE_DTYPES[wire_dtype]
-    if len(data) % itemsize:
-        raise WireError(f"payload of {len(data)} bytes is not a whole number of {wire_dtype} elements")
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return raw.view(dtype).to(torch.float32)
 
 
 async def write_message(writer: asyncio.StreamWriter, header: dict, payload: bytes, stats: TrafficStats) -> None:

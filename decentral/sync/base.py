@@ -70,9 +70,13 @@ class SyncProtocol:
     shares_state = False
     identical_replicas = False
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
+    error_feedback = False  # keeps what a codec did not send and sends it again (see Transport.error_feedback)
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport):
+        if transport.error_feedback and not self.error_feedback:
+            raise ValueError(f"the transport's codec sends a small part of each tensor; {self.name} keeps no "
+                             "error feedback for the rest: use a dense codec (float16, int8, ...)")
         self.model = model
         self.optimizer = optimizer
         self.transport = transport
@@ -330,6 +334,8 @@ class OuterProtocol(SyncProtocol):
         self.every = every
         self.join_within_steps = every // 2
         self.slow = self._fast_vector().clone()
+        # what averages did not count of our inputs (a lossy codec's loss), added to the next input
+        self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
 
     def _fast_vector(self) -> torch.Tensor:
         return parameters_to_vector(self.params).detach().to(device="cpu", dtype=torch.float32)
@@ -349,9 +355,24 @@ class OuterProtocol(SyncProtocol):
         return self.slow
 
     def memory_copies(self) -> list[str]:
-        """φ, the outer state, and the copy of both offered to newcomers."""
+        """φ, the outer state, the copy of both offered to newcomers, and the error feedback's residual."""
         names = ["slow", *self.outer_tensors()]
-        return names + [f"{n} (offered)" for n in names]
+        return names + [f"{n} (offered)" for n in names] + (["residual"] if self.residual is not None else [])
+
+    def _with_residual(self, outer_grad: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """What goes into an average of φ[part]'s outer gradient: it plus what earlier averages did not count
+        of ours (SparseLoCo's error feedback, g' = g + e; ALGORITHMS.md §9). That residual is in the input
+        now: 0."""
+        if self.residual is None:
+            return outer_grad
+        sent = outer_grad + self.residual[part]
+        self.residual[part] = 0
+        return sent
+
+    def _keep_residual(self, uncounted: torch.Tensor, part: slice = slice(None)) -> None:
+        """e[part] += what an average did not count of our input (after a commit: input − AverageResult.sent)."""
+        if self.residual is not None:
+            self.residual[part] += uncounted
 
     def start(self) -> None:
         super().start()
@@ -398,13 +419,17 @@ class OuterProtocol(SyncProtocol):
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        """φ and the outer state, and our own residual (never offered: it is ours, not the replicas')."""
         state = super().state_dict()
-        state["tensors"] = {"slow": self.slow, **self.outer_tensors()}
+        residual = {} if self.residual is None else {"residual": self.residual}
+        state["tensors"] = {"slow": self.slow, **self.outer_tensors(), **residual}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.load_snapshot(state["meta"], state["tensors"])
+        if self.residual is not None and "residual" in state["tensors"]:
+            self.residual.copy_(state["tensors"]["residual"])
 
 
 def heartbeat_round(info: object, default: int) -> int:

@@ -22,7 +22,8 @@ keeps our own progress undelayed; only the others' arrives a round late. φ and 
 every replica; θ_i differs by each one's own progress, as it does within a DiLoCo round.
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
-round's, so nothing trained is lost. A peer that starts while an average is in flight that it had no
+round's, so nothing trained is lost. With a codec that sends a small part of each tensor (top-k), what
+a committed average did not count is the error feedback's residual, added to the next input. A peer that starts while an average is in flight that it had no
 part in (a newcomer, or a resumed peer) takes the members' state at its first boundary, when they have
 applied it; a resumed peer alone applies its own part of the round it had in flight.
 """
@@ -44,13 +45,14 @@ class InFlight:
 
     future: Future[AverageResult]
     group: list[str]
-    sent: torch.Tensor  # our part of it (our progress φ does not hold yet: sent again if it does not commit)
+    sent: torch.Tensor  # our input to it (progress φ does not hold yet: sent again if it does not commit)
     anchor: torch.Tensor | None  # φ it was measured from (kept for the staleness-adaptive penalty only)
 
 
 class CO2(OuterProtocol):
     name = "co2"
     identical_replicas = True
+    error_feedback = True
 
     def __init__(
         self,
@@ -85,9 +87,10 @@ class CO2(OuterProtocol):
         return copies + (["φ it was measured from"] if self.staleness_adaptive else [])
 
     def round_start_weights(self) -> torch.Tensor:
-        """φ plus our own progress that φ does not hold yet (in flight, or to go out again)."""
+        """φ plus our own progress that φ does not hold yet (in flight, or to go out again, or the error
+        feedback's residual)."""
         start = self.slow
-        for part in (self.in_flight.sent if self.in_flight else None, self._unsent):
+        for part in (self.in_flight.sent if self.in_flight else None, self._unsent, self.residual):
             if part is not None:
                 start = start - part
         return start
@@ -105,7 +108,7 @@ class CO2(OuterProtocol):
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
-        outer_grad = self.round_start_weights() - fast
+        outer_grad = self._with_residual(self.round_start_weights() - fast)
         if self._unsent is not None:
             outer_grad, self._unsent = outer_grad + self._unsent, None
         future = self.transport.average_async(outer_grad, group, f"co2/{self.round}", self.round)
@@ -121,6 +124,7 @@ class CO2(OuterProtocol):
         if not result.complete and len(result.group) > 1:
             self._unsent = stale.sent if self._unsent is None else self._unsent + stale.sent
         else:
+            self._keep_residual(stale.sent - result.sent)
             gap = None if stale.anchor is None else self.slow - stale.anchor
             self.slow = co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
                                        staleness_penalty(self.penalty, result.tensor, gap), self.clip)

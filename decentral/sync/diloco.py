@@ -7,7 +7,11 @@ Every H inner steps (ALGORITHMS.md §1):
     θ_i ← φ
 Inner optimizer states are never averaged. A round whose average does not commit (swarm.averaging:
 every member holds the same result, or nobody uses it) is rolled back: φ and the momentum stay, the
-fast weights train on, and the next boundary retries with the progress of both rounds. Replicas whose
+fast weights train on, and the next boundary retries with the progress of both rounds. With a codec
+that sends a small part of each tensor (top-k), what the average did not count is kept and added to the
+next round's outer gradient (error feedback, SparseLoCo; decentral.sync.base `_with_residual`), and the
+next round starts from θ_i ← φ − e_i, so that progress stays in our own model while it waits to be sent
+(from φ alone, demo with topk: final validation loss 2.61; from φ − e: 2.05; float16 DiLoCo 1.96). Replicas whose
 φ or momentum differ anyway are found by digest and repaired (decentral.sync.base).
 """
 
@@ -22,6 +26,7 @@ from decentral.transport import Transport
 class DiLoCo(OuterProtocol):
     name = "diloco"
     identical_replicas = True  # every member applies the same average to the same φ and momentum
+    error_feedback = True
 
     def __init__(
         self,
@@ -42,11 +47,20 @@ class DiLoCo(OuterProtocol):
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum}
 
+    def round_start_weights(self) -> torch.Tensor:
+        """φ, plus our own progress the averages have not counted yet (the error feedback's residual)."""
+        return self.slow if self.residual is None else self.slow - self.residual
+
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
-        result, waited = self._timed_average(self.slow - fast, group, f"diloco/{self.round}")
+        outer_grad = self.round_start_weights() - fast
+        sent = self._with_residual(outer_grad)
+        result, waited = self._timed_average(sent, group, f"diloco/{self.round}")
         rolled_back = not result.complete and len(result.group) > 1
-        if not rolled_back:  # a rolled-back round is retried at the next boundary, with twice the progress
+        if rolled_back:  # retried at the next boundary, with twice the progress (θ holds this round's)
+            self._keep_residual(sent - outer_grad)
+        else:
+            self._keep_residual(sent - result.sent)
             self.slow = nesterov_sgd_step(
                 self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov
             )
