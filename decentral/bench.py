@@ -24,26 +24,37 @@ from pathlib import Path
 
 import yaml
 
-from decentral.config import default_recipe_path, load_recipe
+from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import GPT
 from decentral.netlab import NetLab
 
-METHODS = ("ddp", "diloco", "noloco", "hivemind")
+METHODS = ("ddp", "diloco", "noloco", "co2", "hivemind")
 REFERENCE = "local"
 ISLAND_PORT = 29512
 
 
+def split_method(method: str) -> tuple[str, str | None]:
+    """`diloco+int8` → ("diloco", "int8"): a method of METHODS, and the codec that replaces its recipe's."""
+    name, _, codec = method.partition("+")
+    return name, codec or None
+
+
 def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
-    """The method's recipe with the shared token budget; hivemind borrows DiLoCo's training setup."""
-    recipe = load_recipe(recipes / f"{'diloco' if method == 'hivemind' else method}.yaml")
+    """The method's recipe with the shared token budget (and its codec, for `method+codec`); hivemind
+    borrows DiLoCo's training setup."""
+    name, codec = split_method(method)
+    recipe = load_recipe(recipes / f"{'diloco' if name == 'hivemind' else name}.yaml")
     recipe.train.steps = steps
     recipe.swarm.run = run
-    return recipe.to_dict()
+    if codec:
+        recipe.swarm.codec = codec
+    return parse_recipe(recipe.to_dict(), f"{method}'s recipe").to_dict()  # the codec checked against the protocol
 
 
 def _command(method: str, recipe: Path, out: Path, index: int, hosts: int, addr: str, addr0: str,
              bootstrap: list[str], data: list[str]) -> list[str]:
+    method = split_method(method)[0]
     module = "decentral.baselines.hivemind_optimizer" if method == "hivemind" else "decentral.cli"
     cmd = [sys.executable, "-m", module] + ([] if method == "hivemind" else ["train"])
     cmd += ["--protocol", str(recipe), "--out", str(out / f"w{index}"), "--name", f"w{index}",
@@ -93,7 +104,7 @@ def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float
 
     try:
         launch(lab.hosts[0], [])
-        needs_bootstrap = method not in (REFERENCE, "ddp")
+        needs_bootstrap = split_method(method)[0] not in (REFERENCE, "ddp")
         bootstrap = _wait_for_file(out / "bootstrap.maddrs", procs, 180) if needs_bootstrap else []
         for host in lab.hosts[1:]:
             launch(host, bootstrap)
@@ -121,7 +132,8 @@ def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float
 def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
     """One method's entry in results.json, from its workers' records: ok, exit_codes, wall_s (slowest
     worker), steps_per_s and final_val_loss (means over workers), tokens_per_s, best_val_loss,
-    bytes_sent_per_worker (interface counters in netns mode) and per step, and the validation curves
+    bytes_sent_per_worker (interface counters in netns mode) and per step, stream_bytes_sent_per_worker
+    (what the workers counted on their own streams: averages and state, no DHT), and the validation curves
     ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
@@ -137,9 +149,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
         vals = [(r["wall_s"], r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         curves[worker] = vals
         finals.append(vals[-1][2])
-    counted = [b for b in raw["tx_bytes"] if b is not None]
-    if not counted:  # loopback mode: what the workers counted on their own streams
-        counted = [max((r.get("bytes_sent") or 0) for r in recs) for recs in by_worker.values()]
+    streams = [max((r.get("bytes_sent") or 0) for r in recs) for recs in by_worker.values()]
+    counted = [b for b in raw["tx_bytes"] if b is not None] or streams  # loopback mode: the streams' counts
     ok = all(c == 0 for c in raw["codes"]) and len(walls) == len(raw["codes"])
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {
@@ -152,6 +163,7 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
         "best_val_loss": min((v for c in curves.values() for _, _, v in c), default=None),
         "bytes_sent_per_worker": mean(counted),
         "bytes_sent_per_worker_per_step": (mean(counted) / steps) if counted else None,
+        "stream_bytes_sent_per_worker": mean(streams),
         "curves": curves,
     }
 
@@ -199,7 +211,8 @@ def plot_bench(results: dict, out_png: Path) -> Path:
 
     fig = Figure(figsize=(8, 5), dpi=110)
     ax = fig.add_subplot()
-    for color, (method, res) in zip(("C0", "C1", "C2", "C3", "C4", "C5"), results["methods"].items()):
+    for m, (method, res) in enumerate(results["methods"].items()):
+        color = f"C{m % 10}"
         for i, points in enumerate(res["curves"].values()):
             if points:
                 ax.plot([t for t, _, _ in points], [v for _, _, v in points], color=color, alpha=0.8,
@@ -219,7 +232,7 @@ def plot_bench(results: dict, out_png: Path) -> Path:
 
 def format_results(results: dict) -> str:
     rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "ddp_t_final", "speedup",
-             "sent/worker", "sent/step")]
+             "sent/worker", "sent/step", "streams/worker")]
     for method, r in results["methods"].items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         rows.append((method + ("" if r["ok"] else " (FAILED)"), f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
@@ -227,15 +240,18 @@ def format_results(results: dict) -> str:
                      f(r.get("time_to_target_s"), ".0f"), f(r.get("ddp_time_to_final_s"), ".0f"),
                      f(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
                      human_bytes(r["bytes_sent_per_worker"]),
-                     human_bytes(r["bytes_sent_per_worker_per_step"])))
+                     human_bytes(r["bytes_sent_per_worker_per_step"]),
+                     human_bytes(r.get("stream_bytes_sent_per_worker"))))
     return format_table(rows, numeric=False)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.protocols.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS
+                     or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
-        print(f"bench: unknown method(s) {unknown}; choose from {list(METHODS)}", file=sys.stderr)
+        print(f"bench: unknown method(s) {unknown}; choose from {list(METHODS)}, those of the swarm optionally "
+              "with +CODEC (e.g. diloco+int8)", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +266,12 @@ def run_bench(args: argparse.Namespace) -> int:
                    f"{os.cpu_count()} cores", "python": platform.python_version()},
         "methods": {},
     }
-    run_recipes = {m: _recipe_for(m, recipes, args.steps, f"bench-{uuid.uuid4().hex[:6]}") for m in [REFERENCE, *methods]}
+    try:
+        run_recipes = {m: _recipe_for(m, recipes, args.steps, f"bench-{uuid.uuid4().hex[:6]}")
+                       for m in [REFERENCE, *methods]}
+    except RecipeError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     for method, recipe in run_recipes.items():
         for section in ("model", "train"):
             if recipe[section] != run_recipes[REFERENCE][section]:
@@ -299,7 +320,9 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
-    parser.add_argument("--protocols", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    parser.add_argument("--protocols", default=",".join(METHODS),
+                        help=f"comma-separated, from {','.join(METHODS)}; METHOD+CODEC runs a method with another "
+                             "swarm.codec (e.g. diloco+topk, diloco+int8)")
     parser.add_argument("--steps", type=int, default=300, help="inner steps per worker (the same for every method)")
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")

@@ -31,6 +31,7 @@ def test_summary_numbers_follow_from_the_records():
     assert res["tokens_per_s"] == 64 * 20 * 2 / 20.0
     assert res["final_val_loss"] == (3.0 + 3.5) / 2 and res["best_val_loss"] == 3.0
     assert res["bytes_sent_per_worker"] == 2000 and res["bytes_sent_per_worker_per_step"] == 100
+    assert res["stream_bytes_sent_per_worker"] == 2000  # each worker's own count: 100 bytes per step
     assert time_to_loss(res["curves"], 4.0) == 15.0  # w0 at t=5; w1 between 4.5 (t=10) and 3.5 (t=20)
     assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
 
@@ -64,16 +65,16 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     recipes.mkdir()
     train = {**TINY_TRAIN, "eval_every": 10}
     for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
-                           "noloco": {"name": "noloco", "every": 10}}.items():
+                           "noloco": {"name": "noloco", "every": 10}, "co2": {"name": "co2", "every": 10}}.items():
         (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
             {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "decentral.cli", "bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
-           "--protocols", ",".join(METHODS), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)]
+           "--protocols", ",".join([*METHODS, "diloco+topk"]), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
-    assert set(results["methods"]) == {"local", *METHODS}
+    assert set(results["methods"]) == {"local", *METHODS, "diloco+topk"}
     for method, res in results["methods"].items():
         assert res["ok"], method
         for key in ("wall_s", "tokens_per_s", "final_val_loss", "best_val_loss", "bytes_sent_per_worker",
@@ -84,6 +85,8 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
             assert res["bytes_sent_per_worker"] > 0
     ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
     assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
+    topk = results["methods"]["diloco+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)
+    assert topk["stream_bytes_sent_per_worker"] < diloco["stream_bytes_sent_per_worker"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (out / "bench.png").unlink()
     again = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "--report", str(out)],
@@ -91,3 +94,11 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "results.json").read_text()) == results  # the comparison is a function of the records
     assert (out / "bench.png").is_file() and "speedup" in again.stdout
+
+
+def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anything_runs(tmp_path):
+    for methods, why in (("ddp+int8", "unknown method"), ("diloco+int3", "unknown codec"),
+                         ("noloco+topk", "error feedback")):
+        done = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "--protocols", methods,
+                               "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and why in done.stderr, (methods, done.stderr)
