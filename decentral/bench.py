@@ -11,6 +11,7 @@ Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and p
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as dt
 import json
 import os
@@ -133,7 +134,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
     """One method's entry in results.json, from its workers' records: ok, exit_codes, wall_s (slowest
     worker), steps_per_s and final_val_loss (means over workers), tokens_per_s, best_val_loss,
     bytes_sent_per_worker (interface counters in netns mode) and per step, stream_bytes_sent_per_worker
-    (what the workers counted on their own streams: averages and state, no DHT), and the validation curves
+    (what the workers counted on their own streams: averages and state, no DHT), peak_stream_bytes_per_s
+    (the most one worker's streams sent in a second: `peak_rate`), and the validation curves
     ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
@@ -164,8 +166,23 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
         "bytes_sent_per_worker": mean(counted),
         "bytes_sent_per_worker_per_step": (mean(counted) / steps) if counted else None,
         "stream_bytes_sent_per_worker": mean(streams),
+        "peak_stream_bytes_per_s": max((peak_rate(recs) for recs in by_worker.values()), default=None),
         "curves": curves,
     }
+
+
+def peak_rate(records: list[dict], window_s: float = 1.0) -> float:
+    """The most bytes per second a worker's streams sent over any span of its step records at least
+    `window_s` long (records are the worker's own, one per step, with cumulative `bytes_sent`): what a
+    link must carry for the worker's bursts, where the total over the run says nothing of bursts."""
+    points = sorted((r["wall_s"], r.get("bytes_sent") or 0) for r in records)
+    best, j = 0.0, 0
+    for t, sent in points:
+        j = max(j, bisect.bisect_left(points, (t + window_s, -1)))
+        if j == len(points):
+            break
+        best = max(best, (points[j][1] - sent) / (points[j][0] - t))
+    return best
 
 
 def time_to_loss(curves: dict[str, list], target: float) -> float | None:
@@ -232,7 +249,7 @@ def plot_bench(results: dict, out_png: Path) -> Path:
 
 def format_results(results: dict) -> str:
     rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "ddp_t_final", "speedup",
-             "sent/worker", "sent/step", "streams/worker")]
+             "sent/worker", "sent/step", "streams/worker", "peak/s")]
     for method, r in results["methods"].items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         rows.append((method + ("" if r["ok"] else " (FAILED)"), f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
@@ -241,7 +258,8 @@ def format_results(results: dict) -> str:
                      f(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
                      human_bytes(r["bytes_sent_per_worker"]),
                      human_bytes(r["bytes_sent_per_worker_per_step"]),
-                     human_bytes(r.get("stream_bytes_sent_per_worker"))))
+                     human_bytes(r.get("stream_bytes_sent_per_worker")),
+                     human_bytes(r.get("peak_stream_bytes_per_s"))))
     return format_table(rows, numeric=False)
 
 

@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN
-from decentral.bench import METHODS, compare, summarize_method, time_to_loss
+from decentral.bench import METHODS, compare, peak_rate, summarize_method, time_to_loss
 
 
 def records(worker, wall_per_step, steps, vals):
@@ -32,8 +32,19 @@ def test_summary_numbers_follow_from_the_records():
     assert res["final_val_loss"] == (3.0 + 3.5) / 2 and res["best_val_loss"] == 3.0
     assert res["bytes_sent_per_worker"] == 2000 and res["bytes_sent_per_worker_per_step"] == 100
     assert res["stream_bytes_sent_per_worker"] == 2000  # each worker's own count: 100 bytes per step
+    assert res["peak_stream_bytes_per_s"] == 200  # w0: 100 bytes every 0.5 s
     assert time_to_loss(res["curves"], 4.0) == 15.0  # w0 at t=5; w1 between 4.5 (t=10) and 3.5 (t=20)
     assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
+
+
+def test_peak_rate_is_the_most_sent_in_any_second_not_the_runs_average():
+    steady = records("w0", 0.25, 40, [5.0] * 5)  # 100 bytes every 0.25 s: 400 B/s throughout
+    assert peak_rate(steady) == 400
+    burst = [dict(r, bytes_sent=r["bytes_sent"] + (8000 if r["step"] >= 21 else 0)) for r in steady]
+    # 8000 more bytes within step 21 (5.0 s to 5.25 s): the second around it carries them and 4 steps' 100
+    assert peak_rate(burst) == 8400
+    assert peak_rate(burst, window_s=2.0) == (8000 + 800) / 2.0
+    assert peak_rate(steady[:3]) == 0.0  # no span of a second: no rate
 
 
 def test_comparison_measures_each_method_against_the_reference_and_ddp():
