@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -135,7 +136,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
     worker), steps_per_s and final_val_loss (means over workers), tokens_per_s, best_val_loss,
     bytes_sent_per_worker (interface counters in netns mode) and per step, stream_bytes_sent_per_worker
     (what the workers counted on their own streams: averages and state, no DHT), peak_stream_bytes_per_s
-    (the most one worker's streams sent in a second: `peak_rate`), and the validation curves
+    (the median over workers of the most each one's streams sent in a second, `peak_rate`: a donor's state
+    uploads to newcomers would make the maximum its own), and the validation curves
     ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
@@ -166,7 +168,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
         "bytes_sent_per_worker": mean(counted),
         "bytes_sent_per_worker_per_step": (mean(counted) / steps) if counted else None,
         "stream_bytes_sent_per_worker": mean(streams),
-        "peak_stream_bytes_per_s": max((peak_rate(recs) for recs in by_worker.values()), default=None),
+        "peak_stream_bytes_per_s": statistics.median(peak_rate(recs) for recs in by_worker.values())
+        if by_worker else None,
         "curves": curves,
     }
 

@@ -32,7 +32,7 @@ def test_summary_numbers_follow_from_the_records():
     assert res["final_val_loss"] == (3.0 + 3.5) / 2 and res["best_val_loss"] == 3.0
     assert res["bytes_sent_per_worker"] == 2000 and res["bytes_sent_per_worker_per_step"] == 100
     assert res["stream_bytes_sent_per_worker"] == 2000  # each worker's own count: 100 bytes per step
-    assert res["peak_stream_bytes_per_s"] == 200  # w0: 100 bytes every 0.5 s
+    assert res["peak_stream_bytes_per_s"] == (200 + 100) / 2  # the median of w0 (100 B every 0.5 s) and w1
     assert time_to_loss(res["curves"], 4.0) == 15.0  # w0 at t=5; w1 between 4.5 (t=10) and 3.5 (t=20)
     assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
 
