@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a local swarm of workers training a small GPT on Python's own source")
     demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--protocol", default="noloco", help="co2, ddp, diloco, noloco, or a recipe file")
+    demo.add_argument("--protocol", default="noloco", help="co2, ddp, diloco, noloco, streaming, or a recipe file")
     demo.add_argument("--steps", type=int, help="inner steps per worker (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--timeout", type=float, help="seconds one average may take")

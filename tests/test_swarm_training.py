@@ -18,6 +18,7 @@ PROTOCOLS = {
     "ddp": {"name": "ddp", "membership_every": 10},
     "diloco": {"name": "diloco", "every": 10},
     "noloco": {"name": "noloco", "every": 10},
+    "streaming": {"name": "streaming", "every": 10, "fragments": 3, "delay": 1},
 }
 
 

@@ -337,14 +337,24 @@ class OuterProtocol(SyncProtocol):
         # what averages did not count of our inputs (a lossy codec's loss), added to the next input
         self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
 
-    def _fast_vector(self) -> torch.Tensor:
-        return parameters_to_vector(self.params).detach().to(device="cpu", dtype=torch.float32)
+    def _fast_vector(self, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
+        """θ (of `params`, by default every trained parameter), flat fp32 on CPU."""
+        return parameters_to_vector(self.params if params is None else params).detach().to(
+            device="cpu", dtype=torch.float32)
 
-    def _load_fast(self, vector: torch.Tensor) -> None:
-        """θ ← vector, by copy: `vector_to_parameters` makes the parameters views of what it is given,
-        and inner steps must never write into φ."""
+    def _finite_fast(self, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
+        """`_fast_vector(params)`; DivergedError when training made it non-finite (before any of it is sent)."""
+        fast = self._fast_vector(params)
+        if not bool(torch.isfinite(fast).all()):
+            raise DivergedError(f"non-finite weights after inner step {self.step}; not syncing them")
+        return fast
+
+    def _load_fast(self, vector: torch.Tensor, params: list[torch.nn.Parameter] | None = None) -> None:
+        """θ ← vector (of `params`, by default every trained parameter), by copy: `vector_to_parameters`
+        makes the parameters views of what it is given, and inner steps must never write into φ."""
         ref = self.params[0]
-        vector_to_parameters(vector.to(device=ref.device, dtype=ref.dtype, copy=True), self.params)
+        vector_to_parameters(vector.to(device=ref.device, dtype=ref.dtype, copy=True),
+                             self.params if params is None else params)
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         """Outer state besides φ (momentum and the like), flat fp32."""
@@ -399,14 +409,16 @@ class OuterProtocol(SyncProtocol):
     def after_step(self) -> SyncReport | None:
         if self.step - self._round_start < self.every:
             return None
-        fast = self._fast_vector()
-        if not bool(torch.isfinite(fast).all()):
-            raise DivergedError(f"non-finite weights after inner step {self.step}; not syncing them")
-        report = self.outer_step(fast)
-        self.round += 1
-        self._round_start = self.step
+        report = self.outer_step(self._finite_fast())
         if not report.rolled_back:
             self._load_fast(self.round_start_weights())
+        return self._close_round(report)
+
+    def _close_round(self, report: SyncReport) -> SyncReport:
+        """At a round boundary, once φ holds the round: count it, offer the state the next round starts
+        from, compare our state with the group's (replicas), announce the coming rounds; `report`, completed."""
+        self.round += 1
+        self._round_start = self.step
         self._offer()
         if self.identical_replicas:
             self._check_replicas(report.group, report)

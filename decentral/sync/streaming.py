@@ -1,0 +1,158 @@
+"""Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): DiLoCo one fragment of the model at a time,
+each fragment's average overlapped with τ inner steps (ALGORITHMS.md §2).
+
+The trained parameters are split into P fragments, each a run of consecutive whole tensors, as equal in
+size as a greedy split allows. A round is H inner steps, as in DiLoCo; fragment f's average lands at
+in-round step t_f = (f+1)·H//P, so only one fragment is ever on the wire and the last lands on the round
+boundary. Writing e for the error feedback's residual (0 without it, ALGORITHMS.md §9), for fragment f:
+    at t_f − τ:  g_i   = (φ − e_i) − θ_i                  outer gradient of the fragment: slow minus fast
+                 launch ḡ = mean_i (g_i + e_i)            in the background; e_i ← 0
+    at t_f:      φ    ← SGD(lr, momentum, nesterov)(φ, ḡ) as DiLoCo (the fragment's part of the momentum)
+                 e_i  ← g_i + e_i − what the average counted of it
+                 θ_i  ← α·θ_i + (1−α)·(φ − e_i)           θ_i has trained τ steps since the launch
+τ (`delay`) = 0 launches and applies at once; P = 1, τ = 0, α = 0 is DiLoCo exactly. θ is never reset to
+φ: between its syncs a fragment keeps what it trained, and its next sync sends g_i + e_i = φ − θ_i. Mixing
+with φ − e rather than the paper's φ keeps the progress the average did not count in θ only, as DiLoCo's
+next round starts from φ − e: mixed with φ, a fraction α of it would stay in θ besides the residual and
+go out again at every sync (with outer lr 1 and no momentum, a part a top-k codec leaves unsent for a
+while is counted up to 1/(1−α) times). Without error feedback both are the paper's rule.
+
+An average that does not commit is rolled back: φ, the momentum and θ stay, and the fragment's next sync
+carries both rounds' progress. At a round boundary nothing is in flight, so the round's bookkeeping
+(snapshot offered to newcomers, replicas compared by digest and repaired) is DiLoCo's. A checkpoint taken
+while a fragment is in flight holds no residual for it and loses nothing of ours: θ holds that progress
+relative to φ, and the fragment's next sync sends it. A peer resumed from it lacks the average the others
+applied: its state is found to differ by digest and repaired (decentral.sync.base).
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from decentral.sync.base import SyncReport
+from decentral.sync.diloco import DiLoCo, nesterov_sgd_step
+from decentral.transport import AverageResult, Transport
+
+
+@dataclass
+class InFlight:
+    """A fragment's average, launched and not yet applied."""
+
+    fragment: int
+    future: Future[AverageResult]
+    group: list[str]
+    grad: torch.Tensor  # our outer gradient of the fragment, g_i
+    sent: torch.Tensor  # our input to the average, g_i + e_i
+
+
+class StreamingDiLoCo(DiLoCo):
+    """`fragments` P, `delay` τ (inner steps a fragment's average has to arrive) and `mix` α (the local
+    weights' share when it lands), as in the module docstring; the outer optimizer's arguments are DiLoCo's."""
+
+    name = "streaming"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        transport: Transport,
+        *,
+        every: int = 500,
+        fragments: int = 4,
+        delay: int = 1,
+        mix: float = 0.5,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+    ):
+        super().__init__(model, optimizer, transport, every=every, outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, nesterov=nesterov)
+        sizes = [p.numel() for p in self.params]
+        if not 1 <= fragments <= len(sizes):
+            raise ValueError(f"fragments must be between 1 and the model's {len(sizes)} parameter tensors "
+                             f"(a fragment is whole tensors), got {fragments}")
+        if not 0 <= delay < every // fragments:
+            raise ValueError(f"delay must be >= 0 and below every // fragments = {every // fragments} (every={every}, "
+                             f"fragments={fragments}): fragment 0 launches at in-round step every // fragments - delay, "
+                             f"which must be >= 1; got delay={delay}")
+        if not 0 <= mix < 1:
+            raise ValueError(f"mix (α, the local weights' share when a fragment lands) must be >= 0 and < 1 "
+                             f"(1 would never take the average), got {mix}")
+        self.mix = mix
+        offsets = [0, *itertools.accumulate(sizes)]
+        runs = split_tensors(sizes, fragments)
+        self.fragments = [slice(offsets[r.start], offsets[r.stop]) for r in runs]  # of the flat vector
+        self._fragment_params = [self.params[r.start:r.stop] for r in runs]
+        self._lands = [(f + 1) * every // fragments for f in range(fragments)]  # in-round step each lands at
+        self._launches = {t - delay: f for f, t in enumerate(self._lands)}
+        # a newcomer joins a round under way only before its first launch (it had no part in what is in
+        # flight); as DiLoCo's every // 2, its announcement has at least as long again to reach the members
+        self.join_within_steps = (every // fragments - delay) // 2
+        self.in_flight: InFlight | None = None
+        self._synced: list[tuple[AverageResult, float, bool]] = []  # this round's (result, wait, rolled back)
+
+    def memory_copies(self) -> list[str]:
+        return [*super().memory_copies(), "fragment in flight (its outer gradient, our input and its average: "
+                                          "3/fragments of a copy)"]
+
+    def after_step(self) -> SyncReport | None:
+        done = self.step - self._round_start  # inner steps of this round done
+        if done in self._launches:
+            self._launch(self._launches[done])
+        if self.in_flight is not None and done == self._lands[self.in_flight.fragment]:
+            self._synced.append(self._apply())
+        if done < self.every:
+            return None
+        synced, self._synced = self._synced, []
+        results = [r for r, _, _ in synced]
+        report = SyncReport(
+            self.round, sorted({p for r in results for p in r.group}), all(r.complete for r in results),
+            min((r.contributors for r in results), default=1), sum(w for _, w, _ in synced),
+            {p: why for r in results for p, why in r.rejected.items()}, rolled_back=any(b for _, _, b in synced))
+        return self._close_round(report)
+
+    def _launch(self, fragment: int) -> None:
+        part = self.fragments[fragment]
+        grad = self.round_start_weights()[part] - self._finite_fast(self._fragment_params[fragment])
+        sent = self._with_residual(grad, part)
+        group = self._members(self.round)
+        future = self.transport.average_async(sent, group, f"streaming/{self.round}/{fragment}", self.round)
+        self.in_flight = InFlight(fragment, future, group, grad, sent)
+
+    def _apply(self) -> tuple[AverageResult, float, bool]:
+        """Wait for the fragment in flight and apply it; (its result, seconds waited, rolled back)."""
+        flight, self.in_flight = self.in_flight, None
+        part, params = self.fragments[flight.fragment], self._fragment_params[flight.fragment]
+        result, waited = self._await_average(flight.future, flight.group)
+        rolled_back = not result.complete and len(result.group) > 1
+        if rolled_back:  # sent again at the fragment's next sync, with that round's progress (θ holds it)
+            self._keep_residual(flight.sent - flight.grad, part)
+        else:
+            self._keep_residual(flight.sent - result.sent, part)
+            self.slow[part] = nesterov_sgd_step(self.slow[part], result.tensor, self.momentum[part], self.outer_lr,
+                                                self.outer_momentum, self.nesterov)
+            merged = torch.lerp(self.round_start_weights()[part], self._fast_vector(params), self.mix)
+            self._load_fast(merged, params)
+        return result, waited, rolled_back
+
+    def finish(self) -> None:
+        """Apply the fragment still in flight (training stopped between its launch and its landing), so the
+        model holds it. Nothing is offered: mid-round, this is no state a round starts from."""
+        if self.in_flight is not None:
+            self._apply()
+
+
+def split_tensors(sizes: list[int], count: int) -> list[range]:
+    """`count` runs of consecutive tensors (indices into `sizes`), each at least one: every cut in turn is
+    the one whose total before it is nearest its share, k·sum(sizes)/count."""
+    total, before = sum(sizes), [0, *itertools.accumulate(sizes)]
+    cuts = [0]
+    for k in range(1, count):
+        candidates = range(cuts[-1] + 1, len(sizes) - (count - k) + 1)
+        cuts.append(min(candidates, key=lambda i: abs(before[i] - k * total / count)))
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
