@@ -31,7 +31,7 @@ from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import GPT
 from decentral.netlab import NetLab
 
-METHODS = ("ddp", "diloco", "noloco", "co2", "hivemind")
+METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
 ISLAND_PORT = 29512
 

@@ -76,7 +76,8 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     recipes.mkdir()
     train = {**TINY_TRAIN, "eval_every": 10}
     for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
-                           "noloco": {"name": "noloco", "every": 10}, "co2": {"name": "co2", "every": 10}}.items():
+                           "noloco": {"name": "noloco", "every": 10}, "co2": {"name": "co2", "every": 10},
+                           "streaming": {"name": "streaming", "every": 10, "fragments": 2}}.items():
         (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
             {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
     out = tmp_path / "out"
