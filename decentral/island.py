@@ -88,7 +88,7 @@ class IslandTransport:
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         """Nothing to report: the collectives themselves keep the ranks in step (and identical)."""
 
-    def progress(self) -> dict[str, dict]:
+    def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return {rank: {} for rank in self._ids}
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
@@ -135,7 +135,7 @@ class IslandTransport:
         work.get_future().then(done)
         return future
 
-    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+    def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Every rank met the others at the rendezvous already."""
 
     def multiaddrs(self) -> list[str]:

@@ -128,7 +128,7 @@ class LoopbackTransport:
                 digests = with_digest(digests, round, digest)
             self.hub._progress[self.peer_id] = {"step": int(step), "round": int(round), "digests": digests}
 
-    def progress(self) -> dict[str, dict]:
+    def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         with self.hub._cond:
             return {p: dict(self.hub._progress[p]) for p in self.hub._open}
 
@@ -142,7 +142,8 @@ class LoopbackTransport:
             self.bytes_received += 4 * tensor.numel()
         return self.hub.start_average(self.peer_id, tensor, group, tag)
 
-    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+    def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
+        """Every open transport of the hub takes part in every round."""
         with self.hub._cond:
             if not self.hub._cond.wait_for(lambda: len(self.hub._open) >= count, timeout_s):
                 raise TimeoutError(f"fewer than {count} peers joined within {timeout_s:.0f}s")

@@ -76,9 +76,10 @@ class Transport(Protocol):
         """Report our progress to the others (heartbeat); `digest`: the `state_digest` of the state we
         hold after `round` rounds, which the others see soon (a transport keeps the last few rounds')."""
 
-    def progress(self) -> dict[str, dict]:
+    def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         """{peer: {"step", "round", "digests": {str(round): digest}}} of the live peers, as they last
-        reported it ({} where unknown)."""
+        reported it ({} where unknown). `max_age_s`: a view that old will do, where the transport keeps
+        one (then nothing waits on the network)."""
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
@@ -91,8 +92,9 @@ class Transport(Protocol):
         """`average` started in the background: returns at once, and training may go on while it runs
         (the result is the future's). `tensor` must not change until the future is done."""
 
-    def wait_for_peers(self, count: int, timeout_s: float) -> None:
-        """Block until `count` peers (us included) are live; an error naming the shortfall after `timeout_s`.
+    def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
+        """Block until `count` peers (us included) are live and take part in `round` (so peers started
+        together train their first round together); an error naming the shortfall after `timeout_s`.
         A transport whose peers meet otherwise (an island's rendezvous), or that has none, returns at once."""
 
     def multiaddrs(self) -> list[str]:
@@ -134,7 +136,7 @@ class SoloTransport:
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         pass
 
-    def progress(self) -> dict[str, dict]:
+    def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return {self.peer_id: {}}
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
@@ -145,7 +147,7 @@ class SoloTransport:
                       ) -> Future[AverageResult]:
         return finished(self.average(tensor, group, tag, round))
 
-    def wait_for_peers(self, count: int, timeout_s: float) -> None:
+    def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Nobody to wait for: training alone (the compute reference of a benchmark) starts at once."""
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:

@@ -59,7 +59,7 @@ class WorkerOptions:
     domains: Sequence[str] | None = None  # NAME or NAME=PATH (decentral.data.domains): balanced batches
     init_from: Path | None = None  # a checkpoint or expert folder to start from (ignored when resuming)
     stop_at: int | None = None  # stop at this inner step; the LR schedule still spans train.steps
-    min_peers: int = 1  # wait until this many peers (us included) are up before training
+    min_peers: int = 1  # wait until this many peers (us included) announced our first round before training
     wait_peers_s: float = 300.0
     name: str = "worker"
     on_ready: Callable[[list[str]], None] | None = None  # gets our multiaddrs once we have joined
@@ -172,10 +172,10 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         transport.close()
 
 
-def _wait_for_peers(transport: Transport, opts: WorkerOptions) -> None:
+def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> None:
     if opts.min_peers > 1:
         opts.print_fn(f"[{opts.name}] waiting for {opts.min_peers} peers")
-        transport.wait_for_peers(opts.min_peers, opts.wait_peers_s)
+        transport.wait_for_peers(opts.min_peers, opts.wait_peers_s, round)
 
 
 def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
@@ -203,8 +203,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     try:
         if opts.on_ready and transport.multiaddrs():
             opts.on_ready(transport.multiaddrs())
-        _wait_for_peers(transport, opts)
-        with protocol:
+        with protocol:  # joins the swarm: its state, round and step, and announces the round
+            _wait_for_peers(transport, opts, protocol.round)
             batches = batches_from(protocol.step)
             first = dict(worker=opts.name, step=protocol.step, round=protocol.round)
             if protocol.donor is None or protocol.step == 0:  # one joining mid-run skips it: the round

@@ -248,6 +248,43 @@ def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_peers):
     assert len({r.digest for r in reports}) == 1
 
 
+def fall_a_round_behind(protocols, gen) -> None:
+    """Protocols 0 and 1 end round 1 between themselves while protocol 2, a round behind, holds another state
+    than theirs of round 1 (as if it had missed round 0's commit) and has not reached its boundary."""
+    n = protocols[0].slow.numel()
+    outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    ahead, late = protocols[:2], protocols[2]
+    late.slow += 0.05 * torch.randn(n, generator=gen)
+    late._offer()
+    pair = sorted(p.transport.peer_id for p in ahead)
+    for p in ahead:
+        members = p._members
+        p._members = lambda round, members=members: pair if round == 1 else members(round)
+    outer_round(ahead, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in ahead])
+    assert [p.round for p in protocols] == [2, 2, 1]
+
+
+@pytest.mark.parametrize("cls", [DiLoCo, CO2])
+def test_a_replica_a_round_behind_the_majority_joins_them_where_they_are(make_peers, cls):
+    """Its repair asks for the majority's state of round 1, which they no longer serve: it takes their
+    state of round 2 at their step (once, not a download per poll until the repair times out), and from
+    the next round on the three hold one state."""
+    protocols = make_protocols(make_peers(3), cls, every=10, outer_lr=0.7, outer_momentum=0.5)
+    gen = torch.Generator().manual_seed(11)
+    fall_a_round_behind(protocols, gen)
+    late = protocols[2]
+    late.repair_timeout_s = 10.0
+    spread = late._repair({p.transport.peer_id for p in protocols[:2]})
+    assert spread is not None and spread > 0
+    assert (late.round, late.step) == (2, protocols[0].step)
+    assert torch.equal(late.slow, protocols[0].slow) and torch.equal(late.momentum, protocols[0].momentum)
+    n = late.slow.numel()
+    reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    assert [p.round for p in protocols] == [3, 3, 3]
+    assert len({r.digest for r in reports}) == 1
+    assert all(torch.equal(p.slow, protocols[0].slow) for p in protocols)
+
+
 def test_a_ddp_peer_joining_mid_run_continues_the_swarms_step_and_ends_bit_identical(make_swarm):
     transports = make_swarm(3)
     every, steps = 5, 60

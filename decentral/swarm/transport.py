@@ -89,13 +89,15 @@ class SwarmTransport:
         return self.peer.multiaddrs()
 
     def join_rounds(self, round: int, *, first: bool = False) -> None:
-        """We will take part in rounds `round` … `round + lookahead`; announce them now. The first call, or
-        one with `first`, fixes the first round of this process: pushes for earlier ones are answered
-        "not in this round"."""
-        if first or self.averager.first_round is None:
+        """We will take part in rounds `round` … `round + lookahead`; announce them. The first call, or
+        one with `first`, fixes the first round of this process (pushes for earlier ones are answered
+        "not in this round") and returns once the announcements are out; later calls (at round
+        boundaries) leave them to the heartbeat thread, so training never waits on the DHT for them."""
+        joining = first or self.averager.first_round is None
+        if joining:
             self.averager.first_round = round
         for r in range(round, round + self.lookahead + 1):
-            self.membership.announce(r)
+            self.membership.announce(r, wait=joining)
 
     def members(self, round: int) -> list[str]:
         return self.membership.members(round)
@@ -103,8 +105,8 @@ class SwarmTransport:
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         self.membership.set_progress(step, round, digest)
 
-    def progress(self) -> dict[str, dict]:
-        return self.membership.alive()
+    def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
+        return self.membership.alive(max_age_s)
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
@@ -115,13 +117,14 @@ class SwarmTransport:
         """The same average on the swarm's event loop, returning at once."""
         return self.peer.call(self.averager.average(tensor, group, tag, self.timeout, round))
 
-    def wait_for_peers(self, count: int, timeout_s: float) -> None:
-        """Block until `count` peers (us included) have a live heartbeat; SwarmError after `timeout_s`."""
+    def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
+        """Block until `count` peers (us included) with a live heartbeat announced `round`; SwarmError
+        after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while len(self.membership.alive()) < count:
+        while len(self.membership.members(round)) < count:
             if time.monotonic() > deadline:
                 raise SwarmError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
-            time.sleep(self.membership.heartbeat_s / 2)  # peers announce themselves by heartbeat
+            time.sleep(self.membership.heartbeat_s / 2)  # peers announce rounds when they are ready to train
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         self.state.offer(meta, tensors, digest)

@@ -127,13 +127,20 @@ class SyncProtocol:
         are the swarm's), offer our own, announce the coming rounds."""
         self._round_start = self.step
         if self.shares_state:
-            got = self._fetch_to_join()
-            if got is not None:
-                self.donor, meta, tensors, step = got
-                self.load_snapshot(meta, tensors)
-                self.round, self._round_start, self.step = int(meta["round"]), int(meta.get("step", step)), step
+            self._take_swarm_state()
             self._offer()
         self.transport.join_rounds(self.round)
+
+    def _take_swarm_state(self) -> bool:
+        """Go on from the swarm's state, round and inner step when the swarm is ahead of us (see
+        `_fetch_to_join`); False when it is not."""
+        got = self._fetch_to_join()
+        if got is None:
+            return False
+        self.donor, meta, tensors, step = got
+        self.load_snapshot(meta, tensors)
+        self.round, self._round_start, self.step = int(meta["round"]), int(meta.get("step", step)), step
+        return True
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the state a newcomer needs to go on with us, as flat named tensors."""
@@ -149,6 +156,9 @@ class SyncProtocol:
 
     def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
         """After `load_snapshot` replaced our state `before` in mid-training (a repair)."""
+
+    def _on_rejoined(self) -> None:
+        """After `_take_swarm_state` replaced our state, round and step in mid-training (see `_rejoin`)."""
 
     def memory_copies(self) -> list[str]:
         """What the protocol keeps besides the model and the inner optimizer: one name per model-sized
@@ -273,8 +283,11 @@ class SyncProtocol:
         ours = self._digests.get(previous)
         if ours is None:
             return
-        progress = self.transport.progress()
-        held = {p: heartbeat_digest(progress.get(p), previous) for p in group if p != self.transport.peer_id}
+        others = [p for p in group if p != self.transport.peer_id]
+        progress = self.transport.progress(max_age_s=float("inf"))  # digests published a round ago
+        if any(heartbeat_digest(progress.get(p), previous) is None for p in others):
+            progress = self.transport.progress()
+        held = {p: heartbeat_digest(progress.get(p), previous) for p in others}
         held = {self.transport.peer_id: ours, **{p: d for p, d in held.items() if d is not None}}
         if len(held) < 2:
             return
@@ -289,10 +302,12 @@ class SyncProtocol:
 
     def _repair(self, donors: set[str], poll_s: float = 0.25) -> float | None:
         """Take the state of round `self.round` that `donors` (the majority of the round before) publish
-        the digest of, from one of them, checked against that digest. Returns the RMS distance of our
-        `weights_key` tensor from theirs, or None when no donor served it within `repair_timeout_s`."""
+        the digest of, from one of them, checked against that digest; when they are past that round, join
+        them where they are (`_rejoin`). Returns the RMS distance of our `weights_key` tensor from theirs, or
+        None when no donor served it within `repair_timeout_s`."""
         start = time.perf_counter()
         deadline = time.monotonic() + self.repair_timeout_s
+        why = "none of them published a digest of it"
         try:
             while time.monotonic() < deadline:
                 progress = self.transport.progress()
@@ -301,8 +316,12 @@ class SyncProtocol:
                 if theirs:
                     digest = majority_digest(theirs)
                     got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
-                    if got is not None and int(got[1][0].get("round", -1)) == self.round \
-                            and state_digest(got[1][1]) == digest:
+                    served = -1 if got is None else int(got[1][0].get("round", -1))
+                    if served > self.round:
+                        break
+                    why = ("no download succeeded" if got is None else f"a donor served round {served}"
+                           if served != self.round else "its digest differed")
+                    if served == self.round and state_digest(got[1][1]) == digest:
                         before = self.snapshot()
                         self.load_snapshot(*got[1])
                         self._on_repaired(before)
@@ -310,11 +329,29 @@ class SyncProtocol:
                         mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
                         return float((mine - now).pow(2).mean().sqrt())
                 time.sleep(poll_s)  # polling the donors' heartbeats for their digest of this round
-            log.warning("round %d: no member served the majority's state within %.0fs; trying again next round",
-                        self.round, self.repair_timeout_s)
-            return None
+            else:
+                log.warning("round %d: no member served the majority's state within %.0fs (last try: %s); trying "
+                            "again next round", self.round, self.repair_timeout_s, why)
+                return None
         finally:
             self.wait_s += time.perf_counter() - start
+        return self._rejoin()  # they went past this round
+
+    def _rejoin(self) -> float | None:
+        """The members we must match went past our round (we fell a round behind: slow, or left out and
+        late): join them as a newcomer does, at their state, round and inner step (what of ours their
+        state does not hold is lost, as in a repair). Returns the RMS
+        distance of our `weights_key` tensor from theirs, or None when nobody served their state."""
+        before, behind = self.snapshot(), self.round
+        if not self._take_swarm_state():
+            return None
+        log.warning("round %d: the members went on to round %d without us; joined them there at step %d",
+                    behind, self.round, self.step)
+        self._on_rejoined()
+        self._offer()
+        self.transport.join_rounds(self.round, first=True)  # pushes for the rounds we skipped: "not in this round"
+        mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
+        return float((mine - now).pow(2).mean().sqrt())
 
 
 class OuterProtocol(SyncProtocol):
@@ -405,6 +442,10 @@ class OuterProtocol(SyncProtocol):
     def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
         """θ keeps its own progress, now relative to the repaired φ (θ = φ exactly, when it had none)."""
         self._load_fast(self.slow + (self._fast_vector() - before["slow"]))
+
+    def _on_rejoined(self) -> None:
+        """θ starts the round from the members' state, as every round starts."""
+        self._load_fast(self.round_start_weights())
 
     def after_step(self) -> SyncReport | None:
         if self.step - self._round_start < self.every:

@@ -100,11 +100,18 @@ class CO2(OuterProtocol):
         self._behind = self._behind or (self.donor is not None and self.round > 0)
 
     def after_step(self) -> SyncReport | None:
+        behind = self._behind  # raised at this boundary (a rejoin), it waits for the next one
         report = super().after_step()
-        if report is not None and self._behind:
+        if report is not None and behind:
             self._behind = False
             self._take_members_state(report)
         return report
+
+    def _on_rejoined(self) -> None:
+        """The members' state holds the average we had in flight (or went on without it); theirs of the
+        round they are in is in flight without us: take their state once they applied it."""
+        self.in_flight, self._unsent, self._behind = None, None, True
+        super()._on_rejoined()
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
