@@ -137,19 +137,26 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
     bytes_sent_per_worker (interface counters in netns mode) and per step, stream_bytes_sent_per_worker
     (what the workers counted on their own streams: averages and state, no DHT), peak_stream_bytes_per_s
     (the median over workers of the most each one's streams sent in a second, `peak_rate`: a donor's state
-    uploads to newcomers would make the maximum its own), and the validation curves
+    uploads to newcomers would make the maximum its own), stream_bytes_per_round (the median over workers
+    of each one's median of what its streams sent from one round boundary to the next, `round_bytes`: one
+    outer step's traffic, without the state a newcomer downloaded in some round), blocked_fraction (the mean over workers of the
+    share of their wall time spent waiting on the network: what overlapping the average removes), and the
+    validation curves
     ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
         by_worker.setdefault(r["worker"], []).append(r)
-    walls, rates, finals, curves = [], [], [], {}
+    walls, rates, finals, blocked, curves = [], [], [], [], {}
     for worker, records in by_worker.items():
         trained = [r for r in records if "loss" in r]
         if not trained:
             continue
         wall = max(r["wall_s"] for r in records)
         walls.append(wall)
-        rates.append(trained[-1]["step"] / wall if wall > 0 else None)
+        rates.append((trained[-1]["step"] - records[0]["step"]) / wall if wall > 0 else None)  # a joiner skips steps
+        waits = [r["wait_s"] for r in records if r.get("wait_s") is not None]
+        if wall > 0 and waits:  # what it waited before training began (joining) is not in its wall time
+            blocked.append((max(waits) - min(waits)) / wall)
         vals = [(r["wall_s"], r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         curves[worker] = vals
         finals.append(vals[-1][2])
@@ -164,14 +171,31 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
         "steps_per_s": mean([r for r in rates if r]),
         "tokens_per_s": (tokens_per_step * steps * len(walls) / max(walls)) if walls else None,
         "final_val_loss": mean(finals),
+        "blocked_fraction": mean(blocked),
         "best_val_loss": min((v for c in curves.values() for _, _, v in c), default=None),
         "bytes_sent_per_worker": mean(counted),
         "bytes_sent_per_worker_per_step": (mean(counted) / steps) if counted else None,
         "stream_bytes_sent_per_worker": mean(streams),
-        "peak_stream_bytes_per_s": statistics.median(peak_rate(recs) for recs in by_worker.values())
-        if by_worker else None,
+        "peak_stream_bytes_per_s": median_or_none([peak_rate(recs) for recs in by_worker.values()]),
+        "stream_bytes_per_round": median_or_none([b for recs in by_worker.values() if (b := round_bytes(recs))]),
         "curves": curves,
     }
+
+
+def round_bytes(records: list[dict]) -> float | None:
+    """The median, over a worker's rounds after its first boundary, of the bytes its streams sent from one
+    boundary to the next (None with fewer than two boundaries)."""
+    at_boundary = {}
+    for r in records:
+        if "loss" in r and r.get("bytes_sent") is not None:
+            at_boundary.setdefault(r.get("round", 0), r["bytes_sent"])  # the first record of each round
+    rounds = sorted(at_boundary)[1:]  # the round it started in may have begun before its first record
+    deltas = [at_boundary[b] - at_boundary[a] for a, b in zip(rounds, rounds[1:]) if b == a + 1]
+    return statistics.median(deltas) if deltas else None
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def peak_rate(records: list[dict], window_s: float = 1.0) -> float:
@@ -251,17 +275,19 @@ def plot_bench(results: dict, out_png: Path) -> Path:
 
 
 def format_results(results: dict) -> str:
-    rows = [("method", "wall_s", "steps/s", "util", "final", "best", "t_target", "ddp_t_final", "speedup",
-             "sent/worker", "sent/step", "streams/worker", "peak/s")]
+    rows = [("method", "wall_s", "steps/s", "util", "blocked", "final", "best", "t_target", "ddp_t_final", "speedup",
+             "sent/worker", "sent/step", "streams/worker", "sent/round", "peak/s")]
     for method, r in results["methods"].items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         rows.append((method + ("" if r["ok"] else " (FAILED)"), f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
-                     f(r.get("compute_utilisation"), ".0%"), f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
+                     f(r.get("compute_utilisation"), ".0%"), f(r.get("blocked_fraction"), ".1%"),
+                     f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
                      f(r.get("time_to_target_s"), ".0f"), f(r.get("ddp_time_to_final_s"), ".0f"),
                      f(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
                      human_bytes(r["bytes_sent_per_worker"]),
                      human_bytes(r["bytes_sent_per_worker_per_step"]),
                      human_bytes(r.get("stream_bytes_sent_per_worker")),
+                     human_bytes(r.get("stream_bytes_per_round")),
                      human_bytes(r.get("peak_stream_bytes_per_s"))))
     return format_table(rows, numeric=False)
 

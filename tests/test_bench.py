@@ -8,13 +8,14 @@ import sys
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN
-from decentral.bench import METHODS, compare, peak_rate, summarize_method, time_to_loss
+from decentral.bench import METHODS, compare, peak_rate, round_bytes, summarize_method, time_to_loss
 
 
 def records(worker, wall_per_step, steps, vals):
-    out = [{"worker": worker, "step": 0, "val_loss": vals[0], "wall_s": 0.0, "bytes_sent": 0}]
+    out = [{"worker": worker, "step": 0, "val_loss": vals[0], "wall_s": 0.0, "bytes_sent": 0, "wait_s": 3.0}]
     for s in range(1, steps + 1):
-        r = {"worker": worker, "step": s, "loss": 3.0, "wall_s": s * wall_per_step, "bytes_sent": 100 * s}
+        r = {"worker": worker, "step": s, "loss": 3.0, "wall_s": s * wall_per_step, "bytes_sent": 100 * s,
+             "wait_s": 3.0 + s * wall_per_step / 4}
         if s % 10 == 0:
             r["val_loss"] = vals[s // 10]
         out.append(r)
@@ -30,11 +31,28 @@ def test_summary_numbers_follow_from_the_records():
     assert res["steps_per_s"] == (20 / 10 + 20 / 20) / 2
     assert res["tokens_per_s"] == 64 * 20 * 2 / 20.0
     assert res["final_val_loss"] == (3.0 + 3.5) / 2 and res["best_val_loss"] == 3.0
+    assert res["blocked_fraction"] == 0.25  # each waited a quarter of its wall time (after the 3 s it took to join)
     assert res["bytes_sent_per_worker"] == 2000 and res["bytes_sent_per_worker_per_step"] == 100
     assert res["stream_bytes_sent_per_worker"] == 2000  # each worker's own count: 100 bytes per step
     assert res["peak_stream_bytes_per_s"] == (200 + 100) / 2  # the median of w0 (100 B every 0.5 s) and w1
     assert time_to_loss(res["curves"], 4.0) == 15.0  # w0 at t=5; w1 between 4.5 (t=10) and 3.5 (t=20)
     assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
+
+
+def test_a_worker_that_joined_mid_run_is_credited_only_the_steps_it_trained():
+    joiner = [{**r, "step": r["step"] + 10} for r in records("w1", 0.5, 10, [5.0, 4.0])]  # steps 10..20 in 5 s
+    raw = {"codes": [0, 0], "tx_bytes": [None, None], "records": records("w0", 0.5, 20, [5.0, 4.0, 3.0]) + joiner}
+    assert summarize_method(raw, tokens_per_step=64, steps=20)["steps_per_s"] == 2.0  # both: 2 steps a second
+
+
+def test_bytes_per_round_is_one_outer_steps_traffic_not_a_state_upload_in_some_round():
+    sent, recs = 0, []
+    for step in range(1, 61):
+        if step % 10 == 0:
+            sent += 1000 + (50_000 if step == 30 else 0)  # a newcomer downloads our state in round 3
+        recs.append({"worker": "w0", "step": step, "round": step // 10, "loss": 3.0, "bytes_sent": sent})
+    assert round_bytes(recs) == 1000
+    assert round_bytes(recs[:15]) is None  # one boundary: no whole round between two
 
 
 def test_peak_rate_is_the_most_sent_in_any_second_not_the_runs_average():
