@@ -139,10 +139,9 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
     (the median over workers of the most each one's streams sent in a second, `peak_rate`: a donor's state
     uploads to newcomers would make the maximum its own), stream_bytes_per_round (the median over workers
     of each one's median of what its streams sent from one round boundary to the next, `round_bytes`: one
-    outer step's traffic, without the state a newcomer downloaded in some round), blocked_fraction (the mean over workers of the
-    share of their wall time spent waiting on the network: what overlapping the average removes), and the
-    validation curves
-    ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
+    outer step's traffic, without the state a newcomer downloaded in some round), blocked_fraction (the
+    mean over workers of the share of their wall time spent waiting on the network: what overlapping the
+    average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
         by_worker.setdefault(r["worker"], []).append(r)

@@ -151,7 +151,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-workers", type=int, default=1, help="number of data shards")
     p.add_argument("--name", default="worker", help="name in logs and metrics")
     p.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
-    p.add_argument("--min-peers", type=int, default=1, help="wait until this many peers (us included) are up and ready to train our first round")
+    p.add_argument("--min-peers", type=int, default=1,
+                   help="wait until this many peers (us included) are up and ready to train our first round")
     p.add_argument("--island", metavar="tcp://HOST:PORT",
                    help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
     p.add_argument("--rank", type=int, default=0)

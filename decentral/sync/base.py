@@ -340,8 +340,8 @@ class SyncProtocol:
     def _rejoin(self) -> float | None:
         """The members we must match went past our round (we fell a round behind: slow, or left out and
         late): join them as a newcomer does, at their state, round and inner step (what of ours their
-        state does not hold is lost, as in a repair). Returns the RMS
-        distance of our `weights_key` tensor from theirs, or None when nobody served their state."""
+        state does not hold is lost, as in a repair). Returns the RMS distance of our `weights_key` tensor
+        from theirs, or None when nobody served their state."""
         before, behind = self.snapshot(), self.round
         if not self._take_swarm_state():
             return None
