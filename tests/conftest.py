@@ -47,6 +47,13 @@ def run_in_threads(fns, timeout: float = 60.0) -> list:
     return out
 
 
+def loss_step(protocol, x) -> None:
+    """One inner step of `protocol`'s model on the loss mean(model(x)²), through its optimizer (and hooks)."""
+    protocol.model(x).pow(2).mean().backward()
+    protocol.optimizer.step()
+    protocol.optimizer.zero_grad()
+
+
 def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():

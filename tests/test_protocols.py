@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from conftest import run_in_threads, wait_until
+from conftest import loss_step, run_in_threads, wait_until
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo
 
 
@@ -414,25 +414,20 @@ def test_a_co2_average_runs_in_the_background_while_the_next_round_trains(make_l
     first, second = make_protocols(make_loopback(2), CO2, every=4)
     x = torch.randn(8, 5)
 
-    def inner_step(p):
-        p.model(x).pow(2).mean().backward()
-        p.optimizer.step()
-        p.optimizer.zero_grad()
-
     with first, second:
         for _ in range(4):
-            inner_step(first)
+            loss_step(first, x)
         in_flight = first.in_flight.future
         for _ in range(3):  # training goes on, and the average waits for the second peer's part
-            inner_step(first)
+            loss_step(first, x)
             assert not in_flight.done()
         for _ in range(4):
-            inner_step(second)
+            loss_step(second, x)
         assert in_flight.result().complete and in_flight.result().contributors == 2
-        inner_step(first)  # first's next boundary: the average of round 0 is applied
+        loss_step(first, x)  # first's next boundary: the average of round 0 is applied
         assert first.round == 2 and first.momentum.abs().sum() > 0
         for _ in range(4):
-            inner_step(second)
+            loss_step(second, x)
     assert torch.equal(first.slow, second.slow)  # leaving the block applied round 1's average on both
 
 

@@ -5,7 +5,7 @@ error feedback, and the fragment still in flight when training ends."""
 import pytest
 import torch
 
-from conftest import run_in_threads
+from conftest import loss_step, run_in_threads
 from decentral.loopback import LoopbackHub
 from decentral.models import GPT, GPTConfig
 from decentral.sync import DiLoCo, StreamingDiLoCo
@@ -172,24 +172,19 @@ def test_a_fragment_average_runs_in_the_background_while_training_goes_on(make_l
     first, second = make_protocols(make_loopback(2), StreamingDiLoCo, every=12, fragments=3, delay=3)
     x = torch.randn(8, 5)
 
-    def inner_step(p):
-        p.model(x).pow(2).mean().backward()
-        p.optimizer.step()
-        p.optimizer.zero_grad()
-
     with first, second:
-        inner_step(first)  # fragment 0 launches at step 4 - 3 = 1
+        loss_step(first, x)  # fragment 0 launches at step 4 - 3 = 1
         in_flight = first.in_flight.future
         for _ in range(2):  # training goes on, and the average waits for the second peer's part
-            inner_step(first)
+            loss_step(first, x)
             assert not in_flight.done()
-        inner_step(second)
+        loss_step(second, x)
         assert in_flight.result().complete and in_flight.result().contributors == 2
-        inner_step(first)  # step 4: fragment 0 lands
+        loss_step(first, x)  # step 4: fragment 0 lands
         assert first.in_flight is None and first.momentum[PARTS[0]].abs().sum() > 0
         assert first.momentum[PARTS[0].stop:].abs().sum() == 0
         for _ in range(3):
-            inner_step(second)
+            loss_step(second, x)
     assert torch.equal(first.slow, second.slow) and torch.equal(first.momentum, second.momentum)
 
 
