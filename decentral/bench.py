@@ -6,6 +6,7 @@ compute utilisation = a method's inner steps per second ÷ the reference's, so C
 machinery steals from training counts against the method. Bytes are what each host's interface
 sent (netns mode; in loopback mode, what the workers counted on their own streams).
 Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and prints a table.
+OUT/results.json is rewritten as each method finishes: `--report OUT` tables an interrupted run's.
 """
 
 from __future__ import annotations
@@ -334,6 +335,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
             res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=args.steps)
             results["methods"][method] = res
+            (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
             print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
                   f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
     return report(results, out, args.target_loss)
