@@ -215,11 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pipeline_parser(sub)
 
-    from decentral import bench, btmbench, netlab, soakbench, syncbench
+    from decentral import bench, btmbench, netlab, soakbench, sweepbench, syncbench
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
                                   "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
-                                  "`bench soak`: a swarm under churn")
+                                  "`bench soak`: a swarm under churn; `bench sweep`: a protocol's settings on loss")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
     suites = bench_parser.add_subparsers(dest="suite", title="other benchmarks")
@@ -230,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("btm", btmbench, "branch-train-merge against a dense model of equal compute"),
             ("merge", merge_bench, "merge time and peak memory against reading the inputs once"),
             ("soak", soakbench, "a swarm whose peers are killed and restarted, against the same without"),
+            ("sweep", sweepbench, "one protocol's settings against each other on loss (in one process, no network)"),
             ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)")):
         module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter))

@@ -64,6 +64,7 @@ class WorkerOptions:
     name: str = "worker"
     on_ready: Callable[[list[str]], None] | None = None  # gets our multiaddrs once we have joined
     print_fn: Callable[[str], None] = print
+    transport: Transport | None = None  # given, the worker uses it (and closes it) instead of making one
 
 
 def inner_lr(step: int, recipe: Recipe) -> float:
@@ -106,9 +107,11 @@ def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.opti
 
 
 def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:
-    """No network for `local`; a torch.distributed island when `opts.island` is set (NCCL when we train on
-    a GPU, gloo otherwise); else the swarm."""
+    """`opts.transport` when given; no network for `local`; a torch.distributed island when `opts.island`
+    is set (NCCL when we train on a GPU, gloo otherwise); else the swarm."""
     s = recipe.swarm
+    if opts.transport is not None:
+        return opts.transport
     if recipe.protocol == "local":
         return SoloTransport()
     if opts.island:

@@ -1,0 +1,192 @@
+"""`decentral bench sweep`: one protocol's settings against each other, on validation loss.
+
+Every point of the grid (`--set KEY=V1,V2,...` for each setting swept; the points are their product)
+trains the same model on the same data shards for the same `--steps`, with `--workers` workers in one
+process joined by a `LoopbackHub` (decentral.loopback: exact float32 averages, no network). Only loss
+is compared: the workers share this machine's cores, so the wall time of a sweep says nothing about a
+method's speed (that is `decentral bench`'s job), and loss at equal steps does not depend on timing,
+so a sweep gives the same numbers on a busy machine. `--with-local` adds the same workers without any
+communication, so a sweep also says whether syncing helps at all.
+
+KEY is a protocol setting (`outer_lr`) or `train.NAME` (`train.lr`); values are YAML (`0.7`, `true`).
+Writes OUT/results.json (rewritten after each point) and OUT/sweep.png (each point's validation
+curve, worker 0), and prints a table sorted by final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import itertools
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from decentral.config import RecipeError, default_recipe_path, parse_recipe, read_yaml
+from decentral.loopback import LoopbackHub
+from decentral.metrics import format_table
+from decentral.worker import WorkerOptions, run_worker
+
+
+def parse_grid(settings: list[str]) -> dict[str, list]:
+    """{KEY: [values]} from `--set KEY=V1,V2` arguments; RecipeError on a malformed one."""
+    grid: dict[str, list] = {}
+    for item in settings:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip() or not values.strip():
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE[,VALUE...], e.g. outer_lr=0.7,1.0")
+        if key.count(".") > 1 or (key.count(".") == 1 and not key.startswith("train.")):
+            raise RecipeError(f"--set {item!r}: KEY is a protocol setting (outer_lr) or train.NAME (train.lr)")
+        grid[key.strip()] = [_value(v.strip()) for v in values.split(",")]
+    return grid
+
+
+def _value(text: str):
+    """A YAML scalar, with numbers YAML 1.1 leaves as strings (1e-3) read as numbers."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def point_recipe(base: dict, settings: dict) -> dict:
+    """`base` (a recipe's mapping) with `settings` ({KEY: value}) applied."""
+    recipe = copy.deepcopy(base)
+    for key, value in settings.items():
+        section, _, name = key.rpartition(".")
+        recipe.setdefault(section or "protocol", {})[name] = value
+    return recipe
+
+
+def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[str] | None, label: str) -> dict:
+    """Train `workers` workers of one recipe in threads of this process, joined by one LoopbackHub (none
+    for `local`); their final validation losses, worker 0's curve, the wall time, and the error if one
+    raised (a diverged point is a result, not a crash)."""
+    recipe = point_recipe(recipe, {"train.steps": steps})
+    parsed = parse_recipe(recipe, label)  # RecipeError names the point
+    hub = None if parsed.protocol == "local" else LoopbackHub(timeout_s=max(60.0, parsed.swarm.timeout))
+    results: dict[int, dict] = {}
+    errors: dict[int, str] = {}
+    curve: list[tuple[int, float]] = []
+
+    def work(i: int) -> None:
+        def show(line: str) -> None:
+            if i == 0:
+                print(f"sweep: {label}: {line}", flush=True)
+
+        opts = WorkerOptions(out=out / f"w{i}", data=data, worker_index=i, num_workers=workers, name=f"w{i}",
+                             min_peers=workers if hub else 1, print_fn=show,
+                             transport=hub.transport() if hub else None)
+        try:
+            results[i] = run_worker(parsed, opts)
+        except Exception as e:  # noqa: BLE001 (reported per point: a diverged setting is an outcome)
+            errors[i] = f"{type(e).__name__}: {e}"
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=work, args=(i,), name=f"sweep-w{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    metrics = out / "w0" / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("val_loss") is not None:
+                curve.append((record["step"], record["val_loss"]))
+    finals = [r["val_loss"] for r in results.values() if r.get("val_loss") is not None]
+    return {"final_val_loss": statistics.mean(finals) if len(finals) == workers else None,
+            "worker_final_val_loss": finals, "curve": curve, "wall_s": time.monotonic() - started,
+            "error": next(iter(errors.values()), None)}
+
+
+def format_sweep(results: dict) -> str:
+    keys = list(results["config"]["grid"])
+    rows = [(*keys, "final val", "vs best", "status")]
+    done = [p for p in results["points"] if p["final_val_loss"] is not None]
+    best = min((p["final_val_loss"] for p in done), default=None)
+    for p in sorted(results["points"], key=lambda p: (p["final_val_loss"] is None, p["final_val_loss"] or 0)):
+        final = p["final_val_loss"]
+        rows.append((*(str(p["settings"].get(k, "-")) for k in keys),
+                     "-" if final is None else f"{final:.3f}",
+                     "-" if final is None else f"{final / best - 1:+.1%}",
+                     "ok" if p["error"] is None else p["error"][:60]))
+    return format_table(rows, numeric=False)
+
+
+def plot_sweep(results: dict, out_png: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    ax = fig.add_subplot()
+    for p in results["points"]:
+        if p["curve"]:
+            ax.plot(*zip(*p["curve"][1:] or p["curve"]), marker=".", label=p["label"])
+    cfg = results["config"]
+    ax.set(xlabel="inner step", ylabel="validation loss (worker 0)",
+           title=f"{cfg['protocol']}: {cfg['workers']} workers, {cfg['steps']} steps (loopback, exact averages)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out_png)
+    return out_png
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    path = args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol)
+    try:
+        base = read_yaml(path)
+        grid = parse_grid(args.set)
+        points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+        for settings in points:  # every point is a valid recipe before anything trains
+            parse_recipe(point_recipe(base, settings), f"{path} with {settings}")
+    except RecipeError as e:
+        print(f"bench sweep: {e}", file=sys.stderr)
+        return 2
+    if args.workers < 1 or args.steps < 1:
+        print("bench sweep: --workers and --steps must be >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    labelled = [(", ".join(f"{k}={v}" for k, v in s.items()) or "as the recipe", s, base) for s in points]
+    if args.with_local:
+        local = {"protocol": {"name": "local"}, **{k: v for k, v in base.items() if k != "protocol"}}
+        labelled.append(("local (no communication)", {}, local))
+    results = {"config": {"protocol": str(path), "steps": args.steps, "workers": args.workers, "grid": grid,
+                          "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}"},
+               "points": []}
+    for k, (label, settings, recipe) in enumerate(labelled, 1):
+        print(f"sweep: [{k}/{len(labelled)}] {label} ...", flush=True)
+        point = train_point(point_recipe(recipe, settings), args.steps, args.workers, out / f"point{k}",
+                            args.data, label)
+        results["points"].append({"label": label, "settings": settings, **point})
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        final = point["final_val_loss"]
+        print(f"sweep: [{k}/{len(labelled)}] {label}: " + (f"final val {final:.3f}" if final is not None else
+              f"FAILED ({point['error']})") + f" in {point['wall_s']:.0f}s", flush=True)
+    plot_sweep(results, out / "sweep.png")
+    print(format_sweep(results))
+    print(f"bench sweep: results in {out / 'results.json'}, plot {out / 'sweep.png'}")
+    return 0 if all(p["error"] is None for p in results["points"]) else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                        help="a setting and the values to try (repeat for a grid): outer_lr=0.7,1.0 or train.lr=1e-3")
+    parser.add_argument("--steps", type=int, default=400, help="inner steps per worker (the schedule's length)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--with-local", action="store_true", help="also train the workers without communication")
+    parser.add_argument("--data", nargs="*", default=None, help="text for every point (default: Python's stdlib)")
+    parser.add_argument("--out", default="runs/sweep")
+    parser.set_defaults(func=run_sweep)

@@ -1,0 +1,43 @@
+"""`decentral bench sweep`: the grid it trains is the one asked for, each point really gets its settings,
+and the workers of a point really average (loopback hub) while `local`'s do not."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import write_recipe
+from decentral.config import RecipeError
+from decentral.sweepbench import parse_grid, point_recipe
+
+
+def test_the_grid_is_the_product_of_the_settings_and_a_malformed_one_is_refused():
+    grid = parse_grid(["outer_lr=0.7,1.0", "train.lr=1e-3", "nesterov=true,false"])
+    assert grid == {"outer_lr": [0.7, 1.0], "train.lr": [1e-3], "nesterov": [True, False]}
+    recipe = point_recipe({"protocol": {"name": "diloco", "outer_lr": 0.5}, "train": {"steps": 9}},
+                          {"outer_lr": 1.0, "train.lr": 1e-3})
+    assert recipe == {"protocol": {"name": "diloco", "outer_lr": 1.0}, "train": {"steps": 9, "lr": 1e-3}}
+    for bad in ("outer_lr", "outer_lr=", "model.n_layer=2", "a.b.c=1"):
+        with pytest.raises(RecipeError, match="--set"):
+            parse_grid([bad])
+
+
+def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, small_corpus):
+    recipe = write_recipe(tmp_path / "diloco.yaml", {"name": "diloco", "every": 5, "outer_momentum": 0.0}, steps=10)
+    out = tmp_path / "sweep"
+    run = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "sweep", "--protocol", str(recipe),
+                          "--steps", "10", "--workers", "2", "--set", "outer_lr=0.0,1.0", "--with-local",
+                          "--data", str(small_corpus), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    points = {p["label"]: p for p in json.loads((out / "results.json").read_text())["points"]}
+    assert set(points) == {"outer_lr=0.0", "outer_lr=1.0", "local (no communication)"}
+    frozen, moved, local = points["outer_lr=0.0"], points["outer_lr=1.0"], points["local (no communication)"]
+    # outer lr 0: φ never moves, and after the last outer step the model is φ, the initial weights
+    assert frozen["final_val_loss"] == pytest.approx(frozen["curve"][0][1], abs=1e-4)
+    assert moved["final_val_loss"] < moved["curve"][0][1] - 0.1
+    # DiLoCo's replicas end identical (they averaged); each local worker trained alone on its own shard
+    assert moved["worker_final_val_loss"][0] == pytest.approx(moved["worker_final_val_loss"][1], abs=1e-6)
+    assert abs(local["worker_final_val_loss"][0] - local["worker_final_val_loss"][1]) > 1e-4
+    assert (out / "sweep.png").stat().st_size > 0
+    assert "final val" in run.stdout
