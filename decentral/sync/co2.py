@@ -20,6 +20,14 @@ outer step, and with H=50 it oscillated here (4 peers of one LoopbackHub, protoc
 script not kept: validation loss 2.43 at step 150, 3.83 at 250; DiLoCo 2.09). Starting from φ_{t+1} plus our own part of the average in flight
 keeps our own progress undelayed; only the others' arrives a round late. φ and m stay identical on
 every replica; θ_i differs by each one's own progress, as it does within a DiLoCo round.
+Whatever a round starts from, φ counts every round's average exactly once; the start only decides where
+the next round's gradients are taken. Four starts φ_{t+1} − e, e standing in for the average in flight,
+measured 2026-11-25 (4 workers of one LoopbackHub, protocols/co2.yaml, 400 steps, one run each, the
+others by an ad-hoc patch): e = our own part 2.026 (this rule); e = (own + (k−1)·the last average)/k
+(the "eager" proxy of Kale et al. 2025) 2.255; e = 0 (the reference's) 2.367; e = the last average
+2.527; DiLoCo with momentum 0 1.991, no communication 2.061. What no rule removes: a round's start
+trades our own progress of the round before for the average of it, after a whole round was trained
+on top of it; in long runs that costs more than averaging gains (README, known limits).
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
 round's, so nothing trained is lost. With a codec that sends a small part of each tensor (top-k), what
