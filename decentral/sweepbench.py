@@ -162,7 +162,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.with_local:
         local = {"protocol": {"name": "local"}, **{k: v for k, v in base.items() if k != "protocol"}}
         labelled.append(("local (no communication)", {}, local))
-    results = {"config": {"protocol": str(path), "steps": args.steps, "workers": args.workers, "grid": grid,
+    results = {"config": {"protocol": args.protocol, "steps": args.steps, "workers": args.workers, "grid": grid,
                           "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}"},
                "points": []}
     for k, (label, settings, recipe) in enumerate(labelled, 1):
