@@ -24,10 +24,11 @@ Whatever a round starts from, φ counts every round's average exactly once; the 
 the next round's gradients are taken. Four starts φ_{t+1} − e, e standing in for the average in flight,
 measured 2026-11-25 (4 workers of one LoopbackHub, protocols/co2.yaml, 400 steps, one run each, the
 others by an ad-hoc patch): e = our own part 2.026 (this rule); e = (own + (k−1)·the last average)/k
-(the "eager" proxy of Kale et al. 2025) 2.255; e = 0 (the reference's) 2.367; e = the last average
-2.527; DiLoCo with momentum 0 1.991, no communication 2.061. What no rule removes: a round's start
-trades our own progress of the round before for the average of it, after a whole round was trained
-on top of it; in long runs that costs more than averaging gains (README, known limits).
+(the "eager" proxy of Kale et al. 2025) 2.255; e = 0 (the reference's) 2.367, with outer lr 0.7 / 0.5
+2.182 / 2.191; e = the last average 2.527; DiLoCo with momentum 0 1.991, no communication 2.061. What no
+rule removes: a round's start trades our own progress of the round before for the average of it, after a
+whole round was trained on top of it; in long runs that costs more than averaging gains (README, known
+limits).
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
 round's, so nothing trained is lost. With a codec that sends a small part of each tensor (top-k), what
