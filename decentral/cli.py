@@ -12,7 +12,7 @@ from pathlib import Path
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 
-from decentral.config import RecipeError, default_recipe_path, load_recipe
+from decentral.config import RecipeError, load_recipe, recipe_path
 
 
 DOMAIN_HELP = ("a text domain, repeatable: batches are balanced over the domains and validation uses each "
@@ -21,7 +21,7 @@ DEVICE_HELP = "auto (a GPU when there is one), cpu, cuda or cuda:N (default: the
 
 
 def _recipe(args):
-    recipe = load_recipe(args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol))
+    recipe = load_recipe(recipe_path(args.protocol))
     if getattr(args, "steps", None):
         recipe.train.steps = args.steps
     if getattr(args, "batch_size", None):

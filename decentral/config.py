@@ -168,3 +168,8 @@ def load_recipe(path: str | Path) -> Recipe:
 def default_recipe_path(protocol: str) -> Path:
     """protocols/<name>.yaml shipped with the repository."""
     return Path(__file__).resolve().parent.parent / "protocols" / f"{protocol}.yaml"
+
+
+def recipe_path(name_or_file: str) -> Path:
+    """A `--protocol` argument as a file: a .yaml/.yml path as given, else the shipped recipe of that name."""
+    return Path(name_or_file) if name_or_file.endswith((".yaml", ".yml")) else default_recipe_path(name_or_file)

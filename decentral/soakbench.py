@@ -41,7 +41,7 @@ from pathlib import Path
 
 import yaml
 
-from decentral.config import default_recipe_path, load_recipe
+from decentral.config import load_recipe, recipe_path
 from decentral.metrics import format_table
 from decentral.netlab import NetLab
 from decentral.swarm.admission import SwarmKey
@@ -306,7 +306,7 @@ def run_soak(args: argparse.Namespace) -> int:
     key_file = out / "swarm.key"
     key_file.unlink(missing_ok=True)
     SwarmKey.generate(key_file)
-    recipe = load_recipe(args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol))
+    recipe = load_recipe(recipe_path(args.protocol))
     recipe.train.steps = args.steps
     recipe.swarm.key_file = str(key_file.resolve())
     bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth

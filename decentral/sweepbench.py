@@ -29,9 +29,9 @@ from pathlib import Path
 
 import yaml
 
-from decentral.config import RecipeError, default_recipe_path, parse_recipe, read_yaml
+from decentral.config import RecipeError, parse_recipe, read_yaml, recipe_path
 from decentral.loopback import LoopbackHub
-from decentral.metrics import format_table
+from decentral.metrics import format_table, read_metrics
 from decentral.worker import WorkerOptions, run_worker
 
 
@@ -77,7 +77,6 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
     hub = None if parsed.protocol == "local" else LoopbackHub(timeout_s=max(60.0, parsed.swarm.timeout))
     results: dict[int, dict] = {}
     errors: dict[int, str] = {}
-    curve: list[tuple[int, float]] = []
 
     def work(i: int) -> None:
         def show(line: str) -> None:
@@ -99,11 +98,8 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
     for t in threads:
         t.join()
     metrics = out / "w0" / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("val_loss") is not None:
-                curve.append((record["step"], record["val_loss"]))
+    records = read_metrics(metrics) if metrics.exists() else []
+    curve = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     finals = [r["val_loss"] for r in results.values() if r.get("val_loss") is not None]
     return {"final_val_loss": statistics.mean(finals) if len(finals) == workers else None,
             "worker_final_val_loss": finals, "curve": curve, "wall_s": time.monotonic() - started,
@@ -143,7 +139,7 @@ def plot_sweep(results: dict, out_png: Path) -> Path:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    path = args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol)
+    path = recipe_path(args.protocol)
     try:
         base = read_yaml(path)
         grid = parse_grid(args.set)

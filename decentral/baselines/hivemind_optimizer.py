@@ -43,7 +43,7 @@ from hivemind.optim import Optimizer
 from hivemind.utils import get_dht_time
 
 from decentral.checkpoint import save_checkpoint
-from decentral.config import Recipe, RecipeError, default_recipe_path, load_recipe
+from decentral.config import Recipe, RecipeError, load_recipe, recipe_path
 from decentral.data.batches import Batch, eval_batches, evaluate, train_batches
 from decentral.data.corpus import load_corpus
 from decentral.device import pick_device
@@ -418,8 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        path = args.protocol if args.protocol.endswith((".yaml", ".yml")) else default_recipe_path(args.protocol)
-        recipe = load_recipe(path)
+        recipe = load_recipe(recipe_path(args.protocol))
     except RecipeError as e:
         print(f"hivemind baseline: {e}", file=sys.stderr)
         return 2
