@@ -20,6 +20,7 @@ import copy
 import datetime as dt
 import itertools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -101,7 +102,9 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
     records = read_metrics(metrics) if metrics.exists() else []
     curve = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     finals = [r["val_loss"] for r in results.values() if r.get("val_loss") is not None]
-    return {"final_val_loss": statistics.mean(finals) if len(finals) == workers else None,
+    if not errors and not all(math.isfinite(v) for v in finals):  # diverged between the protocol's checks
+        errors[0] = "diverged: a final validation loss is not finite"
+    return {"final_val_loss": statistics.mean(finals) if len(finals) == workers and not errors else None,
             "worker_final_val_loss": finals, "curve": curve, "wall_s": time.monotonic() - started,
             "error": next(iter(errors.values()), None)}
 

@@ -41,3 +41,14 @@ def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, sm
     assert abs(local["worker_final_val_loss"][0] - local["worker_final_val_loss"][1]) > 1e-4
     assert (out / "sweep.png").stat().st_size > 0
     assert "final val" in run.stdout
+
+
+def test_a_point_that_diverges_is_reported_failed_not_ranked(tmp_path, small_corpus):
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=10)
+    out = tmp_path / "sweep"
+    run = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "sweep", "--protocol", str(recipe),
+                          "--steps", "10", "--workers", "1", "--set", "train.lr=1e6", "--data", str(small_corpus),
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    (point,) = json.loads((out / "results.json").read_text())["points"]
+    assert point["final_val_loss"] is None and "diverged" in point["error"]
