@@ -32,6 +32,10 @@ def _recipe(args):
         recipe.swarm.timeout = args.timeout
     if getattr(args, "device", None):
         recipe.train.device = args.device
+    if getattr(args, "island_size", None):
+        recipe.island.size = args.island_size
+    if getattr(args, "island_mode", None):
+        recipe.island.mode = args.island_mode
     key = swarm_key_path(args)
     if key:
         recipe.swarm.key_file = str(Path(key).resolve())
@@ -58,6 +62,7 @@ def swarm_key(path: str | None):
 def train_worker(recipe, args, **overrides) -> int:
     """Run one worker with `recipe`, the options of the train command's `args` and `overrides`
     (WorkerOptions fields); print its outcome and return the exit code."""
+    from decentral.hierarchy import IslandError
     from decentral.sync import DivergedError
     from decentral.worker import WorkerOptions, run_worker
 
@@ -80,18 +85,38 @@ def train_worker(recipe, args, **overrides) -> int:
         summary = run_worker(recipe, WorkerOptions(**{**options, **overrides}))
     except DivergedError:
         return 3
+    except IslandError as e:
+        who = args.name + (f".rank{overrides['rank']}" if overrides.get("rank") else "")
+        print(f"[{who}] stopped: {e}. The island left the swarm, whose other members go on; restart the island "
+              f"with --resume to rejoin (checkpoint in {args.out})", flush=True)
+        return 4
     except KeyboardInterrupt:
         return 130
-    print(f"[{args.name}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
+    print(f"[{summary['worker']}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
           f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s", flush=True)
     return 0
 
 
 def cmd_train(args) -> int:
+    from decentral.ranks import rank_from_env, spawn_ranks
+
     recipe = _recipe(args)
-    if recipe.protocol != "local" and not args.island:
+    launched = None if args.island else rank_from_env()  # torchrun (or --island-size) started us as a rank
+    if launched is None and recipe.island.size > 1 and not args.island:
+        if recipe.protocol == "local":
+            raise RecipeError("an island (island.size > 1) is one member of a swarm: give it an outer protocol, "
+                              "not local")
+        return spawn_ranks(args.argv, recipe.island.size)
+    overrides = {}
+    if launched is not None:
+        if recipe.island.size not in (1, launched.world_size):
+            raise RecipeError(f"island.size is {recipe.island.size} but the launcher started {launched.world_size} "
+                              "ranks (WORLD_SIZE)")
+        overrides = dict(island="env://", island_mode=recipe.island.mode, rank=launched.rank,
+                         world_size=launched.world_size, local_rank=launched.local_rank)
+    if recipe.protocol != "local" and not args.island and (launched is None or launched.rank == 0):
         swarm_key(recipe.swarm.key_file)  # a bad key file fails here, before any training; no key: the notice
-    return train_worker(recipe, args)
+    return train_worker(recipe, args, **overrides)
 
 
 def cmd_swarm_start(args) -> int:
@@ -157,6 +182,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--island-size", type=int, metavar="N",
+                   help="train as a fast island of N local ranks that all-reduce gradients every step and are one "
+                   "member of the swarm (default: the recipe's island.size; torchrun sets it by WORLD_SIZE)")
+    p.add_argument("--island-mode", choices=["leader", "sharded"],
+                   help="between islands: rank 0 averages for the island (leader), or each rank 1/N of it over "
+                   "its own connection (sharded) (default: the recipe's island.mode)")
     add_network_arguments(p)
 
 
@@ -246,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if args.verbose
                         else "%(levelname)s %(name)s: %(message)s")
@@ -256,12 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.experts.registry import RegistryError
     from decentral.merge import MergeError
     from decentral.pipeline import NetworkError
+    from decentral.ranks import LaunchError
     from decentral.swarm import AdmissionError, SwarmError
 
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
-            AdmissionError, NetworkError) as e:
+            AdmissionError, NetworkError, LaunchError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,7 @@ A recipe has four sections; every one is optional and falls back to the defaults
     train:    {steps: 400, batch_size: 16, lr: 3.0e-3, ...}
     model:    {n_layer: 4, d_model: 128, ...}               # decentral.models.GPTConfig fields
     swarm:    {timeout: 60, codec: float16, ...}
+    island:   {size: 2, mode: leader, backend: auto}           # ranks per fast island (decentral.hierarchy)
 
 Unknown keys are errors that name the key and list the allowed ones.
 """
@@ -56,6 +57,17 @@ class SwarmConfig:
     key_file: str = ""  # swarm key (decentral swarm keygen): only peers holding it take part; "" = an open swarm
 
 
+ISLAND_MODES = ("leader", "sharded")
+ISLAND_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class IslandConfig:
+    size: int = 1  # ranks per island: they all-reduce gradients every step and are one member of the swarm
+    mode: str = "leader"  # leader: rank 0 averages for the island; sharded: each rank averages 1/size of it
+    backend: str = "auto"  # inside the island: auto (nccl when training on a GPU, else gloo), gloo, nccl
+
+
 @dataclass
 class Recipe:
     protocol: str = "noloco"
@@ -63,6 +75,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    island: IslandConfig = field(default_factory=IslandConfig)
 
     def to_dict(self) -> dict:
         return {
@@ -70,6 +83,7 @@ class Recipe:
             "train": dataclasses.asdict(self.train),
             "model": dataclasses.asdict(self.model),
             "swarm": dataclasses.asdict(self.swarm),
+            "island": dataclasses.asdict(self.island),
         }
 
 
@@ -113,9 +127,10 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a mapping at the top level")
-    unknown = sorted(set(data) - {"protocol", "train", "model", "swarm"})
+    sections = ["island", "model", "protocol", "swarm", "train"]
+    unknown = sorted(set(data) - set(sections))
     if unknown:
-        raise RecipeError(f"{where}: unknown section(s) {unknown}; allowed: ['model', 'protocol', 'swarm', 'train']")
+        raise RecipeError(f"{where}: unknown section(s) {unknown}; allowed: {sections}")
     proto = dict(data.get("protocol") or {})
     name = proto.pop("name", "noloco")
     if name not in PROTOCOLS:
@@ -130,7 +145,19 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
         train=typed_section(TrainConfig, data.get("train"), f"{where}: train"),
         model=typed_section(GPTConfig, data.get("model"), f"{where}: model"),
         swarm=_swarm_section(data.get("swarm"), f"{where}: swarm", name),
+        island=_island_section(data.get("island"), f"{where}: island"),
     )
+
+
+def _island_section(values: Any, where: str) -> IslandConfig:
+    island = typed_section(IslandConfig, values, where)
+    if island.size < 1:
+        raise RecipeError(f"{where}.size: must be >= 1, got {island.size}")
+    if island.mode not in ISLAND_MODES:
+        raise RecipeError(f"{where}.mode: {island.mode!r} is not one of {list(ISLAND_MODES)}")
+    if island.backend not in ISLAND_BACKENDS:
+        raise RecipeError(f"{where}.backend: {island.backend!r} is not one of {list(ISLAND_BACKENDS)}")
+    return island
 
 
 def _swarm_section(values: Any, where: str, protocol: str) -> SwarmConfig:

@@ -13,6 +13,7 @@ start model's hash, the step it started at, tokens seen) that expert folders car
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -31,6 +32,7 @@ from decentral.data.domains import balanced_eval_batches, load_domains
 from decentral.device import pick_device
 from decentral.experts.branch import StartPoint, load_start_point
 from decentral.experts.registry import RegistryError
+from decentral.hierarchy import IslandError
 from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.swarm import SwarmTransport
@@ -53,9 +55,12 @@ class WorkerOptions:
     port: int = 0
     announce_host: str | None = None
     resume: bool = False
-    island: str | None = None  # torch.distributed init method (tcp://HOST:PORT): sync inside a fast island
+    island: str | None = None  # torch.distributed init method (tcp://HOST:PORT, env://) of our fast island
+    island_mode: str | None = None  # leader / sharded: the island trains as one member of the swarm
+    # (decentral.hierarchy); None: the island is the whole run, its ranks the protocol's members
     rank: int = 0
     world_size: int = 1
+    local_rank: int | None = None  # our rank on this machine (which GPU); None: `rank`
     domains: Sequence[str] | None = None  # NAME or NAME=PATH (decentral.data.domains): balanced batches
     init_from: Path | None = None  # a checkpoint or expert folder to start from (ignored when resuming)
     stop_at: int | None = None  # stop at this inner step; the LR schedule still spans train.steps
@@ -83,9 +88,12 @@ def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: 
     save_checkpoint(opts.out / "checkpoint", tensors, meta)
 
 
-def _restore(protocol: SyncProtocol, opts: WorkerOptions) -> dict:
-    """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage."""
-    tensors, meta = load_checkpoint(opts.out / "checkpoint")
+def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) -> dict:
+    """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage.
+    In an island every rank takes its leader's checkpoint (a rank killed between two saves holds an older
+    one, and the island's replicas must be identical)."""
+    state = load_checkpoint(opts.out / "checkpoint") if not opts.island_mode or opts.rank == 0 else None
+    tensors, meta = transport.from_leader(state) if opts.island_mode else state
     model, sync = load_training_state(tensors, meta, protocol.optimizer)
     protocol.model.load_state_dict(model)
     protocol.load_state_dict(sync)
@@ -108,19 +116,35 @@ def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.opti
 
 def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:
     """`opts.transport` when given; no network for `local`; a torch.distributed island when `opts.island`
-    is set (NCCL when we train on a GPU, gloo otherwise); else the swarm."""
+    is set (recipe island.backend; auto: NCCL when we train on a GPU, gloo otherwise), joined to the
+    swarm as one member when `opts.island_mode` is; else the swarm."""
     s = recipe.swarm
     if opts.transport is not None:
         return opts.transport
     if recipe.protocol == "local":
         return SoloTransport()
-    if opts.island:
-        from decentral.island import IslandTransport
+    if not opts.island:
+        return _swarm_connection(recipe, opts, s.run, opts.join, opts.port)
+    from decentral.island import IslandTransport
 
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        return IslandTransport(opts.island, opts.rank, opts.world_size, backend=backend, timeout=s.timeout)
+    backend = recipe.island.backend if recipe.island.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+    island = IslandTransport(opts.island, opts.rank, opts.world_size, backend=backend, timeout=s.timeout)
+    if opts.island_mode is None:
+        return island
+    from decentral.hierarchy import HierarchicalTransport, shard_run
+
+    def connect(rank: int, leader_addrs: list[str]) -> Transport:
+        return _swarm_connection(recipe, opts, shard_run(s.run, rank), [*opts.join, *leader_addrs],
+                                 opts.port + rank if opts.port else 0)
+
+    return HierarchicalTransport(island, connect, mode=opts.island_mode,
+                                 timeout_s=opts.wait_peers_s + 10 * s.timeout)
+
+
+def _swarm_connection(recipe: Recipe, opts: WorkerOptions, run: str, join: Sequence[str], port: int) -> Transport:
+    s = recipe.swarm
     return SwarmTransport(
-        s.run, opts.join, host=opts.host, port=opts.port, announce_host=opts.announce_host,
+        run, join, host=opts.host, port=port, announce_host=opts.announce_host,
         timeout=s.timeout, codec=s.codec, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
         heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
         swarm_key=SwarmKey.load(s.key_file) if s.key_file else None,
@@ -130,11 +154,19 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
 def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     """Train until `recipe.train.steps` (or `opts.stop_at`) inner steps; returns a summary dict.
 
-    Raises DivergedError, DataError (bad data), RegistryError (a bad start point)."""
+    In an island joined to the swarm (`opts.island_mode`), every rank runs this with its own `rank`; rank r > 0
+    writes to OUT/rankR. The ranks' gradients are all-reduced every step (DistributedDataParallel), and
+    each rank reads its own data shard.
+
+    Raises DivergedError, DataError (bad data), RegistryError (a bad start point), IslandError (a rank of
+    our island failed: the island left the swarm)."""
     torch.set_num_threads(1)
     t = recipe.train
     torch.manual_seed(t.seed)
-    device = pick_device(t.device, opts.rank if opts.island else (opts.worker_index or 0))
+    if opts.island_mode and opts.rank > 0:
+        opts = dataclasses.replace(opts, out=opts.out / f"rank{opts.rank}", name=f"{opts.name}.rank{opts.rank}")
+    slot = opts.local_rank if opts.local_rank is not None else opts.rank
+    device = pick_device(t.device, slot if opts.island else (opts.worker_index or 0))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL collectives run on the current device
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -151,14 +183,22 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         lineage = {"parent": start.parent, "start_step": start.step, "start_tokens": start.tokens}
     transport = make_transport(recipe, opts, device)
     try:
+        net = model
+        if opts.island_mode:
+            from torch.nn.parallel import DistributedDataParallel
+
+            net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
         protocol.step = lineage["start_step"]
         if opts.resume:
-            lineage = _restore(protocol, opts)
+            lineage = _restore(protocol, opts, transport)
         index = opts.worker_index
         if index is None:  # a stranger joining: its own random windows over all the data
             index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)
-        shard = (index % opts.num_workers, opts.num_workers)
+        shards = opts.num_workers
+        if opts.island_mode:  # each rank of an island its own shard
+            index, shards = index * opts.world_size + opts.rank, shards * opts.world_size
+        shard = (index % shards, shards)
         sizes = dict(batch_size=t.batch_size, context=t.context, device=device)
         streams = [d.train for d in domains] if domains else corpus.train
 
@@ -170,9 +210,21 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
             val = balanced_eval_batches(domains, "dev", num_batches=t.eval_batches, **sizes)
         else:
             val = eval_batches(corpus.val, num_batches=t.eval_batches, **sizes)
-        return _train(protocol, recipe, opts, batches_from, val, transport, lineage)
+        return _train(protocol, recipe, opts, batches_from, val, transport, lineage, net)
     finally:
         transport.close()
+
+
+@contextlib.contextmanager
+def _island_failures(opts: WorkerOptions):
+    """A collective of our island's gradient all-reduce that failed (a rank died: its connections closed)
+    as an IslandError; anything else as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not opts.island_mode:
+            raise
+        raise IslandError(f"the island's gradient all-reduce failed, a rank is gone: {str(e).splitlines()[0]}") from e
 
 
 def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> None:
@@ -193,10 +245,11 @@ def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str
     return line
 
 
-def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_from, val, transport, lineage: dict
-           ) -> dict:
+def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_from, val, transport, lineage: dict,
+           net: torch.nn.Module) -> dict:
     """Train from wherever the protocol starts (a checkpoint, a start point, the swarm's step); the data
-    goes on from that step too (`batches_from(step)`)."""
+    goes on from that step too (`batches_from(step)`). `net` runs the forward pass: the model, or its
+    DistributedDataParallel wrapper in an island."""
     t = recipe.train
     last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
     model, optimizer = protocol.model, protocol.optimizer
@@ -226,8 +279,9 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                     group["lr"] = inner_lr(protocol.step, recipe)
                 x, y = next(batches)
                 model.train()
-                _, loss = model(x, y)
-                loss.backward()
+                with _island_failures(opts):
+                    _, loss = net(x, y)
+                    loss.backward()  # in an island, DistributedDataParallel all-reduces the gradients here
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
                 optimizer.step()  # the protocol's hooks run here
                 optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import yaml
@@ -136,19 +137,22 @@ class Workers:
         self.procs: dict[int, subprocess.Popen] = {}
         self.bootstrap: list[str] = []
 
-    def start(self, index: int, steps: int | None = None, min_peers: int | None = None) -> subprocess.Popen:
-        """Start worker `index`; unless `min_peers` says otherwise, it waits for all `num_workers` to be up."""
+    def start(self, index: int, steps: int | None = None, min_peers: int | None = None, extra: Sequence[str] = (),
+              launcher: Sequence[str] = (sys.executable, "-m", "decentral"), join: Sequence[str] | None = None
+              ) -> subprocess.Popen:
+        """Start worker `index` with `launcher` (e.g. torchrun) and `extra` arguments; unless `min_peers` says
+        otherwise, it waits for all `num_workers` to be up. It joins `join`, by default the first worker."""
         out = self.root / f"w{index}"
-        cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(self.recipe), "--out", str(out),
+        cmd = [*launcher, "train", "--protocol", str(self.recipe), "--out", str(out),
                "--name", f"w{index}", "--data", str(self.data), "--worker-index", str(index),
-               "--num-workers", str(self.num_workers), "--min-peers", str(min_peers or self.num_workers)]
+               "--num-workers", str(self.num_workers), "--min-peers", str(min_peers or self.num_workers), *extra]
         if steps:
             cmd += ["--steps", str(steps)]
         maddr_file = self.root / f"w{index}.maddrs"
         cmd += ["--maddr-file", str(maddr_file)]
-        for m in self.bootstrap:
+        for m in self.bootstrap if join is None else join:
             cmd += ["--join", m]
-        log = open(self.root / f"w{index}.log", "w")
+        log = open(self.root / f"w{index}.log", "a")  # a restarted worker's log goes on in the same file
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.procs[index] = proc
         if not self.bootstrap:
@@ -159,8 +163,11 @@ class Workers:
         deadline = time.monotonic() + timeout
         return {i: p.wait(timeout=max(1, deadline - time.monotonic())) for i, p in self.procs.items()}
 
-    def metrics(self, index: int) -> list[dict]:
-        path = self.root / f"w{index}" / "metrics.jsonl"
+    def metrics(self, index: int, rank: int = 0) -> list[dict]:
+        """Worker `index`'s metrics records (of its island's rank `rank`); [] before it wrote any."""
+        path = self.root / f"w{index}" / (f"rank{rank}" if rank else "") / "metrics.jsonl"
+        if not path.exists():
+            return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def log(self, index: int) -> str:

@@ -1,7 +1,7 @@
 """Who is in the swarm, and who takes part in which outer round.
 
 Two kinds of DHT records under the run's key:
-- `peers`: a heartbeat per peer ({"step", "round", "digests"}), refreshed every `heartbeat_s` and expiring
+- `peers`: a heartbeat per peer ({"step", "round", "digests"} and its `set_card` fields), refreshed every `heartbeat_s` and expiring
   after `expire_s`; a killed peer drops out of every view within that time, and a peer that closes
   cleanly marks itself as left at once. A heartbeat must outlive the longest stall that our own
   averaging traffic can put on a saturated uplink, or views split while a round is in flight
@@ -40,6 +40,7 @@ class Membership:
         self.expire_s = 3 * heartbeat_s if expire_s is None else expire_s
         self.round_ttl_s = round_ttl_s
         self._progress = {"step": 0, "round": 0, "digests": {}}
+        self._card: dict = {}  # fixed fields every heartbeat carries besides the progress (see `set_card`)
         self._news = threading.Event()  # a digest or announcement to publish before the next regular beat
         self._announcing: set[int] = set()  # rounds to announce with the next beat
         self._view: tuple[float, dict[str, dict]] | None = None  # (when looked up, what `alive` found then)
@@ -64,8 +65,14 @@ class Membership:
         """Our inner step, as last set (the heartbeat may not carry it yet)."""
         return self._progress["step"]
 
+    def set_card(self, **fields) -> None:
+        """Fields (JSON values) that every heartbeat carries from now on beside the progress, e.g. an
+        island's shard connections (decentral.hierarchy); published at once."""
+        self._card = dict(fields)
+        self._beat()
+
     def _beat(self) -> None:
-        self.peer.publish("peers", self.peer.peer_id, dict(self._progress), ttl=self.expire_s)
+        self.peer.publish("peers", self.peer.peer_id, {**self._card, **self._progress}, ttl=self.expire_s)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -98,7 +105,7 @@ class Membership:
                     if isinstance(info, dict) and not info.get("left")}
             with self._lock:
                 self._view = (time.monotonic(), view)
-        return {**view, self.peer.peer_id: view.get(self.peer.peer_id, dict(self._progress))}
+        return {**view, self.peer.peer_id: view.get(self.peer.peer_id, {**self._card, **self._progress})}
 
     def is_alive(self, peer_id: str, refresh_s: float = 1.0) -> bool:
         """Whether `peer_id` has a live heartbeat. Answers from the last lookup, and looks again (at most

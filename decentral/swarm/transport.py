@@ -108,6 +108,10 @@ class SwarmTransport:
     def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return self.membership.alive(max_age_s)
 
+    def set_card(self, **fields) -> None:
+        """Fixed fields our heartbeat carries from now on, which the others see in `progress()`."""
+        self.membership.set_card(**fields)
+
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
         return self.average_async(tensor, group, tag, round).result()

@@ -1,0 +1,267 @@
+"""Fast islands inside a slow swarm: torch.distributed within an island, an outer protocol between islands.
+
+An island is k ranks (the GPUs of one box, the machines of one rack) that train as one replica: their
+gradients are all-reduced every inner step (torch's DistributedDataParallel over the island's process
+group: NCCL on CUDA tensors, gloo on CPU), so all k hold the same weights. The island as a whole is one
+member of the swarm, named by its leader's (rank 0's) peer id, and the outer protocol (DiLoCo, NoLoCo,
+CO2, Streaming DiLoCo) runs between islands through `HierarchicalTransport`, which every rank wraps
+its protocol with. It is composed of the two transports we have: an `IslandTransport` for the ranks,
+a `SwarmTransport` (or k of them) for the islands.
+
+Lockstep: every rank runs the same protocol on the same state, so every rank calls the transport in
+the same order. A call answered by the network (`members`, `progress`, `fetch_state`) is answered by
+the leader and broadcast over the island, so every rank takes the same decisions; `join_rounds` and
+`set_progress` go to each rank's own swarm connection; `offer_state` to the leader's.
+
+An average of a flat tensor x (the protocol's outer gradient, or φ) goes in three steps:
+1. the island all-reduces x to the mean of its ranks' x;
+2. leader mode: rank 0 averages that mean over the swarm with the other islands' leaders.
+   Sharded mode: rank r averages shard r (a 1/k slice) over its own swarm connection with the rank-r
+   connections of the other islands. Rank r's connection is a peer of the swarm's DHT under run
+   "RUN/shardR"; the leader's heartbeat lists its island's connections (`shards`), which is how every
+   island finds the rank-r connection of a member. With a NIC per rank, k NICs carry 1/k each;
+3. leader mode: the result is broadcast to the island. Sharded: the island all-gathers the shards.
+Islands of equal size (the recipe's `island.size`) each count once, so the result equals the flat mean
+of every rank's x. The average commits only when every shard committed; otherwise every rank gets
+its island's mean back (rolled back, as `AverageResult` says), and a replica left apart by a shard
+that committed elsewhere is repaired by the protocols' digest check (decentral.sync.base).
+
+The island's own collectives run on two gloo groups of their own, apart from the DDP all-reduces: one
+for the calls made on the training thread, one for the averages, which run in order on one
+background thread (so `average_async` returns at once, as CO2 and Streaming DiLoCo need).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from decentral.island import IslandTransport
+from decentral.transport import AverageResult, Transport
+
+MODES = ("leader", "sharded")
+
+
+class IslandError(RuntimeError):
+    """A rank of the island failed or is gone: the island leaves the swarm (its members go on without it)."""
+
+
+def shard_run(run: str, rank: int) -> str:
+    """The swarm run name of rank `rank`'s connection in sharded mode (rank 0 uses the run itself)."""
+    return run if rank == 0 else f"{run}/shard{rank}"
+
+
+def shard_bounds(numel: int, shards: int, index: int) -> slice:
+    """Shard `index` of a flat tensor of `numel` elements cut into `shards` nearly equal slices."""
+    size = math.ceil(numel / shards)
+    return slice(min(numel, index * size), min(numel, (index + 1) * size))
+
+
+class HierarchicalTransport:
+    """The island `island` as one member of a swarm (the `Transport` every rank's protocol uses).
+
+    connect(rank, leader_addrs): opens this rank's swarm connection (a `SwarmTransport` of run
+    `shard_run(run, rank)`, also joining the DHT at `leader_addrs`, the leader connection's addresses);
+    called on rank 0 (with []) and, in sharded mode, on every other rank. mode: "leader" or "sharded".
+    timeout_s: how long a rank waits for the leader's answer or for the others in a collective; it
+    must cover the longest network call the leader makes (an average, waiting for peers), so it is long:
+    a rank that dies is noticed at once anyway (its connections close), one that hangs after it.
+    Takes ownership of `island` (closes it).
+    """
+
+    def __init__(self, island: IslandTransport, connect: Callable[[int, list[str]], Transport], *, mode: str = "leader",
+                 timeout_s: float = 900.0):
+        if mode not in MODES:
+            raise ValueError(f"island mode must be one of {MODES}, got {mode!r}")
+        self.island, self.mode = island, mode
+        self.rank, self.size = island.rank, island.world_size
+        self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._data = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._averages = ThreadPoolExecutor(1, thread_name_prefix="island-average")
+        self.swarm: Transport | None = None
+        try:
+            self.peer_id, leader_addrs, self.error_feedback = self._from_leader(lambda: self._connect_leader(connect))
+            if mode == "sharded":
+                self._raise_any(lambda: self.swarm or setattr(self, "swarm", connect(self.rank, leader_addrs)))
+            connections = self._all_gather(self.swarm.peer_id if self.swarm else None, self._control)
+            if self.rank == 0 and mode == "sharded":
+                self.swarm.set_card(shards=connections)
+        except BaseException:
+            self.close()
+            raise
+        self.connections: list[str | None] = connections  # each rank's swarm connection (None: it has none)
+
+    def _connect_leader(self, connect: Callable[[int, list[str]], Transport]) -> tuple[str, list[str], bool]:
+        """(on the leader) Open the island's swarm connection: (its peer id, the island's id; its addresses,
+        where the other ranks' connections join; whether its codec needs error feedback)."""
+        self.swarm = connect(0, [])
+        return self.swarm.peer_id, self.swarm.multiaddrs(), self.swarm.error_feedback
+
+    # ----- collectives over the island -----
+    def _broadcast(self, value, group):
+        """The leader's `value` on every rank (each rank passes its own; the others' are ignored)."""
+        box = [value]
+        self._collective(dist.broadcast_object_list, box, src=0, group=group)
+        return box[0]
+
+    def _all_gather(self, value, group) -> list:
+        out = [None] * self.size
+        self._collective(dist.all_gather_object, out, value, group=group)
+        return out
+
+    def _collective(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            raise IslandError(f"island rank {self.rank}: a collective with the other ranks failed ({e}); "
+                              "a rank is gone or hung, so this island leaves the swarm") from e
+
+    def _raise_any(self, call: Callable[[], object]) -> None:
+        """`call()` on every rank; the first rank's exception, if any, is raised on every rank."""
+        error = None
+        try:
+            call()
+        except Exception as e:
+            error = e
+        errors = [e for e in self._all_gather(error, self._control) if e is not None]
+        if errors:
+            raise errors[0]
+
+    def _from_leader(self, call: Callable[[], object]):
+        """`call()` run on the leader, its result (or its exception) on every rank."""
+        outcome = None
+        if self.rank == 0:
+            try:
+                outcome = ("ok", call())
+            except Exception as e:
+                outcome = ("error", e)
+        kind, value = self._broadcast(outcome, self._control)
+        if kind == "error":
+            raise value
+        return value
+
+    def from_leader(self, value):
+        """The leader's `value` on every rank (each rank passes its own; the others' are not used), e.g.
+        the checkpoint an island resumes from."""
+        return self._broadcast(value, self._control)
+
+    # ----- Transport -----
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank's own swarm connection sent (0 on a rank without one)."""
+        return self.swarm.bytes_sent if self.swarm else 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self.swarm.bytes_received if self.swarm else 0
+
+    def join_rounds(self, round: int, *, first: bool = False) -> None:
+        if self.swarm:
+            self.swarm.join_rounds(round, first=first)
+
+    def members(self, round: int) -> list[str]:
+        return self._from_leader(lambda: self.swarm.members(round))
+
+    def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
+        if self.swarm:
+            self.swarm.set_progress(step, round, digest)
+
+    def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
+        return self._from_leader(lambda: self.swarm.progress(max_age_s))
+
+    def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
+        """Every connection waits for `count` connections of its own run (islands, in sharded mode each
+        shard's); an error on any rank is raised on every rank."""
+        self._raise_any(lambda: self.swarm and self.swarm.wait_for_peers(count, timeout_s, round))
+
+    def multiaddrs(self) -> list[str]:
+        """Where other islands join the swarm: the leader's addresses ([] on other ranks)."""
+        return self.swarm.multiaddrs() if self.rank == 0 else []
+
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+        """The leader serves the island's state (every rank holds the same)."""
+        if self.rank == 0:
+            self.swarm.offer_state(meta, tensors, digest)
+
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None):
+        return self._from_leader(lambda: self.swarm.fetch_state(have, donors))
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
+        return self.average_async(tensor, group, tag, round).result()
+
+    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
+        """The three steps of the module docstring, on the island's averaging thread; every rank calls it
+        with the same group, tag and round."""
+        values = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32, copy=True)
+        return self._averages.submit(self._average, values, list(group), tag, round)
+
+    def _average(self, values: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
+        self._collective(dist.all_reduce, values, group=self._data)
+        mean = values / self.size
+        if self.mode == "leader":
+            result = self.swarm.average(mean, group, tag, round) if self.rank == 0 else None
+            meta = self._broadcast(None if result is None else _without_tensors(result), self._data)
+            out = result.tensor if self.rank == 0 else torch.empty_like(mean)
+            sent = result.sent if self.rank == 0 else torch.empty_like(mean)
+            for t in (out, sent):
+                self._collective(dist.broadcast, t, src=0, group=self._data)
+            return AverageResult(tensor=out, sent=sent, **meta)
+        return self._sharded_average(mean, group, tag, round)
+
+    def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
+        """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers."""
+        shard_groups = self._broadcast(self._shard_groups(group) if self.rank == 0 else None, self._data)
+        mine = shard_bounds(mean.numel(), self.size, self.rank)
+        result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round)
+        island_of = {conn: island for island, conns in shard_groups[-1].items() for conn in conns}
+        metas = self._all_gather(_without_tensors(result, island_of), self._data)
+        lengths = [len(range(mean.numel())[shard_bounds(mean.numel(), self.size, r)]) for r in range(self.size)]
+        pieces = []
+        for ours in (result.tensor, result.sent):  # all-gather needs equal sizes: shards padded to the longest
+            padded = [torch.zeros(lengths[0]) for _ in range(self.size)]
+            own = torch.zeros(lengths[0])
+            own[:ours.numel()] = ours
+            self._collective(dist.all_gather, padded, own, group=self._data)
+            pieces.append(torch.cat([p[:n] for p, n in zip(padded, lengths)]))
+        complete = all(m["complete"] for m in metas)
+        return AverageResult(
+            tensor=pieces[0] if complete else mean, sent=pieces[1] if complete else mean, group=list(group),
+            complete=complete, contributors=min(m["contributors"] for m in metas),
+            rejected={p: why for m in metas for p, why in m["rejected"].items()},
+            **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")})
+
+    def _shard_groups(self, group: list[str]) -> list:
+        """(on the leader) For each rank r, the rank-r connections of `group`'s islands; last, a map
+        island -> its connections. An island whose heartbeat lists no connections (not seen yet, or not
+        sharded) takes part through its leader's shard only."""
+        cards = self.swarm.progress(max_age_s=float("inf"))
+        if any(not isinstance(cards.get(p, {}).get("shards"), list) for p in group):
+            cards = self.swarm.progress()
+        connections = {}
+        for island in group:
+            shards = cards.get(island, {}).get("shards")
+            ok = isinstance(shards, list) and len(shards) == self.size and shards[0] == island
+            connections[island] = shards if ok else [island]
+        return [[conns[r] for conns in connections.values() if len(conns) > r] for r in range(self.size)] + [connections]
+
+    def close(self) -> None:
+        """Stop averaging, leave the swarm (the leader says it left), then leave the island."""
+        self._averages.shutdown(wait=False, cancel_futures=True)
+        if self.swarm is not None:
+            self.swarm.close()
+        self.island.close()
+
+
+def _without_tensors(result: AverageResult, rename: dict[str, str] | None = None) -> dict:
+    """An AverageResult's fields besides its tensors, peers named by `rename` (shard connection -> island)."""
+    name = (lambda p: rename.get(p, p)) if rename else (lambda p: p)
+    return dict(group=[name(p) for p in result.group], complete=result.complete, contributors=result.contributors,
+                rejected={name(p): why for p, why in result.rejected.items()},
+                absent=[name(p) for p in result.absent], disagree=[name(p) for p in result.disagree],
+                left_out=[name(p) for p in result.left_out])

@@ -1,0 +1,114 @@
+"""HierarchicalTransport: 2 islands x 2 gloo ranks (one process per rank), joined by a real swarm on
+loopback; results checked against arithmetic done here in the parent."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from conftest import free_port
+from decentral.hierarchy import HierarchicalTransport, shard_bounds, shard_run
+from decentral.island import IslandTransport
+from decentral.swarm import SwarmTransport
+
+TIMEOUT = 90.0  # seconds for a whole run of both islands
+ISLANDS, SIZE = 2, 2
+
+
+def _rank_main(fn, island: int, rank: int, port: int, mode: str, join: list[str], addrs, queue) -> None:
+    try:
+        def connect(r: int, leader_addrs: list[str]) -> SwarmTransport:
+            return SwarmTransport(shard_run("hier", r), [*join, *leader_addrs], timeout=15.0, heartbeat_s=0.5)
+
+        transport = HierarchicalTransport(
+            IslandTransport(f"tcp://127.0.0.1:{port}", rank, SIZE, backend="gloo", timeout=30.0), connect,
+            mode=mode, timeout_s=60.0)
+        try:
+            if island == 0 and rank == 0:
+                addrs.put(transport.multiaddrs())
+            queue.put((island, rank, "ok", fn(transport, island, rank)))
+        finally:
+            transport.close()
+    except BaseException:
+        queue.put((island, rank, "error", traceback.format_exc()))
+
+
+def run_islands(fn, mode: str) -> dict[tuple[int, int], object]:
+    """fn(transport, island, rank) on every rank of 2 islands of 2; {(island, rank): its return value}."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "decentral.swarm", "decentral.hierarchy", __name__])
+    queue, addrs = ctx.Queue(), ctx.Queue()
+    procs = []
+
+    def start(island: int, join: list[str]) -> None:
+        port = free_port()
+        for rank in range(SIZE):
+            procs.append(ctx.Process(target=_rank_main, args=(fn, island, rank, port, mode, join, addrs, queue)))
+            procs[-1].start()
+
+    try:
+        start(0, [])
+        join = addrs.get(timeout=TIMEOUT)
+        start(1, join)
+        results = {}
+        for _ in range(ISLANDS * SIZE):
+            island, rank, status, value = queue.get(timeout=TIMEOUT)
+            assert status == "ok", f"island {island} rank {rank} failed:\n{value}"
+            results[island, rank] = value
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=15)
+            if p.is_alive():
+                p.kill()
+
+
+NUMEL = 11  # odd: the last shard is shorter
+
+
+def rank_values(island: int, rank: int) -> torch.Tensor:
+    return torch.arange(NUMEL, dtype=torch.float32) * (1 + island) + 10 * rank - 3 * island
+
+
+def _average(transport: HierarchicalTransport, island: int, rank: int) -> dict:
+    transport.join_rounds(0)
+    transport.wait_for_peers(ISLANDS, 30.0)
+    group = transport.members(0)
+    future = transport.average_async(rank_values(island, rank), group, "avg", 0)
+    result = future.result(timeout=60)
+    return {"mean": result.tensor.tolist(), "sent": result.sent.tolist(), "group": result.group,
+            "complete": result.complete, "contributors": result.contributors, "peer_id": transport.peer_id,
+            "bytes_sent": transport.bytes_sent, "connections": transport.connections}
+
+
+@pytest.mark.parametrize("mode", ["leader", "sharded"])
+def test_hierarchical_average_equals_the_flat_mean_of_all_ranks(mode):
+    outs = run_islands(_average, mode)
+    flat_mean = sum(rank_values(i, r) for i in range(ISLANDS) for r in range(SIZE)) / (ISLANDS * SIZE)
+    islands = sorted({out["peer_id"] for out in outs.values()})
+    assert len(islands) == ISLANDS  # the ranks of an island share one id, and the islands differ
+    for (island, rank), out in outs.items():
+        assert out["complete"] and out["contributors"] == ISLANDS
+        assert out["group"] == islands
+        torch.testing.assert_close(torch.tensor(out["mean"]), flat_mean)
+        island_mean = sum(rank_values(island, r) for r in range(SIZE)) / SIZE
+        torch.testing.assert_close(torch.tensor(out["sent"]), island_mean)  # what the island counted
+    assert len({tuple(out["mean"]) for out in outs.values()}) == 1  # bit-identical on every rank
+    for island in range(ISLANDS):
+        leader, other = outs[island, 0], outs[island, 1]
+        assert leader["connections"][0] == leader["peer_id"]
+        assert leader["bytes_sent"] > 0
+        if mode == "leader":  # only the leader talks to the swarm
+            assert other["bytes_sent"] == 0 and other["connections"][1] is None
+        else:  # every rank has its own connection and sends over it
+            assert other["bytes_sent"] > 0 and other["connections"][1] not in (None, leader["peer_id"])
+
+
+def test_shard_bounds_cover_a_tensor_once():
+    for numel in (1, 7, 11, 12):
+        for shards in (1, 2, 3, 4):
+            covered = torch.cat([torch.arange(numel)[shard_bounds(numel, shards, i)] for i in range(shards)])
+            assert covered.tolist() == list(range(numel))

@@ -1,0 +1,115 @@
+"""Fast islands joined to a swarm, started as users start them: `decentral train --island-size 2` and real
+torchrun (`python -m torch.distributed.run --nproc-per-node 2 -m decentral train ...`), 2 islands x 2
+gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, wait_until
+from decentral.config import RecipeError, parse_recipe
+from decentral.ranks import LaunchError, rank_from_env
+
+DILOCO = {"name": "diloco", "every": 10, "outer_lr": 1.0, "outer_momentum": 0.5}
+RANKS = 2
+
+
+def torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
+            "--master-port", str(free_port()), "-m", "decentral"]
+
+
+def syncs(records: list[dict]) -> list[dict]:
+    return [r for r in records if "group_size" in r]
+
+
+@pytest.mark.parametrize("mode", ["leader", "sharded"])
+def test_two_islands_of_two_ranks_train_as_two_identical_members(workers, mode):
+    w = workers(DILOCO, steps=40, num_workers=2)
+    w.start(0, extra=["--island-size", str(RANKS), "--island-mode", mode])  # spawns its ranks
+    w.start(1, extra=["--island-mode", mode], launcher=torchrun())  # torchrun sets WORLD_SIZE
+    assert w.wait(timeout=300) == {0: 0, 1: 0}, w.log(0) + w.log(1)
+    runs = {(i, r): w.metrics(i, r) for i in range(2) for r in range(RANKS)}
+    finals = {key: records[-1] for key, records in runs.items()}
+    assert all(f.get("final") and f["step"] == 40 for f in finals.values())
+    first_val = runs[0, 0][0]["val_loss"]
+    assert len({f["val_loss"] for f in finals.values()}) == 1  # every rank of both islands: one model
+    assert finals[0, 0]["val_loss"] < first_val - 0.5
+    for key, records in runs.items():
+        rounds = syncs(records)
+        assert [r["round"] for r in rounds] == [1, 2, 3, 4], key
+        assert all(r["group_size"] == 2 and r["complete"] for r in rounds), key  # 2 members: the islands
+    for rnd in range(4):  # the four ranks hold bit-identical outer state after every round
+        assert len({syncs(records)[rnd]["digest"] for records in runs.values()}) == 1
+    for island in range(2):
+        leader, other = finals[island, 0]["bytes_sent"], finals[island, 1]["bytes_sent"]
+        assert leader > 0
+        assert (other == 0) if mode == "leader" else (other > 0)  # sharded: every rank has its own connection
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(workers):
+    w = workers(DILOCO, steps=100_000, num_workers=2, timeout=10.0)
+    island = ["--island-size", str(RANKS)]
+    spawner = w.start(0, extra=island)
+    w.start(1, extra=island)
+    wait_until(lambda: any(r.get("group_size") == 2 for r in w.metrics(0, 1)[1:]), 240, "island 0 rank 1 synced")
+    ranks = children(spawner.pid)
+    assert len(ranks) == RANKS
+    killed_at = max(r["step"] for r in w.metrics(0, 1))
+    waited_before = w.metrics(1)[-1]["wait_s"]
+    os.kill(ranks[1], signal.SIGKILL)
+    assert spawner.wait(timeout=60) == 4  # the surviving rank saw its island break and stopped with code 4
+    assert "The island left the swarm" in w.log(0)
+
+    # the other island goes on alone, without waiting out the timeout for the one that left
+    wait_until(lambda: sum(r.get("group_size") == 1 for r in w.metrics(1)) >= 2, 120, "island 1 went on alone")
+    alone = [r for r in w.metrics(1) if r.get("group_size") == 1]
+    assert alone[-1]["wait_s"] - waited_before < 10.0, "island 1 waited a timeout for the island that left"
+
+    # restarted with --resume, the island joins at the swarm's step and trains with the other again
+    before = len(w.metrics(0))
+    w.start(0, extra=[*island, "--resume"], join=(w.root / "w1.maddrs").read_text().split(), min_peers=1)
+    wait_until(lambda: sum(r.get("group_size") == 2 for r in w.metrics(0)[before:]) >= 2, 240,
+               "the restarted island synced twice with the other")
+    rejoined = w.metrics(0)[before:]
+    assert rejoined[0]["step"] > killed_at  # it continued the swarm's step, not its own checkpoint's
+    both = [r for r in syncs(rejoined) if r["group_size"] == 2]
+    theirs = {r["round"]: r["digest"] for r in syncs(w.metrics(1))}
+    assert all(theirs.get(r["round"]) in (None, r["digest"]) for r in both)  # identical again
+    w.kill_all()
+
+
+def test_rank_from_env_reads_torchrun_and_names_what_is_missing():
+    assert rank_from_env({}) is None
+    env = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "1"}
+    got = rank_from_env(env)
+    assert (got.rank, got.world_size, got.local_rank) == (1, 4, 1)
+    with pytest.raises(LaunchError, match="MASTER_PORT"):
+        rank_from_env({k: v for k, v in env.items() if k != "MASTER_PORT"})
+    with pytest.raises(LaunchError, match="not in"):
+        rank_from_env({**env, "RANK": "4"})
+
+
+def test_island_recipe_section_is_checked():
+    recipe = parse_recipe({"island": {"size": 2, "mode": "sharded"}})
+    assert (recipe.island.size, recipe.island.mode, recipe.island.backend) == (2, "sharded", "auto")
+    for bad, match in (({"mode": "ring"}, "island.mode"), ({"size": 0}, "island.size"),
+                       ({"backend": "mpi"}, "island.backend"), ({"sise": 2}, "unknown key")):
+        with pytest.raises(RecipeError, match=match):
+            parse_recipe({"island": bad})
+
+
+def test_an_island_needs_an_outer_protocol(tmp_path, capsys):
+    from decentral.cli import main
+
+    assert main(["train", "--protocol", "local", "--island-size", "2", "--out", str(tmp_path)]) == 2
+    assert "give it an outer protocol" in capsys.readouterr().err
