@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--timeout", type=float, help="seconds one average may take")
     demo.add_argument("--device", help=DEVICE_HELP)
+    demo.add_argument("--island-size", type=int, metavar="N",
+                      help="each worker a fast island of N ranks (DDP inside, one swarm member); e.g. --workers 2 "
+                      "--island-size 2")
+    demo.add_argument("--island-mode", choices=["leader", "sharded"], help="how islands average (default: leader)")
     demo.set_defaults(func=cmd_demo, run=None)
 
     swarm = sub.add_parser("swarm", help="swarm peers without training")

@@ -1,7 +1,8 @@
 """`decentral demo`: a local swarm of worker processes on loopback, training one recipe.
 
 Worker 0 starts the swarm; the others join through its multiaddr. Each is a separate
-`decentral train` process, exactly what a user runs on separate machines. Afterwards the demo
+`decentral train` process, exactly what a user runs on separate machines. With `--island-size N`
+each worker is a fast island of N ranks (decentral.hierarchy), one member of the swarm. Afterwards the demo
 plots every worker's curves into OUT/report.png and prints a summary.
 """
 
@@ -61,7 +62,9 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> i
     recipe_file.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     maddr_file = out / "bootstrap.maddrs"
     maddr_file.unlink(missing_ok=True)
-    print(f"demo: {workers} workers, protocol {recipe.protocol}, {recipe.train.steps} inner steps each, "
+    island = recipe.island.size
+    members = f"{workers} islands of {island} ranks" if island > 1 else f"{workers} workers"
+    print(f"demo: {members}, protocol {recipe.protocol}, {recipe.train.steps} inner steps each, "
           f"outputs in {out}/", flush=True)
 
     def launch(index: int, join: list[str]) -> subprocess.Popen:
@@ -91,7 +94,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> i
         r.join(timeout=5)
     elapsed = time.monotonic() - start
     records = read_metrics(sorted(out.glob("w*/metrics.jsonl")))
-    plot_report(records, out / "report.png", title=f"{recipe.protocol}, {workers} workers")
+    plot_report(records, out / "report.png", title=f"{recipe.protocol}, {members}")
     summary = summarize(records)
     print(format_summary(summary))
     num_params = GPT(recipe.model).num_parameters()
