@@ -40,12 +40,14 @@ def test_two_islands_of_two_ranks_train_as_two_identical_members(workers, mode):
     first_val = runs[0, 0][0]["val_loss"]
     assert len({f["val_loss"] for f in finals.values()}) == 1  # every rank of both islands: one model
     assert finals[0, 0]["val_loss"] < first_val - 0.5
-    for key, records in runs.items():
+    for key, records in runs.items():  # 2 members, the islands; as in a flat swarm, islands starting together
+        # may average their first round over different member lists (announcements cross) and be repaired
+        # from the majority a round later; every later round is complete
         rounds = syncs(records)
         assert [r["round"] for r in rounds] == [1, 2, 3, 4], key
-        assert all(r["group_size"] == 2 and r["complete"] for r in rounds), key  # 2 members: the islands
-    for rnd in range(4):  # the four ranks hold bit-identical outer state after every round
-        assert len({syncs(records)[rnd]["digest"] for records in runs.values()}) == 1
+        assert all(r["group_size"] == 2 and r["complete"] for r in rounds[1:]), (key, rounds)
+    for rnd in range(1, 4):  # the four ranks hold bit-identical outer state after every later round
+        assert len({syncs(records)[rnd]["digest"] for records in runs.values()}) == 1, rnd
     for island in range(2):
         leader, other = finals[island, 0]["bytes_sent"], finals[island, 1]["bytes_sent"]
         assert leader > 0
