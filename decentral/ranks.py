@@ -9,6 +9,7 @@ same environment, so there is one code path for both.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class LaunchError(ValueError):
@@ -55,9 +57,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _terminate_with_parent() -> None:
+    """(in a rank, before it runs) Ask Linux to send us SIGTERM when our launcher dies, even by SIGKILL:
+    the rank then saves its checkpoint and exits, as on Ctrl-C, instead of training on as an orphan."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def spawn_ranks(argv: Sequence[str], size: int, print_fn=print) -> int:
     """Run `python -m decentral ARGV` as ranks 0..size-1 of one island on this machine, each with torchrun's
-    environment; wait for them all. SIGTERM is passed on to every rank. Returns 0 when every rank
+    environment; wait for them all. SIGTERM is passed on to every rank, and a rank gets SIGTERM when
+    this process dies, however it dies. Returns 0 when every rank
     succeeded, else the first failed rank's exit code."""
     port = free_port()
     print_fn(f"island: starting {size} ranks (rendezvous at 127.0.0.1:{port})")
@@ -65,7 +75,8 @@ def spawn_ranks(argv: Sequence[str], size: int, print_fn=print) -> int:
     for rank in range(size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "decentral", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "decentral", *argv], env=env,
+                                      preexec_fn=_terminate_with_parent))
 
     def forward(signum, _frame):
         for p in procs:

@@ -87,7 +87,17 @@ def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(wor
     both = [r for r in syncs(rejoined) if r["group_size"] == 2]
     theirs = {r["round"]: r["digest"] for r in syncs(w.metrics(1))}
     assert all(theirs.get(r["round"]) in (None, r["digest"]) for r in both)  # identical again
-    w.kill_all()
+
+    ranks = [pid for p in w.procs.values() for pid in children(p.pid)]
+    w.kill_all()  # SIGKILL the launchers: the kernel sends their ranks SIGTERM, and they stop too
+    wait_until(lambda: not any(running(pid) for pid in ranks), 60, "the ranks of killed launchers stopped")
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_rank_from_env_reads_torchrun_and_names_what_is_missing():
