@@ -12,6 +12,11 @@ netns
     The root namespace gets no address on the bridge (not even an IPv6
     link-local one), so lab traffic cannot be routed anywhere else. Each host's
     egress (its uplink) is capped with ``tc ... tbf``.
+    With ``lans`` (groups of host indices, e.g. ``[[0, 1], [2, 3]]``), the hosts
+    of group ``g`` also share an uncapped LAN: a second veth ``lan0`` on a bridge
+    ``{name}lb{g}`` of their own, addressed ``10.214.{g}.{i+1}/24`` (`Host.lan_address`),
+    the fast links between the machines of one rack. A LAN reaches no other
+    LAN (no route, no forwarding); its hosts still reach everyone over eth0.
 loopback
     No isolation: every host is ``127.0.0.1`` and the kernel enforces nothing.
     ``lab.app_shaping`` is True and applications are expected to pace their own
@@ -47,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
+LAN_SUBNETS = ipaddress.ip_network("10.214.0.0/16")  # LAN g (of `lans`) is 10.214.g.0/24
 MAX_HOSTS = 253  # .1 .. .253; .254 is left for a bridge address nobody gets
 _BURST_FLOOR = 16 * 1024  # bytes
 _TBF_LATENCY = "50ms"  # longest a packet may wait in the tbf queue before it is dropped
@@ -103,7 +109,7 @@ def _stale_names(name: str) -> tuple[list[str], list[str]]:
     """Namespaces and root-namespace links that belong to a lab called `name`."""
     prefix = re.escape(name)
     ns_re = re.compile(rf"^{prefix}-(h\d+|probe)$")
-    link_re = re.compile(rf"^({prefix}-v\d+|{prefix}br)$")
+    link_re = re.compile(rf"^({prefix}-[vl]\d+|{prefix}br|{prefix}lb\d+)$")
     namespaces = [line.split()[0] for line in _cmd(["ip", "netns", "list"]).splitlines() if line.strip()]
     links = [line.split(":")[1].strip().split("@")[0] for line in _cmd(["ip", "-o", "link", "show"]).splitlines()]
     return [ns for ns in namespaces if ns_re.match(ns)], [ln for ln in links if link_re.match(ln)]
@@ -134,8 +140,8 @@ def cleanup_stale(name: str = "dcl") -> list[str]:
     """Remove every leftover of a lab called `name` and return what was removed.
 
     Kills the processes still inside its namespaces ``{name}-h*``, deletes the
-    root ends of its veths ``{name}-v*``, its bridge ``{name}br`` and the
-    namespaces. Removes nothing else. Items that cannot be removed are tried all
+    root ends of its veths ``{name}-v*`` and ``{name}-l*``, its bridges
+    ``{name}br`` and ``{name}lb*`` and the namespaces. Removes nothing else. Items that cannot be removed are tried all
     the same and reported together in one NetLabError afterwards.
     """
     namespaces, links = _stale_names(name)
@@ -173,13 +179,15 @@ def netns_available(name: str = "dcl") -> bool:
 
 @dataclass
 class Host:
-    """One emulated host: `address` is where the others reach it; `namespace` is None in loopback mode."""
+    """One emulated host: `address` is where the others reach it; `namespace` is None in loopback mode;
+    `lan_address`: its address on its LAN (the lab's `lans`), None when it is in none."""
 
     index: int
     address: str
     namespace: str | None
     env: dict[str, str] = field(repr=False)  # the DECENTRAL_* variables every process on this host gets
     _procs: list[subprocess.Popen] = field(repr=False, default_factory=list)
+    lan_address: str | None = None
 
     def popen(self, cmd: list[str], *, env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
         """Start `cmd` on this host (inside its namespace) and return the Popen.
@@ -222,8 +230,10 @@ class NetLab:
     "auto", "netns" or "loopback" (see the module docstring); `lab.mode` says
     which one ran and a one-line notice on stderr says what it means.
     `name` prefixes every system object the lab creates (at most 10 chars).
+    `lans`: groups of host indices that also share an uncapped LAN of their own
+    (netns mode; in loopback mode a host's LAN address is 127.0.0.1 too).
 
-    Teardown (kill the hosts' processes, delete namespaces, veths and bridge)
+    Teardown (kill the hosts' processes, delete namespaces, veths and bridges)
     runs on `close()` (idempotent), on leaving the `with` block, at interpreter
     exit, and on SIGINT/SIGTERM while the lab is open (handlers installed from
     the main thread only; the previous handler runs after cleanup, so Ctrl-C
@@ -232,9 +242,15 @@ class NetLab:
     """
 
     def __init__(self, hosts: int, bandwidth: str | None = "20mbit", *, latency_ms: float = 0.0,
-                 name: str = "dcl", mode: str = "auto") -> None:
+                 name: str = "dcl", mode: str = "auto", lans: list[list[int]] | None = None) -> None:
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+        self.lans = [list(group) for group in lans or []]
+        members = [i for group in self.lans for i in group]
+        if any(not isinstance(i, int) or not 0 <= i < hosts for i in members) or len(set(members)) != len(members):
+            raise ValueError(f"lans must be disjoint groups of host indices in 0..{hosts - 1}, got {lans}")
+        if len(self.lans) > 256 or any(not group for group in self.lans):
+            raise ValueError(f"lans must be at most 256 non-empty groups, got {lans}")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", name) or len(f"{name}-v{hosts - 1}") > 15:
             raise ValueError(f"lab name must be alphanumeric and short enough for '{name}-v{hosts - 1}' to fit 15 chars")
         if mode not in ("auto", "netns", "loopback"):
@@ -264,6 +280,8 @@ class NetLab:
                 raise
         else:
             self.hosts = [self._host(i, "127.0.0.1", None) for i in range(hosts)]
+            for i in members:
+                self.hosts[i].lan_address = "127.0.0.1"
         atexit.register(self.close)
         self._install_signal_handlers()
         print(self.notice(), file=sys.stderr, flush=True)
@@ -282,8 +300,9 @@ class NetLab:
         cleanup_stale(self.name)
         for line in _cmd(["ip", "-4", "-o", "addr", "show"]).splitlines():
             dev, inet = line.split()[1], line.split()[3]
-            if ipaddress.ip_interface(inet).network.overlaps(SUBNET):
-                raise NetLabError(f"{SUBNET} is already in use on this machine ({dev}: {inet}); netlab needs it free")
+            for subnet in [SUBNET] + [self._lan_subnet(g) for g in range(len(self.lans))]:
+                if ipaddress.ip_interface(inet).network.overlaps(subnet):
+                    raise NetLabError(f"{subnet} is already in use on this machine ({dev}: {inet}); netlab needs it free")
         bridge = f"{self.name}br"
         _cmd(["ip", "link", "add", bridge, "type", "bridge"])
         _cmd(["ip", "link", "set", bridge, "addrgenmode", "none"])
@@ -302,11 +321,37 @@ class NetLab:
                 _cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{self.rate_bps}bit",
                       "burst", str(tbf_burst_bytes(self.rate_bps)), "latency", _TBF_LATENCY])
             self.hosts.append(self._host(i, address, ns))
+        for g, group in enumerate(self.lans):
+            self._setup_lan(g, group)
+
+    @staticmethod
+    def _lan_subnet(g: int) -> ipaddress.IPv4Network:
+        return ipaddress.ip_network(f"{LAN_SUBNETS[g * 256]}/24")
+
+    def _setup_lan(self, g: int, group: list[int]) -> None:
+        """LAN `g`: an uncapped bridge of its own and, in each host of `group`, a veth lan0 on it."""
+        bridge, subnet = f"{self.name}lb{g}", self._lan_subnet(g)
+        _cmd(["ip", "link", "add", bridge, "type", "bridge"])
+        _cmd(["ip", "link", "set", bridge, "addrgenmode", "none"])
+        _cmd(["ip", "link", "set", bridge, "up"])
+        for i in group:
+            host, veth, address = self.hosts[i], f"{self.name}-l{i}", str(subnet[i + 1])
+            _cmd(["ip", "link", "add", veth, "type", "veth", "peer", "name", "lan0", "netns", host.namespace])
+            _cmd(["ip", "link", "set", veth, "addrgenmode", "none"])
+            _cmd(["ip", "link", "set", veth, "master", bridge])
+            _cmd(["ip", "link", "set", veth, "up"])
+            _cmd(["ip", "-n", host.namespace, "addr", "add", f"{address}/{subnet.prefixlen}", "dev", "lan0"])
+            _cmd(["ip", "-n", host.namespace, "link", "set", "lan0", "up"])
+            host.lan_address = address
 
     def notice(self) -> str:
         """One line saying which mode ran and what it enforces."""
         cap = "uncapped" if self.rate_bps is None else f"{self.rate_bps / 1e6:g} Mbit/s"
         latency = f"latency {self.latency_ms:g} ms is only passed to apps (DECENTRAL_LINK_LATENCY_MS; no netem here)"
+        if self.lans:
+            latency += "; uncapped LANs " + ", ".join(
+                "+".join(f"h{i}" for i in group) + (f" on {self._lan_subnet(g)}" if self.mode == "netns" else "")
+                for g, group in enumerate(self.lans))
         if self.mode == "netns":
             uplinks = "uncapped" if self.rate_bps is None else f"capped at {cap} by tc tbf"
             return (f"netlab: netns mode, {len(self.hosts)} hosts {self.hosts[0].address}..{self.hosts[-1].address} "
@@ -368,8 +413,10 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline() if ready else ""
 
 
-def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, port: int = 5201) -> float:
-    """Stream TCP bytes from host `src` to host `dst` for `seconds`; return the goodput in bits/s seen by dst.
+def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, port: int = 5201, *,
+                       lan: bool = False) -> float:
+    """Stream TCP bytes from host `src` to host `dst` for `seconds`; return the goodput in bits/s seen by dst
+    (to dst's LAN address with `lan`: over their uncapped LAN).
 
     A receiver (``python -m decentral.netlab _recv``) runs on dst and times the
     stream from its first byte for `seconds`; a sender runs on src. In loopback
@@ -377,15 +424,18 @@ def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, po
     step has a hard timeout; both processes are gone when this returns.
     """
     src_host, dst_host = lab.hosts[src], lab.hosts[dst]
+    address = dst_host.lan_address if lan else dst_host.address
+    if address is None:
+        raise ValueError(f"h{dst} is on no LAN")
     helper = [sys.executable, "-m", "decentral.netlab"]
-    pace = lab.rate_bps if lab.app_shaping else 0
-    recv = dst_host.popen([*helper, "_recv", dst_host.address, str(port), str(seconds)],
+    pace = lab.rate_bps if lab.app_shaping and not lan else 0
+    recv = dst_host.popen([*helper, "_recv", address, str(port), str(seconds)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     send = None
     try:
         if _read_line(recv, 10.0).strip() != "ready":
             raise NetLabError(f"receiver on h{dst} did not start: {recv.stderr.read() if recv.poll() is not None else ''}")
-        send = src_host.popen([*helper, "_send", dst_host.address, str(port), str(seconds + 10), str(pace)],
+        send = src_host.popen([*helper, "_send", address, str(port), str(seconds + 10), str(pace)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out, err = recv.communicate(timeout=seconds + 15)
         if recv.returncode != 0:
