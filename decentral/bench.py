@@ -23,14 +23,16 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import GPT
-from decentral.netlab import NetLab
+from decentral.netlab import Host, NetLab
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
@@ -90,49 +92,76 @@ def _wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float) ->
     raise RuntimeError(f"{path} did not appear within {timeout:.0f}s")
 
 
-def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float, data: list[str]) -> dict:
-    """Run one method on every host of `lab`; returns its raw outcome (records, bytes, exit codes)."""
-    out.mkdir(parents=True, exist_ok=True)
-    recipe_file = out / "recipe.yaml"
-    recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    hosts, addr0 = len(lab.hosts), lab.hosts[0].address
-    logs = [open(out / f"w{h.index}.log", "w") for h in lab.hosts]
+@dataclass
+class Launch:
+    """One process of a benchmark run: `cmd` on `host`, its output in OUT/NAME.log, `env` added."""
+    host: Host
+    name: str
+    cmd: list[str]
+    env: dict[str, str] | None = None
+
+
+def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
+                 rest: Callable[[list[str]], list[Launch]], *, timeout: float, bootstrap: Path | None = None,
+                 bootstrap_timeout: float = 180.0) -> dict:
+    """Start `first`; once `bootstrap` (a multiaddr file the first write) exists, `rest(its multiaddrs)`
+    (at once with [] when no bootstrap is given); wait up to `timeout` for them all, killing them all
+    if one hangs. Returns the raw outcome: exit codes, the metrics records under OUT/*/ (ranks' included)
+    and what each host's interface sent meanwhile (None in loopback mode)."""
+    logs = {}
     before = _tx_bytes(lab)
     procs: list[subprocess.Popen] = []
+    launched: list[Launch] = []
 
-    def launch(host, bootstrap):
-        cmd = _command(method, recipe_file, out, host.index, hosts, host.address, addr0, bootstrap, data)
-        env = {"GLOO_SOCKET_IFNAME": "eth0"} if lab.mode == "netns" else None  # gloo: use the capped link
-        procs.append(host.popen(cmd, env=env, stdout=logs[host.index], stderr=subprocess.STDOUT))
+    def start(launches: list[Launch]) -> None:
+        for launch in launches:
+            logs[launch.name] = open(out / f"{launch.name}.log", "w")
+            launched.append(launch)
+            procs.append(launch.host.popen(launch.cmd, env=launch.env, stdout=logs[launch.name], stderr=subprocess.STDOUT))
 
     try:
-        launch(lab.hosts[0], [])
-        needs_bootstrap = split_method(method)[0] not in (REFERENCE, "ddp")
-        bootstrap = _wait_for_file(out / "bootstrap.maddrs", procs, 180) if needs_bootstrap else []
-        for host in lab.hosts[1:]:
-            launch(host, bootstrap)
+        start(first)
+        start(rest(_wait_for_file(bootstrap, procs, bootstrap_timeout) if bootstrap else []))
         deadline = time.monotonic() + timeout
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         for p in procs:
             p.kill()
         codes = [p.wait() for p in procs]
-        print(f"bench: {method} failed: {e}", file=sys.stderr)
+        print(f"bench: {label} failed: {e}", file=sys.stderr)
     finally:
-        for f in logs:
+        for f in logs.values():
             f.close()
-    for host, code in zip(lab.hosts, codes):
-        if code != 0:  # what the worker said last: why the method failed, without opening its log
-            tail = (out / f"w{host.index}.log").read_text(errors="replace").splitlines()[-12:]
-            print(f"bench: {method} w{host.index} exited with {code}; its log ends:", *("  " + line for line in tail),
+    for launch, code in zip(launched, codes):
+        if code != 0:  # what the process said last: why the run failed, without opening its log
+            tail = (out / f"{launch.name}.log").read_text(errors="replace").splitlines()[-12:]
+            print(f"bench: {label} {launch.name} exited with {code}; its log ends:", *("  " + line for line in tail),
                   sep="\n", file=sys.stderr)
     after = _tx_bytes(lab)
-    records = read_metrics(sorted(out.glob("w*/metrics.jsonl"))) if list(out.glob("w*/metrics.jsonl")) else []
-    return {"codes": codes, "records": records,
+    paths = sorted(out.glob("*/**/metrics.jsonl"))
+    return {"codes": codes, "records": read_metrics(paths) if paths else [],
             "tx_bytes": [None if b is None else a - b for a, b in zip(after, before)]}
 
 
-def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
+def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float, data: list[str]) -> dict:
+    """Run one method on every host of `lab`; returns its raw outcome (records, bytes, exit codes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    recipe_file = out / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    hosts, addr0 = len(lab.hosts), lab.hosts[0].address
+
+    def launch(host, bootstrap) -> Launch:
+        cmd = _command(method, recipe_file, out, host.index, hosts, host.address, addr0, bootstrap, data)
+        env = {"GLOO_SOCKET_IFNAME": "eth0"} if lab.mode == "netns" else None  # gloo: use the capped link
+        return Launch(host, f"w{host.index}", cmd, env)
+
+    needs_bootstrap = split_method(method)[0] not in (REFERENCE, "ddp")
+    return run_launches(lab, out, method, [launch(lab.hosts[0], [])],
+                        lambda bootstrap: [launch(host, bootstrap) for host in lab.hosts[1:]], timeout=timeout,
+                        bootstrap=out / "bootstrap.maddrs" if needs_bootstrap else None)
+
+
+def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: int | None = None) -> dict:
     """One method's entry in results.json, from its workers' records: ok, exit_codes, wall_s (slowest
     worker), steps_per_s and final_val_loss (means over workers), tokens_per_s, best_val_loss,
     bytes_sent_per_worker (interface counters in netns mode) and per step, stream_bytes_sent_per_worker
@@ -142,7 +171,9 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
     of each one's median of what its streams sent from one round boundary to the next, `round_bytes`: one
     outer step's traffic, without the state a newcomer downloaded in some round), blocked_fraction (the
     mean over workers of the share of their wall time spent waiting on the network: what overlapping the
-    average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers."""
+    average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers.
+    `workers`: how many workers must have trained for the method to be ok (default: one per process; an
+    island's process runs several)."""
     by_worker: dict[str, list[dict]] = {}
     for r in raw["records"]:
         by_worker.setdefault(r["worker"], []).append(r)
@@ -162,7 +193,7 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int) -> dict:
         finals.append(vals[-1][2])
     streams = [max((r.get("bytes_sent") or 0) for r in recs) for recs in by_worker.values()]
     counted = [b for b in raw["tx_bytes"] if b is not None] or streams  # loopback mode: the streams' counts
-    ok = all(c == 0 for c in raw["codes"]) and len(walls) == len(raw["codes"])
+    ok = all(c == 0 for c in raw["codes"]) and len(walls) == (workers or len(raw["codes"]))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {
         "ok": ok,
@@ -255,6 +286,14 @@ def plot_bench(results: dict, out_png: Path) -> Path:
 
     fig = Figure(figsize=(8, 5), dpi=110)
     ax = fig.add_subplot()
+    plot_curves(ax, results)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    return out_png
+
+
+def plot_curves(ax, results: dict) -> None:
+    """Every method's validation curves (one colour per method) against wall time on `ax`."""
     for m, (method, res) in enumerate(results["methods"].items()):
         color = f"C{m % 10}"
         for i, points in enumerate(res["curves"].values()):
@@ -269,9 +308,6 @@ def plot_bench(results: dict, out_png: Path) -> Path:
            title=f"{cfg['hosts']} hosts, {cfg['bandwidth'] or 'uncapped'} uplinks ({cfg['mode']}), {cfg['steps']} steps")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png)
-    return out_png
 
 
 def format_results(results: dict) -> str:
