@@ -32,6 +32,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -54,6 +55,25 @@ PEER_TIMEOUT = 300.0  # part B: rendezvous, collectives, waiting for the other i
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _load() -> float:
+    """The machine's 1-minute load average: other work on a shared machine skews every rate measured here."""
+    return round(os.getloadavg()[0], 2)
+
+
+def _source() -> dict:
+    """The commit measured, and the files of the package that differed from it."""
+    def git(*cmd: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *cmd], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.rstrip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", ".")
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": None if status is None else [line[3:] for line in status.splitlines()]}
 
 
 # ----- part A: utilisation -----
@@ -94,14 +114,14 @@ def run_part_a(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
                 return _a_launch(method, lab, recipe_file, method_out, args.data or [], index, bootstrap)
 
             print(f"islands: (A) {method}, {count} processes on {len(lab.hosts)} hosts ...", flush=True)
-            started = time.monotonic()
+            started, load = time.monotonic(), _load()
             raw = run_launches(lab, method_out, method, [launch(0, [])],
                                lambda bootstrap, launch=launch, count=count: [launch(i, bootstrap) for i in range(1, count)],
                                timeout=args.timeout,
                                bootstrap=None if method == REFERENCE else method_out / "bootstrap.maddrs")
             res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=args.steps,
                                    workers=len(lab.hosts) * PER_HOST)
-            res.update(elapsed_s=time.monotonic() - started, processes=len(lab.hosts) * PER_HOST,
+            res.update(elapsed_s=time.monotonic() - started, processes=len(lab.hosts) * PER_HOST, load=[load, _load()],
                        members={REFERENCE: 0, "flat": len(lab.hosts) * PER_HOST, "hierarchical": len(lab.hosts)}[method],
                        uplink_bytes_per_host=res["bytes_sent_per_worker"] if lab.mode == "netns" else None)
             part["methods"][method] = res
@@ -113,11 +133,12 @@ def run_part_a(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
 
 def format_part_a(part: dict) -> str:
     rows = [("method", "members", "processes", "wall_s", "steps/s/proc", "util", "final_val", "uplink/host",
-             "elapsed_s")]
+             "elapsed_s", "load")]
     for method, r in part["methods"].items():
         rows.append((method + ("" if r["ok"] else " (FAILED)"), str(r["members"]), str(r["processes"]),
                      _fmt(r["wall_s"], ".0f"), _fmt(r["steps_per_s"], ".2f"), _fmt(r.get("compute_utilisation"), ".0%"),
-                     _fmt(r["final_val_loss"], ".3f"), human_bytes(r["uplink_bytes_per_host"]), _fmt(r["elapsed_s"], ".0f")))
+                     _fmt(r["final_val_loss"], ".3f"), human_bytes(r["uplink_bytes_per_host"]), _fmt(r["elapsed_s"], ".0f"),
+                     "{:.1f}->{:.1f}".format(*r["load"])))
     return format_table(rows, numeric=False)
 
 
@@ -259,10 +280,10 @@ def run_part_b(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
             part["config"]["mode"] = lab.mode
             for mode in MODES:
                 print(f"islands: (B) {mode}, 2 islands of {k} ranks ...", flush=True)
-                started = time.monotonic()
+                started, load = time.monotonic(), _load()
                 point = run_sync_point(lab, k, mode, numel=numel, rounds=args.rounds, codec=base.swarm.codec,
                                        out=out / "b" / f"{mode}-k{k}", timeout=args.timeout)
-                point["elapsed_s"] = time.monotonic() - started
+                point.update(elapsed_s=time.monotonic() - started, load=[load, _load()])
                 part["points"].append(point)
                 print(f"islands: (B) {mode}, k={k}: " + (f"median {point['sync_s']:.2f}s per sync, rank 0 sent "
                       f"{human_bytes(point['rank0_wan_bytes'])} per round" if point["ok"] else
@@ -273,15 +294,16 @@ def run_part_b(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
 
 def format_part_b(part: dict) -> str:
     rows = [("k", "mode", "sync_s", "vs_leader", "target", "wan/rank/round", "rank0", "max_rank", "wan_vs_leader_r0",
-             "target", "incomplete")]
+             "target", "incomplete", "load")]
     for p in part["points"]:
         if not p["ok"]:
-            rows.append((str(p["k"]), p["mode"] + " (FAILED)", *["-"] * 9))
+            rows.append((str(p["k"]), p["mode"] + " (FAILED)", *["-"] * 10))
             continue
         rows.append((str(p["k"]), p["mode"], _fmt(p["sync_s"], ".3f"), _fmt(p.get("sync_ratio"), ".2f"),
                      "-" if p.get("sync_target") is None else f"<={p['sync_target']:.2f}", human_bytes(p["mean_rank_wan_bytes"]),
                      human_bytes(p["rank0_wan_bytes"]), human_bytes(p["max_rank_wan_bytes"]),
-                     _fmt(p.get("wan_ratio"), ".2f"), _fmt(p.get("wan_target"), ".2f"), str(p["incomplete"])))
+                     _fmt(p.get("wan_ratio"), ".2f"), _fmt(p.get("wan_target"), ".2f"), str(p["incomplete"]),
+                     "{:.1f}->{:.1f}".format(*p["load"])))
     return format_table(rows, numeric=False)
 
 
@@ -338,7 +360,7 @@ def run_islands(args: argparse.Namespace) -> int:
     bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
     results = {"config": {"parts": sorted(parts), "bandwidth": bandwidth, "date": dt.date.today().isoformat(),
                           "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-                          "python": platform.python_version()}}
+                          "python": platform.python_version(), **_source()}}
     started = time.monotonic()
     if "a" in parts:
         results["a"] = run_part_a(args, out, bandwidth)
