@@ -98,7 +98,7 @@ def run_part_a(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
     tokens_per_step = base.train.batch_size * base.train.context
     part = {"config": {"hosts": A_HOSTS, "processes_per_host": PER_HOST, "bandwidth": bandwidth, "steps": args.steps,
                        "tokens_per_step": tokens_per_step, "island_mode": "leader"}, "methods": {}}
-    with NetLab(A_HOSTS, bandwidth, mode=args.mode, name="isla") as lab:
+    with NetLab(A_HOSTS, bandwidth, mode=args.mode, name=f"{args.lab_name}a") as lab:
         part["config"]["mode"] = lab.mode
         for method in A_METHODS:
             recipe = _recipe_for(REFERENCE if method == REFERENCE else "diloco", recipes, args.steps,
@@ -276,7 +276,8 @@ def run_part_b(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
     part = {"config": {"ks": ks, "islands": 2, "bandwidth": bandwidth, "numel": numel, "rounds": args.rounds,
                        "codec": base.swarm.codec, "lan": "uncapped"}, "points": []}
     for k in ks:
-        with NetLab(2 * k, bandwidth, mode=args.mode, name="islb", lans=[list(range(k)), list(range(k, 2 * k))]) as lab:
+        lans = [list(range(k)), list(range(k, 2 * k))]
+        with NetLab(2 * k, bandwidth, mode=args.mode, name=f"{args.lab_name}b", lans=lans) as lab:
             part["config"]["mode"] = lab.mode
             for mode in MODES:
                 print(f"islands: (B) {mode}, 2 islands of {k} ranks ...", flush=True)
@@ -397,6 +398,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", metavar="PATH", help="(A) text to train on (default: Python's stdlib)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before one run (a method, a point) is killed")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--lab-name", default="isl", help="prefix of the labs' namespaces and links (part A's "
+                        "lab is NAMEa, part B's NAMEb); a lab's leftovers are removed when one of that name opens")
     parser.add_argument("--out", default="runs/islands")
     parser.set_defaults(func=run_islands)
 

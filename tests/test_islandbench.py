@@ -30,7 +30,8 @@ def name():
     prefix = "t" + secrets.token_hex(2)
     yield prefix
     if NETNS:
-        cleanup_stale(prefix)
+        for lab in (prefix, prefix + "a", prefix + "b"):  # bench islands names its labs NAMEa and NAMEb
+            cleanup_stale(lab)
 
 
 def connect_errno(lab: NetLab, src: int, address: str) -> int:
@@ -93,11 +94,11 @@ def test_sharded_is_compared_with_the_leader_of_the_same_k():
 
 
 @needs_netns
-def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path):
+def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, name):
     """Part B, tiny: 2 islands of 2 ranks, each rank its own 50 Mbit/s uplink, the island's ranks on a LAN."""
     out = tmp_path / "islands"
     cmd = [sys.executable, "-m", "decentral.cli", "bench", "islands", "--parts", "b", "--ks", "2", "--numel", "200000",
-           "--rounds", "2", "--bandwidth", "50mbit", "--mode", "netns", "--timeout", "120", "--out", str(out)]
+           "--rounds", "2", "--bandwidth", "50mbit", "--mode", "netns", "--timeout", "120", "--lab-name", name, "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     points = {p["mode"]: p for p in json.loads((out / "results.json").read_text())["b"]["points"]}
