@@ -34,6 +34,7 @@ background thread (so `average_async` returns at once, as CO2 and Streaming DiLo
 from __future__ import annotations
 
 import math
+import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Callable
@@ -87,7 +88,7 @@ class HierarchicalTransport:
         try:
             self.peer_id, leader_addrs, self.error_feedback = self._from_leader(lambda: self._connect_leader(connect))
             if mode == "sharded":
-                self._raise_any(lambda: self.swarm or setattr(self, "swarm", connect(self.rank, leader_addrs)))
+                self._on_every_rank(lambda: self._connect_shard(connect, leader_addrs))
             connections = self._all_gather(self.swarm.peer_id if self.swarm else None, self._control)
             if self.rank == 0 and mode == "sharded":
                 self.swarm.set_card(shards=connections)
@@ -101,6 +102,11 @@ class HierarchicalTransport:
         where the other ranks' connections join; whether its codec needs error feedback)."""
         self.swarm = connect(0, [])
         return self.swarm.peer_id, self.swarm.multiaddrs(), self.swarm.error_feedback
+
+    def _connect_shard(self, connect: Callable[[int, list[str]], Transport], leader_addrs: list[str]) -> None:
+        """(sharded mode) Open this rank's own swarm connection; the leader has its own already."""
+        if self.swarm is None:
+            self.swarm = connect(self.rank, leader_addrs)
 
     # ----- collectives over the island -----
     def _broadcast(self, value, group):
@@ -121,26 +127,19 @@ class HierarchicalTransport:
             raise IslandError(f"island rank {self.rank}: a collective with the other ranks failed ({e}); "
                               "a rank is gone or hung, so this island leaves the swarm") from e
 
-    def _raise_any(self, call: Callable[[], object]) -> None:
-        """`call()` on every rank; the first rank's exception, if any, is raised on every rank."""
-        error = None
-        try:
-            call()
-        except Exception as e:
-            error = e
-        errors = [e for e in self._all_gather(error, self._control) if e is not None]
-        if errors:
-            raise errors[0]
+    def _on_every_rank(self, call: Callable[[], object], group=None) -> list:
+        """`call()` on every rank: every rank's result, by rank; or the lowest failed rank's exception, raised
+        on every rank (so no rank goes on alone into a collective the others left)."""
+        outcomes = self._all_gather(_outcome(call), self._control if group is None else group)
+        for kind, value in outcomes:
+            if kind == "error":
+                raise value
+        return [value for _, value in outcomes]
 
-    def _from_leader(self, call: Callable[[], object]):
+    def _from_leader(self, call: Callable[[], object], group=None):
         """`call()` run on the leader, its result (or its exception) on every rank."""
-        outcome = None
-        if self.rank == 0:
-            try:
-                outcome = ("ok", call())
-            except Exception as e:
-                outcome = ("error", e)
-        kind, value = self._broadcast(outcome, self._control)
+        kind, value = self._broadcast(_outcome(call) if self.rank == 0 else None,
+                                      self._control if group is None else group)
         if kind == "error":
             raise value
         return value
@@ -177,7 +176,7 @@ class HierarchicalTransport:
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Every connection waits for `count` connections of its own run (islands, in sharded mode each
         shard's); an error on any rank is raised on every rank."""
-        self._raise_any(lambda: self.swarm and self.swarm.wait_for_peers(count, timeout_s, round))
+        self._on_every_rank(lambda: self.swarm.wait_for_peers(count, timeout_s, round) if self.swarm else None)
 
     def multiaddrs(self) -> list[str]:
         """Where other islands join the swarm: the leader's addresses ([] on other ranks)."""
@@ -204,23 +203,35 @@ class HierarchicalTransport:
     def _average(self, values: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
         self._collective(dist.all_reduce, values, group=self._data)
         mean = values / self.size
-        if self.mode == "leader":
-            result = self.swarm.average(mean, group, tag, round) if self.rank == 0 else None
-            meta = self._broadcast(None if result is None else _without_tensors(result), self._data)
-            out = result.tensor if self.rank == 0 else torch.empty_like(mean)
-            sent = result.sent if self.rank == 0 else torch.empty_like(mean)
-            for t in (out, sent):
-                self._collective(dist.broadcast, t, src=0, group=self._data)
-            return AverageResult(tensor=out, sent=sent, **meta)
-        return self._sharded_average(mean, group, tag, round)
+        if self.mode == "sharded":
+            return self._sharded_average(mean, group, tag, round)
+        result = None
+
+        def leader_average() -> dict:
+            nonlocal result
+            result = self.swarm.average(mean, group, tag, round)
+            return _without_tensors(result)
+
+        meta = self._from_leader(leader_average, self._data)
+        out = result.tensor if self.rank == 0 else torch.empty_like(mean)
+        sent = result.sent if self.rank == 0 else torch.empty_like(mean)
+        for t in (out, sent):
+            self._collective(dist.broadcast, t, src=0, group=self._data)
+        return AverageResult(tensor=out, sent=sent, **meta)
 
     def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
         """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers."""
-        shard_groups = self._broadcast(self._shard_groups(group) if self.rank == 0 else None, self._data)
-        mine = shard_bounds(mean.numel(), self.size, self.rank)
-        result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round)
+        shard_groups = self._from_leader(lambda: self._shard_groups(group), self._data)
         island_of = {conn: island for island, conns in shard_groups[-1].items() for conn in conns}
-        metas = self._all_gather(_without_tensors(result, island_of), self._data)
+        mine = shard_bounds(mean.numel(), self.size, self.rank)
+        result = None
+
+        def shard_average() -> dict:
+            nonlocal result
+            result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round)
+            return _without_tensors(result, island_of)
+
+        metas = self._on_every_rank(shard_average, self._data)
         lengths = [len(range(mean.numel())[shard_bounds(mean.numel(), self.size, r)]) for r in range(self.size)]
         pieces = []
         for ours in (result.tensor, result.sent):  # all-gather needs equal sizes: shards padded to the longest
@@ -256,6 +267,19 @@ class HierarchicalTransport:
         if self.swarm is not None:
             self.swarm.close()
         self.island.close()
+
+
+def _outcome(call: Callable[[], object]) -> tuple[str, object]:
+    """("ok", call()) or ("error", the exception): what a rank tells the others (exceptions that cannot be
+    pickled travel as a RuntimeError with their text)."""
+    try:
+        return "ok", call()
+    except Exception as e:
+        try:
+            pickle.dumps(e)
+            return "error", e
+        except Exception:
+            return "error", RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _without_tensors(result: AverageResult, rename: dict[str, str] | None = None) -> dict:
