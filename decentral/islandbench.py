@@ -191,7 +191,7 @@ def peer_main(argv: list[str]) -> int:
         transport.join_rounds(0, first=True)
         transport.wait_for_peers(a.islands, PEER_TIMEOUT, 0)
         tensor = torch.randn(a.numel, generator=torch.Generator().manual_seed(a.rank))
-        times, wan, complete, groups = [], [], [], []
+        times, wan, complete, groups, why = [], [], [], [], []
         for r in range(a.rounds):
             group = transport.members(r)
             transport.join_rounds(r + 1)
@@ -201,8 +201,11 @@ def peer_main(argv: list[str]) -> int:
             wan.append(sent() - before)
             complete.append(result.complete)
             groups.append(len(result.group))
+            why.append(None if result.complete else {"contributors": result.contributors, "absent": result.absent,
+                                                     "left_out": result.left_out, "disagree": result.disagree,
+                                                     "rejected": result.rejected})
         Path(a.out).write_text(json.dumps({"rank": a.rank, "mode": a.mode, "times": times, "wan_bytes": wan,
-                                           "complete": complete, "groups": groups,
+                                           "complete": complete, "groups": groups, "incomplete_why": why,
                                            "connections": sum(c is not None for c in transport.connections)}))
     finally:
         transport.close()
