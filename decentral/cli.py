@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pipeline_parser(sub)
 
-    from decentral import bench, btmbench, netlab, soakbench, sweepbench, syncbench
+    from decentral import bench, btmbench, islandbench, netlab, soakbench, sweepbench, syncbench
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
                                   "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("merge", merge_bench, "merge time and peak memory against reading the inputs once"),
             ("soak", soakbench, "a swarm whose peers are killed and restarted, against the same without"),
             ("sweep", sweepbench, "one protocol's settings against each other on loss (in one process, no network)"),
-            ("islands", __import__("decentral.islandbench", fromlist=["_"]), "fast islands: hierarchical vs flat, sharded vs leader"),
+            ("islands", islandbench, "fast islands: hierarchical vs flat, sharded vs leader"),
             ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)")):
         module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter))

@@ -213,11 +213,9 @@ class HierarchicalTransport:
             return _without_tensors(result)
 
         meta = self._from_leader(leader_average, self._data)
-        out = result.tensor if self.rank == 0 else torch.empty_like(mean)
-        sent = result.sent if self.rank == 0 else torch.empty_like(mean)
-        for t in (out, sent):
-            self._collective(dist.broadcast, t, src=0, group=self._data)
-        return AverageResult(tensor=out, sent=sent, **meta)
+        both = torch.cat([result.tensor, result.sent]) if self.rank == 0 else torch.empty(2 * mean.numel())
+        self._collective(dist.broadcast, both, src=0, group=self._data)  # one collective for the two tensors
+        return AverageResult(tensor=both[:mean.numel()], sent=both[mean.numel():], **meta)
 
     def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
         """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers."""
@@ -233,16 +231,15 @@ class HierarchicalTransport:
 
         metas = self._on_every_rank(shard_average, self._data)
         lengths = [len(range(mean.numel())[shard_bounds(mean.numel(), self.size, r)]) for r in range(self.size)]
-        pieces = []
-        for ours in (result.tensor, result.sent):  # all-gather needs equal sizes: shards padded to the longest
-            padded = [torch.zeros(lengths[0]) for _ in range(self.size)]
-            own = torch.zeros(lengths[0])
-            own[:ours.numel()] = ours
-            self._collective(dist.all_gather, padded, own, group=self._data)
-            pieces.append(torch.cat([p[:n] for p, n in zip(padded, lengths)]))
+        longest = lengths[0]  # all-gather needs equal sizes: each rank sends [result; sent], padded to the longest
+        own = torch.zeros(2, longest)
+        own[0, :lengths[self.rank]], own[1, :lengths[self.rank]] = result.tensor, result.sent
+        gathered = [torch.empty(2, longest) for _ in range(self.size)]
+        self._collective(dist.all_gather, gathered, own, group=self._data)
+        tensor, sent = (torch.cat([g[i, :n] for g, n in zip(gathered, lengths)]) for i in (0, 1))
         complete = all(m["complete"] for m in metas)
         return AverageResult(
-            tensor=pieces[0] if complete else mean, sent=pieces[1] if complete else mean, group=list(group),
+            tensor=tensor if complete else mean, sent=sent if complete else mean, group=list(group),
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
             **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -20,10 +21,26 @@ import yaml
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 
 from decentral.loopback import LoopbackHub, LoopbackTransport  # noqa: E402
+from decentral.netlab import cleanup_stale, netns_available  # noqa: E402
 from decentral.swarm import SwarmTransport  # noqa: E402
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
 TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "eval_batches": 4, "eval_every": 10}
+
+
+NETNS = netns_available("tprobe")
+needs_netns = pytest.mark.skipif(not NETNS, reason="needs root and a working `ip netns` (network namespaces)")
+
+
+@pytest.fixture
+def lab_name():
+    """A short netlab name unique to this test; the labs named after it (NAME, and NAMEa, NAMEb, the two
+    labs of `bench islands`) and whatever they left behind are removed afterwards."""
+    prefix = "t" + secrets.token_hex(2)
+    yield prefix
+    if NETNS:
+        for lab in (prefix, prefix + "a", prefix + "b"):
+            cleanup_stale(lab)
 
 
 def free_port() -> int:

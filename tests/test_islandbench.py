@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from decentral import islandbench, netlab
+from conftest import needs_netns
+from decentral import islandbench
 from decentral.netlab import NetLab, cleanup_stale, measure_throughput
 
-NETNS = netlab.netns_available("tprobe")
-needs_netns = pytest.mark.skipif(not NETNS, reason="needs root and a working `ip netns` (network namespaces)")
 
 # connect to ADDR:PORT where nothing listens: a reachable host refuses (errno 111), an address without a
 # route is unreachable at once (101), one routed to a link where nobody answers its ARP after 3 s (113)
@@ -25,22 +23,13 @@ CONNECT = ("import socket, sys\n"
            "    print(e.errno)")
 
 
-@pytest.fixture
-def name():
-    prefix = "t" + secrets.token_hex(2)
-    yield prefix
-    if NETNS:
-        for lab in (prefix, prefix + "a", prefix + "b"):  # bench islands names its labs NAMEa and NAMEb
-            cleanup_stale(lab)
-
-
 def connect_errno(lab: NetLab, src: int, address: str) -> int:
     return int(lab.hosts[src].run([sys.executable, "-c", CONNECT, address], timeout=30).stdout)
 
 
 @needs_netns
-def test_lans_are_uncapped_and_isolated_from_each_other(name):
-    with NetLab(3, "20mbit", name=name, mode="netns", lans=[[0, 1], [2]]) as lab:
+def test_lans_are_uncapped_and_isolated_from_each_other(lab_name):
+    with NetLab(3, "20mbit", name=lab_name, mode="netns", lans=[[0, 1], [2]]) as lab:
         h0, h1, h2 = lab.hosts
         assert (h0.lan_address, h1.lan_address, h2.lan_address) == ("10.214.0.1", "10.214.0.2", "10.214.1.3")
         assert connect_errno(lab, 0, h1.lan_address) == 111  # same LAN: h1 answers
@@ -51,9 +40,9 @@ def test_lans_are_uncapped_and_isolated_from_each_other(name):
         assert connect_errno(lab, 0, h2.lan_address) == 113  # even routed there: h2 is not on h0's LAN (no ARP answer)
         lan = measure_throughput(lab, 0, 1, seconds=1.0, lan=True)
         assert lan > 3 * lab.rate_bps, f"LAN {lan / 1e6:.0f} Mbit/s: capped like the 20 Mbit/s uplink?"
-        removed = cleanup_stale(name)  # as after a crash: the LANs' bridges and veths go too
-    assert {f"link {name}lb0", f"link {name}lb1", f"link {name}-l0", f"link {name}-l2"} <= set(removed)
-    assert cleanup_stale(name) == []
+        removed = cleanup_stale(lab_name)  # as after a crash: the LANs' bridges and veths go too
+    assert {f"link {lab_name}lb0", f"link {lab_name}lb1", f"link {lab_name}-l0", f"link {lab_name}-l2"} <= set(removed)
+    assert cleanup_stale(lab_name) == []
 
 
 def test_lans_in_loopback_mode_and_bad_lans():
@@ -94,11 +83,11 @@ def test_sharded_is_compared_with_the_leader_of_the_same_k():
 
 
 @needs_netns
-def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, name):
+def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, lab_name):
     """Part B, tiny: 2 islands of 2 ranks, each rank its own 50 Mbit/s uplink, the island's ranks on a LAN."""
     out = tmp_path / "islands"
     cmd = [sys.executable, "-m", "decentral.cli", "bench", "islands", "--parts", "b", "--ks", "2", "--numel", "200000",
-           "--rounds", "2", "--bandwidth", "50mbit", "--mode", "netns", "--timeout", "120", "--lab-name", name, "--out", str(out)]
+           "--rounds", "2", "--bandwidth", "50mbit", "--mode", "netns", "--timeout", "120", "--lab-name", lab_name, "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     points = {p["mode"]: p for p in json.loads((out / "results.json").read_text())["b"]["points"]}

@@ -11,24 +11,13 @@ import textwrap
 
 import pytest
 
+from conftest import needs_netns
 from decentral import netlab
 from decentral.netlab import NetLab, NetLabError, cleanup_stale, measure_throughput, parse_rate
 
-NETNS = netlab.netns_available("tprobe")
-needs_netns = pytest.mark.skipif(not NETNS, reason="needs root and a working `ip netns` (network namespaces)")
-
-
-@pytest.fixture
-def name():
-    """A short lab name unique to this test; whatever the test leaves behind is removed afterwards."""
-    prefix = "t" + secrets.token_hex(2)
-    yield prefix
-    if NETNS:
-        cleanup_stale(prefix)
-
 
 def leftovers(prefix: str) -> list[str]:
-    """Namespaces and links in the root namespace whose name starts with `prefix`."""
+    """Namespaces and links in the root namespace whose lab_name starts with `prefix`."""
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     names = [line.split()[0] for line in namespaces.splitlines() if line.strip()]
@@ -62,8 +51,8 @@ def test_parse_rate_rejects_junk(text):
         parse_rate(text)
 
 
-def test_loopback_mode_exposes_rate_to_apps(name):
-    with NetLab(3, "20mbit", latency_ms=25, name=name, mode="loopback") as lab:
+def test_loopback_mode_exposes_rate_to_apps(lab_name):
+    with NetLab(3, "20mbit", latency_ms=25, name=lab_name, mode="loopback") as lab:
         assert lab.mode == "loopback" and lab.app_shaping and lab.rate_bps == 20_000_000
         assert [h.address for h in lab.hosts] == ["127.0.0.1"] * 3
         assert all(h.namespace is None for h in lab.hosts)
@@ -71,15 +60,15 @@ def test_loopback_mode_exposes_rate_to_apps(name):
         assert out.split() == ["2", "127.0.0.1", "20000000", "25", "loopback", "x"]
         paced = measure_throughput(lab, 0, 1, seconds=1.0, port=20000 + secrets.randbelow(20000))
         assert 0.7 * lab.rate_bps < paced < 1.05 * lab.rate_bps
-    with NetLab(1, None, name=name, mode="loopback") as lab:
+    with NetLab(1, None, name=lab_name, mode="loopback") as lab:
         assert not lab.app_shaping and lab.hosts[0].env["DECENTRAL_LINK_RATE_BPS"] == ""
 
 
 @needs_netns
-def test_capped_link_measures_near_its_cap(name):
-    with NetLab(2, "20mbit", name=name, mode="netns") as lab:
+def test_capped_link_measures_near_its_cap(lab_name):
+    with NetLab(2, "20mbit", name=lab_name, mode="netns") as lab:
         capped = measure_throughput(lab, 0, 1, seconds=2.0)
-    with NetLab(2, "200mbit", name=name, mode="netns") as lab:
+    with NetLab(2, "200mbit", name=lab_name, mode="netns") as lab:
         fast = measure_throughput(lab, 1, 0, seconds=2.0)
     print(f"20mbit cap: {capped / 1e6:.1f} Mbit/s, 200mbit cap: {fast / 1e6:.1f} Mbit/s")
     assert 0.7 * 20e6 <= capped <= 1.05 * 20e6
@@ -87,7 +76,7 @@ def test_capped_link_measures_near_its_cap(name):
 
 
 @needs_netns
-def test_hosts_reach_each_other_and_objects_exist_while_open(name):
+def test_hosts_reach_each_other_and_objects_exist_while_open(lab_name):
     server = textwrap.dedent("""
         import socket, sys
         with socket.create_server((sys.argv[1], 7000)) as s:
@@ -97,22 +86,22 @@ def test_hosts_reach_each_other_and_objects_exist_while_open(name):
             print(conn.recv(100).decode(), peer[0], flush=True)
     """)
     client = "import socket, sys; socket.create_connection((sys.argv[1], 7000), timeout=10).sendall(b'hello')"
-    with NetLab(2, "50mbit", name=name, mode="netns") as lab:
+    with NetLab(2, "50mbit", name=lab_name, mode="netns") as lab:
         h0, h1 = lab.hosts
         assert (h0.address, h1.address) == ("10.213.0.1", "10.213.0.2")
-        assert sorted(leftovers(name)) == sorted([f"{name}-h0", f"{name}-h1", f"{name}-v0", f"{name}-v1", f"{name}br"])
+        assert sorted(leftovers(lab_name)) == sorted([f"{lab_name}-h0", f"{lab_name}-h1", f"{lab_name}-v0", f"{lab_name}-v1", f"{lab_name}br"])
         root_addrs = subprocess.run(["ip", "addr"], capture_output=True, text=True, check=True).stdout
         assert "10.213." not in root_addrs
         srv = h1.popen([sys.executable, "-c", server, h1.address], stdout=subprocess.PIPE, text=True)
         assert srv.stdout.readline().strip() == "ready"
         assert h0.run([sys.executable, "-c", client, h1.address], timeout=20).returncode == 0
         assert srv.communicate(timeout=20)[0].split() == ["hello", "10.213.0.1"]
-    assert leftovers(name) == []
+    assert leftovers(lab_name) == []
 
 
 @needs_netns
-def test_popen_passes_env_inside_namespace(name):
-    with NetLab(2, "20mbit", latency_ms=12.5, name=name, mode="netns") as lab:
+def test_popen_passes_env_inside_namespace(lab_name):
+    with NetLab(2, "20mbit", latency_ms=12.5, name=lab_name, mode="netns") as lab:
         out = lab.hosts[1].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "y"}).stdout
         assert out.split() == ["1", "10.213.0.2", "20000000", "12.5", "netns", "y"]
         addrs = lab.hosts[1].run(["ip", "-4", "-o", "addr", "show", "dev", "eth0"], timeout=30).stdout
@@ -120,19 +109,19 @@ def test_popen_passes_env_inside_namespace(name):
 
 
 @needs_netns
-def test_exception_inside_with_tears_down_and_kills(name):
+def test_exception_inside_with_tears_down_and_kills(lab_name):
     with pytest.raises(RuntimeError, match="boom"):
-        with NetLab(2, "20mbit", name=name, mode="netns") as lab:
+        with NetLab(2, "20mbit", name=lab_name, mode="netns") as lab:
             sleeper = lab.hosts[0].popen(["sleep", "60"])
             raise RuntimeError("boom")
     assert sleeper.poll() is not None
-    assert leftovers(name) == []
+    assert leftovers(lab_name) == []
     lab.close()  # idempotent
 
 
 @needs_netns
 @pytest.mark.parametrize("fail_at", [4, 8, 15, 17])
-def test_setup_failure_halfway_removes_everything(name, monkeypatch, fail_at):
+def test_setup_failure_halfway_removes_everything(lab_name, monkeypatch, fail_at):
     real_cmd, calls = netlab._cmd, []
 
     def flaky(args):
@@ -143,41 +132,41 @@ def test_setup_failure_halfway_removes_everything(name, monkeypatch, fail_at):
 
     monkeypatch.setattr(netlab, "_cmd", flaky)
     with pytest.raises(NetLabError) as err:
-        NetLab(2, "20mbit", name=name, mode="netns")
+        NetLab(2, "20mbit", name=lab_name, mode="netns")
     failed = calls[fail_at - 1]
     assert " ".join(failed) in str(err.value) and "exit" in str(err.value)
-    assert leftovers(name) == []
+    assert leftovers(lab_name) == []
 
 
 @needs_netns
-def test_cleanup_stale_removes_a_crashed_lab(name):
+def test_cleanup_stale_removes_a_crashed_lab(lab_name):
     crash = textwrap.dedent(f"""
         import os, subprocess
         from decentral.netlab import NetLab
-        lab = NetLab(2, "20mbit", name={name!r}, mode="netns")
+        lab = NetLab(2, "20mbit", name={lab_name!r}, mode="netns")
         sleeper = lab.hosts[1].popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print(sleeper.pid, flush=True)
         os._exit(1)  # no close(), no atexit: leaves everything behind
     """)
     done = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60)
     sleeper = int(done.stdout)
-    assert len(leftovers(name)) == 5 and not process_gone(sleeper)
-    removed = cleanup_stale(name)
-    assert sorted(removed) == sorted([f"netns {name}-h0", f"netns {name}-h1", f"link {name}-v0", f"link {name}-v1",
-                                      f"link {name}br"])
-    assert leftovers(name) == [] and process_gone(sleeper)
-    assert cleanup_stale(name) == []
+    assert len(leftovers(lab_name)) == 5 and not process_gone(sleeper)
+    removed = cleanup_stale(lab_name)
+    assert sorted(removed) == sorted([f"netns {lab_name}-h0", f"netns {lab_name}-h1", f"link {lab_name}-v0", f"link {lab_name}-v1",
+                                      f"link {lab_name}br"])
+    assert leftovers(lab_name) == [] and process_gone(sleeper)
+    assert cleanup_stale(lab_name) == []
 
 
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_tears_down(name, sig):
+def test_signal_tears_down(lab_name, sig):
     script = textwrap.dedent(f"""
         import signal, time
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal; a background job
         signal.signal(signal.SIGTERM, signal.SIG_DFL)             # (like CI's) inherits SIGINT ignored
         from decentral.netlab import NetLab
-        lab = NetLab(2, "20mbit", name={name!r}, mode="netns")
+        lab = NetLab(2, "20mbit", name={lab_name!r}, mode="netns")
         print("up", flush=True)
         try:
             time.sleep(60)
@@ -186,7 +175,7 @@ def test_signal_tears_down(name, sig):
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "up"
-    assert len(leftovers(name)) == 5
+    assert len(leftovers(lab_name)) == 5
     proc.send_signal(sig)
     try:
         out, err = proc.communicate(timeout=30)
@@ -198,31 +187,31 @@ def test_signal_tears_down(name, sig):
         assert proc.returncode == 0 and "interrupted" in out, err
     else:
         assert proc.returncode == -signal.SIGTERM
-    assert leftovers(name) == []
+    assert leftovers(lab_name) == []
 
 
 @needs_netns
-def test_cli_runs_command_in_every_host(name, capsys):
+def test_cli_runs_command_in_every_host(lab_name, capsys):
     parser = argparse.ArgumentParser()
     netlab.add_arguments(parser)
     code = "import sys; print('{i}', '{addr}', '{addr0}'); sys.exit(int('{i}') == 2)"
-    args = parser.parse_args(["--hosts", "3", "--name", name, "--mode", "netns", "--", sys.executable, "-c", code])
+    args = parser.parse_args(["--hosts", "3", "--name", lab_name, "--mode", "netns", "--", sys.executable, "-c", code])
     assert netlab.main(args) == 1  # h2 exits 1
     lines = capsys.readouterr().out.splitlines()
     for i in range(3):
         assert f"[h{i}] {i} 10.213.0.{i + 1} 10.213.0.1" in lines
-    assert leftovers(name) == []
+    assert leftovers(lab_name) == []
 
 
 @needs_netns
-def test_a_signal_the_process_ignores_stays_ignored(name):
+def test_a_signal_the_process_ignores_stays_ignored(lab_name):
     """A background job starts with SIGINT ignored; a lab must not turn that SIGINT into a teardown
     while the process itself goes on running."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with NetLab(1, None, name=name, mode="netns"):
+        with NetLab(1, None, name=lab_name, mode="netns"):
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # this one still tears down
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert leftovers(name) == []
+    assert leftovers(lab_name) == []
