@@ -37,7 +37,7 @@ from decentral.metrics import MetricsLog
 from decentral.models import GPT
 from decentral.swarm import SwarmTransport
 from decentral.swarm.admission import SwarmKey
-from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol
+from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol, SyncReport
 from decentral.transport import SoloTransport, Transport
 
 
@@ -233,6 +233,27 @@ def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> No
         transport.wait_for_peers(opts.min_peers, opts.wait_peers_s, round)
 
 
+def step_record(name: str, protocol: SyncProtocol, transport: Transport, loss: torch.Tensor, wall_s: float
+                ) -> tuple[dict, SyncReport | None]:
+    """The metrics record of the inner step just done, and the sync report it popped (None when the step
+    did not sync): the worker's per-step bookkeeping (`decentral bench overhead` times it)."""
+    record = dict(
+        worker=name, step=protocol.step, round=protocol.round, loss=loss.item(),
+        bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received, wall_s=wall_s, wait_s=protocol.wait_s,
+    )
+    report = protocol.pop_report()
+    if report is not None:
+        record.update(group_size=len(report.group), complete=report.complete,
+                      contributors=report.contributors, rejected=len(report.rejected))
+        if report.spread is not None:
+            record["spread"] = report.spread
+        if report.digest is not None:
+            record["digest"] = report.digest[:16]
+        if report.repaired:
+            record["repaired"] = True
+    return record, report
+
+
 def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
     line = (f"[{name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
             f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s")
@@ -285,22 +306,9 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
                 optimizer.step()  # the protocol's hooks run here
                 optimizer.zero_grad(set_to_none=True)
-                record = dict(
-                    worker=opts.name, step=protocol.step, round=protocol.round, loss=loss.item(),
-                    bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                    wall_s=time.perf_counter() - start, wait_s=protocol.wait_s,
-                )
-                report = protocol.pop_report()
+                record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start)
                 if report is not None:
                     last_sync = report
-                    record.update(group_size=len(report.group), complete=report.complete,
-                                  contributors=report.contributors, rejected=len(report.rejected))
-                    if report.spread is not None:
-                        record["spread"] = report.spread
-                    if report.digest is not None:
-                        record["digest"] = report.digest[:16]
-                    if report.repaired:
-                        record["repaired"] = True
                 if protocol.step % t.eval_every == 0:
                     record["val_loss"] = val_loss = evaluate(model, val)
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
