@@ -79,7 +79,12 @@ def train_worker(recipe, args, **overrides) -> int:
         resume=args.resume, name=args.name, min_peers=args.min_peers, domains=args.domain,
         init_from=Path(args.init_from) if getattr(args, "init_from", None) else None, stop_at=args.stop_at,
         island=args.island, rank=args.rank, world_size=args.world_size, on_ready=ready, print_fn=lambda line: print(line, flush=True),
+        tensorboard=Path(args.tensorboard) if args.tensorboard else None,
     )
+    if args.tensorboard:
+        from decentral.metrics import summary_writer_class
+
+        summary_writer_class()  # a missing tensorboard fails here, before joining the swarm
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
     try:
         summary = run_worker(recipe, WorkerOptions(**{**options, **overrides}))
@@ -158,7 +163,12 @@ def serve_until_stopped() -> None:
 def cmd_demo(args) -> int:
     from decentral.demo import run_demo
 
-    return run_demo(_recipe(args), workers=args.workers, out=Path(args.out), protocol_arg=args.protocol)
+    if args.tensorboard:
+        from decentral.metrics import summary_writer_class
+
+        summary_writer_class()  # once here, rather than in every worker
+    return run_demo(_recipe(args), workers=args.workers, out=Path(args.out), protocol_arg=args.protocol,
+                    tensorboard=Path(args.tensorboard) if args.tensorboard else None)
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,6 +185,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
     p.add_argument("--num-workers", type=int, default=1, help="number of data shards")
     p.add_argument("--name", default="worker", help="name in logs and metrics")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard scalars into DIR "
+                   "(needs decentral[tensorboard])")
     p.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
     p.add_argument("--min-peers", type=int, default=1,
                    help="wait until this many peers (us included) are up and ready to train our first round")
@@ -217,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="each worker a fast island of N ranks (DDP inside, one swarm member); e.g. --workers 2 "
                       "--island-size 2")
     demo.add_argument("--island-mode", choices=["leader", "sharded"], help="how islands average (default: leader)")
+    demo.add_argument("--tensorboard", metavar="DIR", help="each worker also writes its metrics as TensorBoard "
+                      "scalars into DIR/<worker> (needs decentral[tensorboard])")
     demo.set_defaults(func=cmd_demo, run=None)
 
     swarm = sub.add_parser("swarm", help="swarm peers without training")
@@ -278,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     lab = sub.add_parser("netlab", help="emulated hosts behind capped links (network namespaces + tc tbf)")
     netlab.add_arguments(lab)
     lab.set_defaults(func=netlab.main)
+
+    from decentral import report
+
+    report.add_arguments(sub.add_parser("report", help="redraw the loss plot of any run and print its summary table",
+                                        description=report.__doc__,
+                                        formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -293,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.device import DeviceError
     from decentral.experts.registry import RegistryError
     from decentral.merge import MergeError
+    from decentral.metrics import MetricsError
     from decentral.pipeline import NetworkError
     from decentral.ranks import LaunchError
     from decentral.swarm import AdmissionError, SwarmError
@@ -300,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
-            AdmissionError, NetworkError, LaunchError) as e:
+            AdmissionError, NetworkError, LaunchError, MetricsError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from decentral.config import Recipe
-from decentral.metrics import format_summary, plot_report, read_metrics, summarize
+from decentral.metrics import read_metrics, write_report
 from decentral.models import GPT
 from decentral.swarm.admission import SwarmKey
 
@@ -49,7 +49,9 @@ def ddp_bytes_per_step(num_params: int, workers: int) -> float:
     return 2 * (workers - 1) / workers * 4 * num_params
 
 
-def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> int:
+def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tensorboard: Path | None = None) -> int:
+    """Run the workers, then plot and summarise them; with `tensorboard`, worker wI also writes its metrics
+    as TensorBoard scalars into TENSORBOARD/wI. Returns the exit code."""
     if workers < 1:
         raise ValueError("--workers must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +74,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> i
                "--out", str(out / f"w{index}"), "--name", f"w{index}",
                "--worker-index", str(index), "--num-workers", str(workers), "--min-peers", str(workers)]
         cmd += ["--maddr-file", str(maddr_file)] if index == 0 else [a for m in join for a in ("--join", m)]
+        cmd += ["--tensorboard", str(tensorboard / f"w{index}")] if tensorboard else []
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
     start = time.monotonic()
@@ -94,9 +97,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> i
         r.join(timeout=5)
     elapsed = time.monotonic() - start
     records = read_metrics(sorted(out.glob("w*/metrics.jsonl")))
-    plot_report(records, out / "report.png", title=f"{recipe.protocol}, {members}")
-    summary = summarize(records)
-    print(format_summary(summary))
+    summary = write_report(records, out / "report.png", title=f"{recipe.protocol}, {members}")
     num_params = GPT(recipe.model).num_parameters()
     outer = recipe.protocol_args.get("every", None)
     per_step = [s["bytes_sent"] / max(1, s["final_step"]) for s in summary.values()]
@@ -105,7 +106,8 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str) -> i
     print(f"demo: {elapsed:.0f}s wall; {num_params:,} parameters; sent per worker per inner step "
           f"{mean_per_step / 1024:.1f} KiB vs {ddp / 1024:.1f} KiB for a DDP all-reduce "
           f"({ddp / max(mean_per_step, 1):.0f}x less)" + (f", H={outer}" if outer else ""))
-    print(f"demo: plot {out / 'report.png'}, metrics {out}/w*/metrics.jsonl, checkpoints {out}/w*/checkpoint")
+    print(f"demo: plot {out / 'report.png'}, metrics {out}/w*/metrics.jsonl, checkpoints {out}/w*/checkpoint"
+          + (f"; tensorboard --logdir {tensorboard}" if tensorboard else ""))
     failed = [i for i, c in enumerate(codes) if c != 0]
     if failed:
         print(f"demo: workers {failed} exited with errors", file=sys.stderr)

@@ -2,6 +2,8 @@
 
 A record is a flat dict with at least `worker`, `step`, `wall_s` and, for training steps, `loss`;
 outer steps add `val_loss`. Cumulative counters `bytes_sent`, `bytes_received` and `wait_s` are optional.
+A log can pass every record on to a sink as well: `TensorBoardSink` (the `tensorboard` extra, imported
+only when one is made).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -17,34 +19,81 @@ from matplotlib.figure import Figure
 
 SMOOTH_WINDOW = 10  # inner steps averaged for the plotted training loss
 FINAL_LOSS_WINDOW = 10  # last training losses averaged for the summary's final loss
+TENSORBOARD_FLUSH_S = 5  # how stale the TensorBoard files may be (the JSONL is flushed after every record)
+TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 'decentral[tensorboard]'"
+
+
+class MetricsError(Exception):
+    """A metrics output cannot be written (its package is not installed); the message says what to do."""
+
+
+class MetricsSink(Protocol):
+    """Where a MetricsLog passes each record on, after converting its values to plain Python ones."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsLog:
     """Appends one JSON object per line to `path`, flushed after each record.
 
     Opening drops a partial last line left by a writer that was killed mid-write, so that records
-    appended by a resumed run stay readable.
+    appended by a resumed run stay readable. Each record also goes to `sink` when one is given; closing
+    the log closes it.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, sink: MetricsSink | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _repair_tail(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
+        self.sink = sink
 
     def write(self, **record: Any) -> None:
         """Log one record; values must be numbers, strings, bools or None (torch/numpy scalars are converted)."""
-        self._file.write(json.dumps({key: _plain(value) for key, value in record.items()}) + "\n")
+        plain = {key: _plain(value) for key, value in record.items()}
+        self._file.write(json.dumps(plain) + "\n")
         self._file.flush()
+        if self.sink is not None:
+            self.sink.write(plain)
 
     def close(self) -> None:
         self._file.close()
+        if self.sink is not None:
+            self.sink.close()
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TensorBoardSink:
+    """Every number of a record as a TensorBoard scalar named by its key, at the record's `step`, in
+    event files under `logdir`; strings, bools and None stay in the JSONL only."""
+
+    def __init__(self, logdir: str | Path):
+        self.writer = summary_writer_class()(str(logdir), flush_secs=TENSORBOARD_FLUSH_S)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def summary_writer_class() -> type:
+    """torch's SummaryWriter; MetricsError saying how to install it when tensorboard is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise MetricsError(TENSORBOARD_MISSING) from None
+    return SummaryWriter
 
 
 def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]:
@@ -99,6 +148,14 @@ def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     return out
+
+
+def write_report(records: list[dict], out_png: str | Path, title: str = "") -> dict[str, dict]:
+    """`plot_report` into `out_png`, print the summary table; returns `summarize`'s result."""
+    plot_report(records, out_png, title)
+    summary = summarize(records)
+    print(format_summary(summary), flush=True)
+    return summary
 
 
 def summarize(records: Iterable[dict]) -> dict[str, dict]:

@@ -2,7 +2,7 @@
 
 Built on the library API: the protocol hooks the inner optimizer; this loop is a plain loop.
 Writes `metrics.jsonl` (a record per inner step; `val_loss` every `eval_every` steps; the sync's
-group on steps that synced) and a checkpoint every `eval_every` steps and at the end. On divergence or Ctrl-C it stops
+group on steps that synced; its numbers also as TensorBoard scalars with `tensorboard`) and a checkpoint every `eval_every` steps and at the end. On divergence or Ctrl-C it stops
 cleanly: the last good checkpoint stays on disk.
 
 Data is one corpus (`data`), or several domains (`domains`) mixed in balanced batches and validated on
@@ -33,7 +33,7 @@ from decentral.device import pick_device
 from decentral.experts.branch import StartPoint, load_start_point
 from decentral.experts.registry import RegistryError
 from decentral.hierarchy import IslandError
-from decentral.metrics import MetricsLog
+from decentral.metrics import MetricsLog, TensorBoardSink
 from decentral.models import GPT
 from decentral.swarm import SwarmTransport
 from decentral.swarm.admission import SwarmKey
@@ -67,6 +67,7 @@ class WorkerOptions:
     min_peers: int = 1  # wait until this many peers (us included) announced our first round before training
     wait_peers_s: float = 300.0
     name: str = "worker"
+    tensorboard: Path | None = None  # also write the metrics as TensorBoard scalars into this folder
     on_ready: Callable[[list[str]], None] | None = None  # gets our multiaddrs once we have joined
     print_fn: Callable[[str], None] = print
     transport: Transport | None = None  # given, the worker uses it (and closes it) instead of making one
@@ -164,7 +165,8 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     t = recipe.train
     torch.manual_seed(t.seed)
     if opts.island_mode and opts.rank > 0:
-        opts = dataclasses.replace(opts, out=opts.out / f"rank{opts.rank}", name=f"{opts.name}.rank{opts.rank}")
+        opts = dataclasses.replace(opts, out=opts.out / f"rank{opts.rank}", name=f"{opts.name}.rank{opts.rank}",
+                                   tensorboard=opts.tensorboard and opts.tensorboard / f"rank{opts.rank}")
     slot = opts.local_rank if opts.local_rank is not None else opts.rank
     device = pick_device(t.device, slot if opts.island else (opts.worker_index or 0))
     if device.type == "cuda":
@@ -274,7 +276,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     t = recipe.train
     last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
     model, optimizer = protocol.model, protocol.optimizer
-    log = MetricsLog(opts.out / "metrics.jsonl")
+    log = MetricsLog(opts.out / "metrics.jsonl", sink=TensorBoardSink(opts.tensorboard) if opts.tensorboard else None)
     val_loss = None
     last_sync = None
     try:
