@@ -1,7 +1,10 @@
 """Checkpoints: a directory holding `tensors.safetensors` and `meta.json`, replaced atomically.
 
 `meta.json` carries the caller's metadata plus `format` and the sha256 of the tensor file, so a
-torn or corrupted checkpoint is refused on load instead of silently resuming from garbage.
+torn or corrupted checkpoint is refused on load instead of silently resuming from garbage. A caller
+may put more files into the directory (`save_checkpoint(files=...)`, e.g. a model in Hugging Face's
+save_pretrained layout); they are written inside the same atomic swap and checked the same way
+(`files_sha256` in meta.json).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +26,36 @@ from safetensors.torch import save as save_tensors
 FORMAT = 1
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
-_RESERVED = ("format", "tensors_sha256")
+_RESERVED = ("format", "tensors_sha256", "files_sha256")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
-def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
+def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                    files: Callable[[Path], None] | None = None) -> Path:
     """Write `tensors` and JSON-serialisable `meta` to `directory`, replacing any checkpoint there.
+    `files(folder)`, when given, writes more files into the new checkpoint's folder before it is put in
+    place (any names but ours); `load_checkpoint` checks their sha256 too.
 
     A crash at any point leaves a complete checkpoint on disk: the old one (at `directory`, or
     moved aside to `.<name>.old` next to it, where `load_checkpoint` finds it) or the new one.
-    Meta keys `format` and `tensors_sha256` are reserved. Not safe for two concurrent writers of the
-    same directory. Returns `directory` as a Path.
+    Meta keys `format`, `tensors_sha256` and `files_sha256` are reserved. Not safe for two concurrent
+    writers of the same directory. Returns `directory` as a Path.
     """
     directory = Path(directory)
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
     data = save_tensors(_storable(tensors))
-    meta_text = json.dumps({**meta, "format": FORMAT, "tensors_sha256": hashlib.sha256(data).hexdigest()}, indent=1)
     tmp = parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     aside = _aside(directory)
     try:
+        checked = {"format": FORMAT, "tensors_sha256": hashlib.sha256(data).hexdigest()}
+        if files is not None:
+            checked["files_sha256"] = _add_files(tmp, files)
+        meta_text = json.dumps({**meta, **checked}, indent=1)
         _write_synced(tmp / TENSORS_FILE, data)
         _write_synced(tmp / META_FILE, meta_text.encode())
         _fsync_dir(tmp)
@@ -63,8 +72,11 @@ def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], 
     return directory
 
 
-def load_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a checkpoint written by `save_checkpoint`: (tensors on CPU, the meta that was saved).
+def load_checkpoint(directory: str | Path, files: Callable[[Path], Mapping[str, torch.Tensor]] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a checkpoint written by `save_checkpoint`: (tensors on CPU, the meta that was saved). `files(folder)`,
+    when given, reads tensors from the files a save's `files` wrote (once their checksums passed); they
+    join the tensors returned.
 
     Raises CheckpointError naming the path when anything is missing, unreadable or fails its checksum.
     """
@@ -86,10 +98,18 @@ def load_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], dic
     data = tensors_path.read_bytes()
     if hashlib.sha256(data).hexdigest() != meta["tensors_sha256"]:
         raise CheckpointError(f"corrupt checkpoint {tensors_path} (checksum mismatch)")
+    for name, digest in meta.get("files_sha256", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"incomplete checkpoint {directory}: {name} is missing")
+        if _file_sha256(path) != digest:
+            raise CheckpointError(f"corrupt checkpoint {path} (checksum mismatch)")
     try:
         tensors = load_tensors(data)
     except SafetensorError as e:
         raise CheckpointError(f"corrupt checkpoint {tensors_path}: {e}") from e
+    if files is not None:
+        tensors.update(files(directory))
     return tensors, {k: v for k, v in meta.items() if k not in _RESERVED}
 
 
@@ -105,6 +125,25 @@ def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(tensor.untyped_storage().data_ptr())
         out[name] = tensor
     return out
+
+
+def _add_files(folder: Path, write: Callable[[Path], None]) -> dict[str, str]:
+    """Let `write` add files to `folder`; {path relative to it: sha256} of each, synced to disk."""
+    write(folder)
+    digests = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name in (TENSORS_FILE, META_FILE):
+            raise ValueError(f"a checkpoint's files may not include {name}: it is the checkpoint's own")
+        digests[name] = _file_sha256(path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    return digests
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _aside(directory: Path) -> Path:

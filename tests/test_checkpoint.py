@@ -147,3 +147,57 @@ def test_meta_without_checksum(tmp_path):
     (target / "meta.json").write_text(json.dumps({"round": 1}))
     with pytest.raises(CheckpointError):
         load_checkpoint(target)
+
+
+def _write_model_files(folder):
+    """A files hook: what a Hugging Face model's save_pretrained layout looks like, in miniature."""
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "shards").mkdir()
+    (folder / "shards" / "model-00001-of-00001.safetensors").write_bytes(b"weights" * 100)
+
+
+def _read_model_files(folder):
+    return {"model.bytes": torch.tensor(list((folder / "shards" / "model-00001-of-00001.safetensors").read_bytes()))}
+
+
+def test_files_of_a_hook_are_written_in_the_same_swap_and_read_back(tmp_path):
+    target = save_checkpoint(tmp_path / "ckpt", {"w": torch.zeros(2)}, {"round": 3}, files=_write_model_files)
+    assert sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()) == [
+        "config.json", "meta.json", "shards/model-00001-of-00001.safetensors", "tensors.safetensors"]
+    on_disk = json.loads((target / "meta.json").read_text())
+    assert on_disk["files_sha256"]["config.json"] == hashlib.sha256(b'{"model_type": "llama"}').hexdigest()
+    tensors, meta = load_checkpoint(target, files=_read_model_files)
+    assert meta == {"round": 3}
+    assert bytes(tensors["model.bytes"].tolist()) == b"weights" * 100 and torch.equal(tensors["w"], torch.zeros(2))
+    save_checkpoint(target, {"w": torch.ones(2)}, {"round": 4})  # a checkpoint without files replaces it whole
+    assert sorted(p.name for p in target.iterdir()) == ["meta.json", "tensors.safetensors"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_file_of_a_hook_is_refused(tmp_path, damage):
+    target = save_checkpoint(tmp_path / "ckpt", {"w": torch.zeros(2)}, {}, files=_write_model_files)
+    path = target / "shards" / "model-00001-of-00001.safetensors"
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    with pytest.raises(CheckpointError, match="checksum mismatch" if damage == "flip" else "is missing") as info:
+        load_checkpoint(target, files=_read_model_files)
+    assert "model-00001-of-00001.safetensors" in str(info.value)
+
+
+def test_a_failing_hook_keeps_the_old_checkpoint_and_may_not_write_ours(tmp_path):
+    target = save_checkpoint(tmp_path / "ckpt", {"w": torch.zeros(2)}, {"round": 1})
+
+    def broken(folder):
+        (folder / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(target, {"w": torch.ones(2)}, {"round": 2}, files=broken)
+    with pytest.raises(ValueError, match="meta.json"):
+        save_checkpoint(target, {"w": torch.ones(2)}, {"round": 2}, files=lambda f: (f / "meta.json").write_text("{}"))
+    assert load_checkpoint(target)[1] == {"round": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -103,6 +103,12 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, vocab) against targets (B, T): targets[b, t] is the token after
+    position t (the data's y, already shifted)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: `embed` -> `blocks` -> `head`. Initialisation depends only on torch's RNG state."""
 
@@ -137,9 +143,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             h = block(h)
         logits = self.head(h)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, None if targets is None else next_token_loss(logits, targets)
 
     def num_parameters(self) -> int:
         """Total number of parameters."""

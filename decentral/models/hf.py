@@ -1,0 +1,145 @@
+"""Hugging Face causal LMs trained by decentral (`pip install 'decentral[hf]'`).
+
+`HFCausalLM` puts any `transformers` causal LM behind the reference GPT's interface, so the worker's loop,
+evaluation and protocols drive it unchanged: `forward(x, y) -> (logits, loss)`, the loss being the mean
+cross-entropy of the logits against y. y is x already shifted by one token (decentral.data), so the
+model's own label shift is not used.
+
+On disk a model is in `save_pretrained`'s layout: config.json, generation_config.json and model.safetensors,
+or shards model-0000k-of-0000n.safetensors with model.safetensors.index.json once it outgrows
+`max_shard_size`; `AutoModelForCausalLM.from_pretrained` opens it. `save_pretrained_layout` and
+`read_pretrained_layout` write and read it for any caller (the worker's checkpoints put it beside their
+training state). Models are built and trained in float32; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from decentral.checkpoint import CheckpointError
+from decentral.data.tokenizer import ByteTokenizer
+from decentral.models import HF_CONFIG_PREFIX, ModelError
+from decentral.models.gpt import next_token_loss
+
+CONFIG_FILE = "config.json"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError("Hugging Face models need transformers: pip install 'decentral[hf]'") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers without its progress bars (one per checkpoint written or read), restored afterwards."""
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+class HFCausalLM(nn.Module):
+    """A `transformers` causal LM (`lm`) with the reference GPT's forward. State dict keys are `lm.` + the
+    model's own."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean cross-entropy against
+        targets (None without targets)."""
+        logits = self.lm(input_ids=idx, use_cache=False).logits
+        return logits, None if targets is None else next_token_loss(logits, targets)
+
+    def num_parameters(self) -> int:
+        """Total number of parameters (tied ones once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def write_files(self, folder: Path) -> None:
+        """Write the model into `folder` in save_pretrained's layout (what a checkpoint holds of it)."""
+        save_pretrained_layout(self.lm, folder)
+
+    def read_files(self, folder: Path) -> dict[str, torch.Tensor]:
+        """This module's state dict from the save_pretrained layout in `folder`; CheckpointError when `folder`
+        holds a model of other parameters (names or shapes)."""
+        state = {f"lm.{k}": v for k, v in read_pretrained_layout(folder).state_dict().items()}
+        ours = self.state_dict()
+        if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in ours.items()}:
+            raise CheckpointError(f"{folder} holds a model whose parameters (names or shapes) differ from this "
+                                  f"run's {type(self.lm).__name__}")
+        return state
+
+
+def save_pretrained_layout(lm: nn.Module, folder: str | Path, max_shard_size: int | str | None = None) -> None:
+    """`lm.save_pretrained(folder)` without progress bars; `max_shard_size` (e.g. "2GB") as save_pretrained
+    takes it (default: its own)."""
+    with _no_progress_bars():
+        lm.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+
+
+def read_pretrained_layout(folder: str | Path) -> nn.Module:
+    """The causal LM saved in `folder` (save_pretrained's layout), in float32 on the CPU, from local files only.
+    ModelError when transformers is missing or `folder` is not such a folder."""
+    t = _transformers()
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        raise ModelError(f"{folder} is not a save_pretrained folder: it has no {CONFIG_FILE}")
+    try:
+        with _no_progress_bars():
+            return t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{folder}: transformers cannot open it as a causal LM: {_first_line(e)}") from None
+
+
+def check_config(config, context: int, where: str) -> None:
+    """ModelError naming the field unless `config` covers the byte vocabulary and sequences of `context` tokens."""
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < ByteTokenizer.vocab_size:
+        raise ModelError(f"{where}: vocab_size is {vocab}, fewer than the {ByteTokenizer.vocab_size} byte tokens "
+                         "decentral trains on")
+    positions = getattr(text, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < context:
+        raise ModelError(f"{where}: max_position_embeddings is {positions}, shorter than train.context {context}")
+
+
+def load_causal_lm(source: str, context: int) -> HFCausalLM:
+    """`hf:CONFIG.json`: a new model of that config, its weights drawn from torch's RNG; otherwise the model
+    in save_pretrained folder `source`. Checked by `check_config` before any weights are made. ModelError
+    naming the source on any problem."""
+    t = _transformers()
+    from_config = source.startswith(HF_CONFIG_PREFIX)
+    path = Path(source[len(HF_CONFIG_PREFIX):] if from_config else source)
+    config_file = path if from_config else path / CONFIG_FILE
+    if not config_file.is_file():
+        raise ModelError(f"model {source}: {config_file} does not exist" if from_config else
+                         f"model {source}: not a save_pretrained folder (no {config_file})")
+    try:
+        config = t.AutoConfig.from_pretrained(config_file)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model {source}: {config_file} is not a transformers config: {_first_line(e)}") from None
+    check_config(config, context, f"model {source}")
+    if not from_config:
+        return HFCausalLM(read_pretrained_layout(path))
+    try:
+        return HFCausalLM(t.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    except ValueError as e:
+        raise ModelError(f"model {source}: not a causal LM config: {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
