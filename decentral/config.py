@@ -4,7 +4,8 @@ A recipe has four sections; every one is optional and falls back to the defaults
 
     protocol: {name: noloco, every: 50, alpha: 0.5, ...}   # the protocol's own keyword arguments
     train:    {steps: 400, batch_size: 16, lr: 3.0e-3, ...}
-    model:    {n_layer: 4, d_model: 128, ...}               # decentral.models.GPTConfig fields
+    model:    {n_layer: 4, d_model: 128, ...}               # decentral.models.GPTConfig fields, or
+    model:    {source: hf:CONFIG.json}                      # a Hugging Face model (decentral.models.build_model)
     swarm:    {timeout: 60, codec: float16, ...}
     island:   {size: 2, mode: leader, backend: auto}           # ranks per fast island (decentral.hierarchy)
 
@@ -17,11 +18,11 @@ import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
-from decentral.models import GPTConfig
+from decentral.models import GPT_SOURCE, GPTConfig, ModelError, check_source
 from decentral.codec import make_codec
 from decentral.sync import PROTOCOLS
 
@@ -76,12 +77,14 @@ class Recipe:
     model: GPTConfig = field(default_factory=GPTConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     island: IslandConfig = field(default_factory=IslandConfig)
+    model_source: str = GPT_SOURCE  # model.source: gpt (shaped by `model`), hf:CONFIG.json or a save_pretrained folder
 
     def to_dict(self) -> dict:
         return {
             "protocol": {"name": self.protocol, **self.protocol_args},
             "train": dataclasses.asdict(self.train),
-            "model": dataclasses.asdict(self.model),
+            "model": (dataclasses.asdict(self.model) if self.model_source == GPT_SOURCE
+                      else {"source": self.model_source}),
             "swarm": dataclasses.asdict(self.swarm),
             "island": dataclasses.asdict(self.island),
         }
@@ -102,9 +105,10 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
     raise RecipeError(f"{where}: expected {type(default).__name__}, got {value!r}")
 
 
-def typed_section(cls, values: Any, where: str):
+def typed_section(cls, values: Any, where: str, also: Sequence[str] = ()):
     """Recipe section `values` (a mapping, or None for the defaults) as dataclass `cls`; a RecipeError
-    names an unknown key or a value of the wrong type."""
+    names an unknown key or a value of the wrong type. `also`: keys the caller took out of `values` itself
+    (listed as allowed)."""
     if values is None:
         return cls()
     if not isinstance(values, dict):
@@ -112,7 +116,7 @@ def typed_section(cls, values: Any, where: str):
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(defaults))
     if unknown:
-        raise RecipeError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(defaults)}")
+        raise RecipeError(f"{where}: unknown key(s) {unknown}; allowed: {sorted([*defaults, *also])}")
     return cls(**{k: _coerce(v, defaults[k], f"{where}.{k}") for k, v in values.items()})
 
 
@@ -139,14 +143,33 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     unknown = sorted(set(proto) - set(allowed))
     if unknown:
         raise RecipeError(f"{where}: protocol {name!r} has no parameter(s) {unknown}; allowed: {sorted(allowed)}")
+    model, model_source = _model_section(data.get("model"), f"{where}: model")
     return Recipe(
         protocol=name,
         protocol_args=proto,
         train=typed_section(TrainConfig, data.get("train"), f"{where}: train"),
-        model=typed_section(GPTConfig, data.get("model"), f"{where}: model"),
+        model=model,
         swarm=_swarm_section(data.get("swarm"), f"{where}: swarm", name),
         island=_island_section(data.get("island"), f"{where}: island"),
+        model_source=model_source,
     )
+
+
+def _model_section(values: Any, where: str) -> tuple[GPTConfig, str]:
+    """(the reference GPT's shape, model.source). A source other than gpt takes its shape from its own
+    config, so no GPT key may go with it."""
+    source = GPT_SOURCE
+    if isinstance(values, dict) and "source" in values:
+        values = dict(values)
+        source = _coerce(values.pop("source"), GPT_SOURCE, f"{where}.source")
+    try:
+        check_source(source)
+    except ModelError as e:
+        raise RecipeError(f"{where}.source: {e}") from None
+    if source != GPT_SOURCE and values:
+        raise RecipeError(f"{where}: {sorted(values)} shape the reference GPT; source {source!r} takes its shape "
+                          "from its own config")
+    return typed_section(GPTConfig, values, where, also=["source"]), source
 
 
 def _island_section(values: Any, where: str) -> IslandConfig:

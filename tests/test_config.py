@@ -39,6 +39,15 @@ def test_numbers_are_coerced_and_defaults_fill_in():
     assert recipe.model.d_model == 64 and recipe.model.n_layer == 4 and recipe.protocol == "noloco"
 
 
+def test_model_source_round_trips_and_gpt_recipes_stay_as_they_were():
+    hf = parse_recipe({"model": {"source": "hf:/models/llama/config.json"}})
+    assert hf.model_source == "hf:/models/llama/config.json" and hf.to_dict()["model"] == {"source": hf.model_source}
+    assert parse_recipe(hf.to_dict()).model_source == hf.model_source
+    gpt = parse_recipe({"model": {"d_model": 64}})
+    assert gpt.model_source == "gpt" and "source" not in gpt.to_dict()["model"]
+    assert parse_recipe({"model": {"source": "gpt", "d_model": 64}}).model == gpt.model
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
@@ -49,6 +58,11 @@ def test_numbers_are_coerced_and_defaults_fill_in():
         ({"protocol": {"name": "noloco", "outer_lr": 1}}, "has no parameter(s) ['outer_lr']"),
         ({"swarm": {"timeout": True}}, "swarm.timeout: expected float"),
         ({"extras": {}}, "unknown section(s) ['extras']"),
+        ({"model": {"sourc": "hf:c.json"}}, "unknown key(s) ['sourc']; allowed: ['context', 'd_model', 'dropout', "
+                                            "'n_head', 'n_layer', 'source', 'vocab_size']"),
+        ({"model": {"source": "hf:c.json", "n_layer": 2}}, "['n_layer'] shape the reference GPT; source 'hf:c.json'"),
+        ({"model": {"source": ""}}, "model.source: model source '': expected gpt, hf:CONFIG.json or a save_pretrained"),
+        ({"model": {"source": 3}}, "model.source: expected str"),
         ([1, 2], "expected a mapping"),
     ],
 )
