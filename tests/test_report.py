@@ -1,4 +1,4 @@
-"""A worker's metrics as TensorBoard scalars, and `decentral report` on run folders."""
+"""A worker's metrics as TensorBoard scalars, `decentral report` on run folders, `pipeline train`'s progress."""
 
 from __future__ import annotations
 
@@ -119,3 +119,39 @@ def test_report_without_metrics_exits_2_with_one_line(tmp_path, capsys, make):
     assert captured.out == ""
     assert len(captured.err.splitlines()) == 1 and captured.err.startswith("decentral report: ")
     assert not (run / "report.png").exists()
+
+
+def test_pipeline_train_moves_its_bar_by_the_leads_metrics_while_it_waits(tmp_path, monkeypatch):
+    from decentral.pipeline import launch
+    from decentral.pipeline.network import PipelineError, parse_network
+
+    network = parse_network({"stages": 2, "skip": 0, "microbatches": 1, "activation_bytes": 0,
+                             "nodes": [{"name": "h", "compute_ms": 1, "stage": 0},
+                                       {"name": "a", "compute_ms": 1, "stage": 1}],
+                             "default_link": {"latency_ms": 1, "bandwidth_mbps": 1000}})
+    run = launch.LocalPipeline(tmp_path / "recipe.yaml", network, tmp_path)
+    assert run.iterations_done() == 0  # the lead has written nothing yet
+    monkeypatch.setattr(launch, "TICK_S", 0.01)
+    lead = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    run.procs = {"h": lead}  # a lead that runs until we close its stdin
+    seen = []
+    with MetricsLog(tmp_path / "h" / "metrics.jsonl") as log:
+        log.write(worker="h", step=1)
+
+        def tick():
+            seen.append(run.iterations_done())
+            if len(seen) == 1:
+                log.write(worker="h", step=2)  # the lead finishes another iteration
+            else:
+                lead.stdin.close()  # and then the run
+
+        assert run.wait(60, tick) == 0
+    assert seen[:2] == [1, 2]
+    stuck = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    run.procs = {"h": stuck}
+    try:
+        with pytest.raises(PipelineError, match="did not end within"):
+            run.wait(0.05, lambda: None)
+    finally:
+        stuck.kill()
+        stuck.wait()

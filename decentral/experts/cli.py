@@ -168,7 +168,7 @@ def cmd_fetch(args) -> int:
     sharing = ExpertSharing(peer, Registry(args.registry))
     try:
         for name in args.names:
-            with tqdm(unit="B", unit_scale=True, desc=name, file=sys.stderr) as bar:
+            with tqdm(unit="B", unit_scale=True, desc=name, file=sys.stderr, disable=None) as bar:  # on a terminal only
                 expert = sharing.fetch(name, sha256=args.sha256, with_optimizer=not args.no_optimizer, progress=bar.update)
             print(f"experts: fetched {expert.name} ({expert.sha256[:12]}, hash checked) into {expert.folder}", flush=True)
     finally:

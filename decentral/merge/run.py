@@ -55,7 +55,8 @@ class _Input:
 
 
 def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool = True) -> Expert:
-    """Merge as `recipe` (a MergeRecipe or a recipe file) says into expert folder `out_dir`; its Expert."""
+    """Merge as `recipe` (a MergeRecipe or a recipe file) says into expert folder `out_dir`; its Expert.
+    `progress`: a bar of the bytes written, on stderr when that is a terminal."""
     if not isinstance(recipe, MergeRecipe):
         recipe = load_merge_recipe(recipe)
     if recipe.method.weights_from is not None:
@@ -207,7 +208,7 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
         total = sum(DTYPES[code].itemsize * torch.Size(shape).numel() for code, shape in specs.values())
         with SafetensorsWriter(path, specs) as writer, \
                 tqdm(total=total, unit="B", unit_scale=True, desc=f"merge {recipe.method.name}",
-                     disable=not progress) as bar:
+                     disable=None if progress else True) as bar:  # None: on a terminal only
             for index, name in enumerate(order):
                 _raise_if_corrupt(rereads, wait=False)
                 versions = reading.result()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.network import regions_network
@@ -36,7 +37,7 @@ def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 
     from decentral.pipeline.plot import plot_bench, plot_plans
 
     rows, plans = [], {}
-    for seed in seeds:
+    for seed in tqdm(seeds, desc="bench pipeline", unit="seed", disable=None, leave=False):  # on a terminal only
         network = regions_network(nodes=nodes, regions=regions, seed=seed, stages=stages, skip=skip,
                                   microbatches=microbatches)
         start = time.perf_counter()

@@ -176,14 +176,20 @@ def cmd_node(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from tqdm import tqdm
+
     from decentral.metrics import format_table
 
     network = load_network(args.network).replace(stages=args.stages, skip=args.skip, microbatches=args.microbatches)
     length = path_length(network.stages, network.skip)
-    start = time.perf_counter()
-    planned = plan(network, seed=args.seed, effort=args.effort)
-    planning_s = time.perf_counter() - start
-    full = full_pipeline(network, seed=args.seed, effort=args.effort)
+    with tqdm(total=2, desc="planning", unit="plan", disable=None, leave=False) as bar:  # on a terminal only
+        start = time.perf_counter()
+        planned = plan(network, seed=args.seed, effort=args.effort)
+        planning_s = time.perf_counter() - start
+        bar.set_description("planning the full pipeline", refresh=False)
+        bar.update()
+        full = full_pipeline(network, seed=args.seed, effort=args.effort)
+        bar.update()
     blind = network_blind(network, seed=args.seed)
     print(f"{args.network}: {len(network)} nodes, {network.stages} stages, skip {network.skip:g} "
           f"({length} stages per path), {network.microbatches} microbatches")

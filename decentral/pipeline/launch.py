@@ -15,10 +15,13 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, shaped_network
+
+TICK_S = 1.0  # how often `pipeline train`'s progress bar reads the lead's metrics
 
 
 def pinned(network: Network, seed: int = 0, effort: float = 0.3) -> Network:
@@ -107,13 +110,21 @@ class LocalPipeline:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
 
-    def wait(self, timeout_s: float) -> int:
-        """Wait for the lead to end the run, then for the others to leave; returns the lead's exit code."""
+    def wait(self, timeout_s: float, tick: Callable[[], None] | None = None) -> int:
+        """Wait for the lead to end the run, then for the others to leave; returns the lead's exit code.
+        `tick` is called about every TICK_S seconds meanwhile (it moves a progress bar)."""
         lead = self.procs[self.lead]
-        try:
-            code = lead.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise PipelineError(f"the run did not end within {timeout_s:.0f}s; see {self.out}/*.log") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                code = lead.wait(timeout=max(0.0, min(left, TICK_S) if tick else left))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise PipelineError(f"the run did not end within {timeout_s:.0f}s; see {self.out}/*.log") from None
+                if tick:
+                    tick()
         deadline = time.monotonic() + 30.0
         for proc in self.procs.values():
             try:
@@ -121,6 +132,14 @@ class LocalPipeline:
             except subprocess.TimeoutExpired:
                 pass
         return code
+
+    def iterations_done(self) -> int:
+        """The last iteration the lead recorded in its metrics (0 before its first)."""
+        from decentral.metrics import read_metrics
+
+        path = self.out / self.lead / "metrics.jsonl"
+        records = read_metrics(path) if path.exists() else []
+        return records[-1]["step"] if records else 0
 
     def close(self) -> None:
         """End every node process still running (SIGTERM, then SIGKILL)."""
@@ -158,6 +177,8 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
 
     The nodes share a swarm key made for the run (OUT/swarm.key). `resume`: every node goes on from its
     checkpoint in OUT, with the allocation of OUT/network.json. PipelineError when the run fails."""
+    from tqdm import tqdm
+
     from decentral.metrics import read_metrics
     from decentral.pipeline.evaluate import evaluate_run
     from decentral.pipeline.recipe import load_pipeline_recipe
@@ -187,7 +208,8 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         with LocalPipeline(Path(recipe_path), network, out, steps=steps, lab=lab, node_args=node_args,
                            env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
             run.start()
-            code = run.wait(timeout_s)
+            with tqdm(total=steps or recipe.recipe.train.steps, desc="pipeline train", unit="it", disable=None) as bar:
+                code = run.wait(timeout_s, None if bar.disable else lambda: bar.update(run.iterations_done() - bar.n))
             if code != 0:
                 raise PipelineError(f"the lead ({run.lead}) exited with {code}:\n{run.log(run.lead)[-3000:]}\n"
                                     f"the nodes' last checkpoints are in {out}: `--resume` goes on from them")
