@@ -72,6 +72,8 @@ class SyncProtocol:
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
     error_feedback = False  # keeps what a codec did not send and sends it again (see Transport.error_feedback)
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
+    hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
+    # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport):
         if transport.error_feedback and not self.error_feedback:
@@ -96,10 +98,9 @@ class SyncProtocol:
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
         self.start()
-        self._hooks = [
-            self.optimizer.register_step_pre_hook(lambda *_: self.before_step()),
-            self.optimizer.register_step_post_hook(lambda *_: self._after_step()),
-        ]
+        self._hooks = [self.optimizer.register_step_post_hook(lambda *_: self._after_step())]
+        if self.hook_before_step:
+            self._hooks.append(self.optimizer.register_step_pre_hook(lambda *_: self.before_step()))
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -1,0 +1,87 @@
+"""What the framework callbacks share: a protocol entered around the framework's model and optimizer for
+one run (`with Protocol(model, optimizer, transport)` when the framework's loop is not ours to write)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from decentral.sync import PROTOCOLS, SyncProtocol, SyncReport
+from decentral.transport import Transport
+
+ProtocolFactory = Callable[..., SyncProtocol]  # (model, optimizer, transport, **kwargs) -> protocol: a class will do
+
+
+class Adoption:
+    """`protocol`: a name of decentral.sync.PROTOCOLS ("diloco", "noloco", "co2", "streaming", "ddp", "local")
+    or a factory called as `protocol(model, optimizer, transport, **kwargs)`. `peers`: how many peers (us
+    included) must take part in our first round before the first step (at most `wait_peers_s` seconds).
+    The transport stays the caller's to close."""
+
+    def __init__(self, protocol: str | ProtocolFactory, transport: Transport, *, peers: int = 1,
+                 wait_peers_s: float = 300.0, **kwargs):
+        if isinstance(protocol, str):
+            if protocol not in PROTOCOLS:
+                raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(sorted(PROTOCOLS))}")
+            protocol = PROTOCOLS[protocol]
+        self.factory, self.transport, self.kwargs = protocol, transport, kwargs
+        self.peers, self.wait_peers_s = peers, wait_peers_s
+        self.sync: SyncProtocol | None = None  # the protocol of the run under way
+        self.reports: list[SyncReport] = []  # every synchronisation of the run, in order
+
+    def enter(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+              hook_before_step: bool = True) -> SyncProtocol:
+        """Wrap `model` and the torch optimizer under `optimizer`'s wrappers in the protocol and join the
+        swarm (its state, round and step; see SyncProtocol.start). A run left without `exit` (the
+        framework raised and told no callback) is left first."""
+        if self.sync is not None:
+            self.exit(RuntimeError("the previous run ended without finishing"))
+        sync = self.factory(model, real_optimizer(optimizer), self.transport, **self.kwargs)
+        sync.hook_before_step = hook_before_step
+        sync.__enter__()
+        self.sync, self.reports = sync, []
+        if self.peers > 1:
+            try:
+                self.transport.wait_for_peers(self.peers, self.wait_peers_s, sync.round)
+            except BaseException as e:
+                self.exit(e)
+                raise
+        return sync
+
+    def collect(self) -> SyncReport | None:
+        """After an optimizer step: the report of the synchronisation it made, if any (also kept in `reports`)."""
+        report = self.sync.pop_report() if self.sync is not None else None
+        if report is not None:
+            self.reports.append(report)
+        return report
+
+    def exit(self, error: BaseException | None = None) -> None:
+        """Unhook the optimizer; without `error`, first complete what is in flight (CO2 and Streaming DiLoCo
+        apply the average they launched last), so the model holds everything trained."""
+        sync, self.sync = self.sync, None
+        if sync is not None:
+            sync.__exit__(None if error is None else type(error), error, None if error is None else error.__traceback__)
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for a framework's logs: the outer round, syncs so far, seconds waited, bytes each way, and
+        the latest sync's group size and whether it was complete."""
+        if self.sync is None:
+            return {}
+        out = {"sync/round": float(self.sync.round), "sync/syncs": float(len(self.reports)),
+               "sync/wait_s": self.sync.wait_s, "sync/bytes_sent": float(self.transport.bytes_sent),
+               "sync/bytes_received": float(self.transport.bytes_received)}
+        if self.reports:
+            out["sync/group"] = float(len(self.reports[-1].group))
+            out["sync/complete"] = float(self.reports[-1].complete)
+        return out
+
+
+def real_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose `step` really runs under a framework's wrappers (accelerate's
+    AcceleratedOptimizer keeps it in `.optimizer`): the one a protocol must hook."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"a protocol hooks a torch.optim.Optimizer's step; got {type(optimizer).__name__}")
+    return optimizer

@@ -1,0 +1,50 @@
+"""A `transformers.Trainer` callback that trains under a decentral protocol (extra: pip install 'decentral[hf]').
+
+    transport = SwarmTransport("my-run", initial_peers=[...])
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[DecentralCallback("diloco", transport, every=50)])
+    trainer.train()
+
+At train begin (the Trainer has made and prepared its optimizer by then) the protocol wraps the model and
+the torch optimizer under accelerate's wrapper, and joins the swarm; at train end it finishes what is in
+flight. Everything else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one
+protocol step per optimizer step.
+"""
+
+from __future__ import annotations
+
+from decentral.integrations.adoption import Adoption, ProtocolFactory
+from decentral.transport import Transport
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError("decentral.integrations.hf_trainer needs transformers: pip install 'decentral[hf]'") from e
+
+
+class DecentralCallback(TrainerCallback):
+    """Train under `protocol` over `transport` (arguments as `Adoption`'s; `kwargs` go to the protocol,
+    e.g. `every=50`). `adoption.sync` is the protocol while training runs, `adoption.reports` its syncs.
+    The Trainer's logs get `Adoption.metrics` (`sync/...`), in `state.log_history` too. When `train()`
+    raises, Trainer tells no callback: the protocol is left unfinished, unhooked at the next train begin."""
+
+    def __init__(self, protocol: str | ProtocolFactory, transport: Transport, *, peers: int = 1,
+                 wait_peers_s: float = 300.0, **kwargs):
+        self.adoption = Adoption(protocol, transport, peers=peers, wait_peers_s=wait_peers_s, **kwargs)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if model is None or optimizer is None:
+            raise RuntimeError("the Trainer passed no model or optimizer at train begin; the protocol needs both")
+        self.adoption.enter(model, optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.adoption.collect()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = self.adoption.metrics()
+        if logs is not None and metrics:
+            logs.update(metrics)
+            if state.log_history:  # the record Trainer.log appended just before calling us
+                state.log_history[-1].update(metrics)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.adoption.exit()

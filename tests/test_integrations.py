@@ -1,0 +1,247 @@
+"""The framework callbacks (decentral.integrations): a protocol adopted by `transformers.Trainer` and by
+Lightning, two trainers in two threads over a loopback hub, checked against what the protocol must do
+(replicas averaged every H real optimizer steps, to the mean of what each trained); the examples run as
+scripts over the real swarm; importing decentral pulls in neither framework."""
+
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+from torch.nn.utils import parameters_to_vector
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from decentral.data import join_documents, load_documents, train_batches
+from decentral.integrations import hf_trainer, lightning as lightning_integration
+from decentral.integrations.adoption import real_optimizer
+from decentral.loopback import LoopbackHub
+from decentral.models import GPT, GPTConfig
+from decentral.transport import SoloTransport
+
+ROOT = Path(__file__).resolve().parent.parent
+H, STEPS, ACCUMULATE, CONTEXT = 3, 6, 2, 32
+AVERAGING = dict(every=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False)  # DiLoCo whose φ is the plain mean
+
+
+@pytest.fixture(scope="module")
+def tokens(small_corpus):
+    return join_documents(load_documents([small_corpus], max_bytes=400_000)[0])
+
+
+class Recorder:
+    """Counts the real optimizer's steps and keeps the weights θ the last one trained, as the step left them:
+    its hook is registered before the protocol's, which averages them. The first step waits at `barrier`
+    until every peer has joined its protocol (so no peer trains a round alone)."""
+
+    def __init__(self, barrier: threading.Barrier):
+        self.barrier, self.steps, self.trained = barrier, 0, None
+
+    def attach(self, optimizer, params) -> None:
+        def after_step(*_):
+            self.steps += 1
+            self.trained = parameters_to_vector(params).detach().clone()
+        real_optimizer(optimizer).register_step_post_hook(after_step)
+
+
+class HFRecorder(TrainerCallback):
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.recorder.attach(optimizer, list(model.parameters()))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            self.recorder.barrier.wait(timeout=30)
+
+
+class LightningRecorder(lightning.Callback):
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+
+    def on_fit_start(self, trainer, pl_module):
+        self.recorder.attach(trainer.optimizers[0], list(pl_module.parameters()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.recorder.barrier.wait(timeout=30)
+
+
+def run_peers(train, count: int = 2) -> tuple[list, list[Recorder]]:
+    """`train(index, transport, recorder)` for `count` peers of one loopback hub, each in its own thread:
+    (their results, their recorders)."""
+    hub, barrier = LoopbackHub(timeout_s=20.0), threading.Barrier(count)
+    transports = [hub.transport() for _ in range(count)]
+    recorders = [Recorder(barrier) for _ in range(count)]
+    try:
+        with ThreadPoolExecutor(count) as pool:
+            return list(pool.map(train, range(count), transports, recorders)), recorders
+    finally:
+        for t in transports:
+            t.close()
+
+
+def flat(model) -> torch.Tensor:
+    return parameters_to_vector(model.parameters()).detach()
+
+
+def assert_averaged(models, recorders, reports_of_peers) -> None:
+    """Every peer stepped STEPS times and synced with both peers every H of them, and each ends holding
+    the mean of what the two trained in the last round."""
+    for recorder, reports in zip(recorders, reports_of_peers):
+        assert recorder.steps == STEPS  # the hook fired once per real optimizer step, not once per batch
+        assert [len(r.group) for r in reports] == [2] * (STEPS // H) and all(r.complete for r in reports)
+    mean = torch.stack([r.trained for r in recorders]).mean(0)
+    assert torch.equal(flat(models[0]), flat(models[1]))  # identical replicas
+    torch.testing.assert_close(flat(models[0]), mean, rtol=0, atol=1e-6)
+    assert all(not torch.allclose(r.trained, mean, atol=1e-4) for r in recorders)  # each had trained apart
+
+
+# ----- transformers.Trainer -----
+class ByteWindows(torch.utils.data.IterableDataset):
+    def __init__(self, tokens, seed: int):
+        self.tokens, self.seed = tokens, seed
+
+    def __iter__(self):
+        for x, _ in train_batches(self.tokens, batch_size=1, context=CONTEXT, seed=self.seed):
+            yield {"input_ids": x[0], "labels": x[0]}
+
+
+def llama_loss(model, tokens) -> float:
+    x = next(train_batches(tokens, batch_size=16, context=CONTEXT, seed=99))[0]
+    with torch.no_grad():
+        return model(input_ids=x, labels=x).loss.item()
+
+
+def test_a_trainer_callback_averages_the_replicas_every_h_optimizer_steps_and_the_loss_falls(tokens, tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CONTEXT)
+    models = [LlamaForCausalLM(config) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    before = llama_loss(models[0], tokens)
+
+    def train(index, transport, recorder):
+        sync = hf_trainer.DecentralCallback("diloco", transport, **AVERAGING)
+        args = TrainingArguments(output_dir=str(tmp_path / str(index)), max_steps=STEPS, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=ACCUMULATE, learning_rate=1e-2, logging_steps=H,
+                                 save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True)
+        trainer = Trainer(model=models[index], args=args, train_dataset=ByteWindows(tokens, index),
+                          callbacks=[HFRecorder(recorder), sync])
+        trainer.train()
+        assert trainer.state.global_step == STEPS and sync.adoption.sync is None  # left at train end
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert [entry["sync/syncs"] for entry in logged] == [1.0, 2.0] and logged[-1]["sync/group"] == 2.0
+        return sync.adoption.reports
+
+    reports, recorders = run_peers(train)
+    assert_averaged(models, recorders, reports)
+    assert llama_loss(models[0], tokens) < before - 0.5
+
+
+# ----- Lightning -----
+class LitGPT(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, context=CONTEXT))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(*batch)[1]
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ByteBatches(torch.utils.data.IterableDataset):
+    def __init__(self, tokens, seed: int):
+        self.tokens, self.seed = tokens, seed
+
+    def __iter__(self):
+        return train_batches(self.tokens, batch_size=4, context=CONTEXT, seed=self.seed)
+
+
+def gpt_loss(module, tokens) -> float:
+    with torch.no_grad():
+        return module.model(*next(train_batches(tokens, batch_size=16, context=CONTEXT, seed=99)))[1].item()
+
+
+def fit(module, callbacks, tokens, seed: int) -> lightning.Trainer:
+    trainer = lightning.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=callbacks,
+                                accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(ByteBatches(tokens, seed), batch_size=None))
+    assert trainer.global_step == STEPS
+    return trainer
+
+
+def test_a_lightning_callback_averages_the_replicas_every_h_optimizer_steps_and_the_loss_falls(tokens):
+    modules = [LitGPT(), LitGPT()]
+    before = gpt_loss(modules[0], tokens)
+
+    def train(index, transport, recorder):
+        sync = lightning_integration.DecentralCallback("diloco", transport, **AVERAGING)
+        trainer = fit(modules[index], [LightningRecorder(recorder), sync], tokens, seed=index)
+        assert trainer.callback_metrics["sync/syncs"] == STEPS // H and sync.adoption.sync is None
+        return sync.adoption.reports
+
+    reports, recorders = run_peers(train)
+    assert_averaged([m.model for m in modules], recorders, reports)
+    assert gpt_loss(modules[0], tokens) < before - 0.5
+
+
+def test_ddp_under_lightning_averages_the_gradients_of_the_backward_that_runs_inside_the_step(tokens):
+    """Lightning's optimizer step runs the backward in its closure, after the step's pre-hooks: averaging
+    there would average stale gradients and let replicas with different data drift apart."""
+    modules = [LitGPT(), LitGPT()]
+
+    def train(index, transport, recorder):
+        sync = lightning_integration.DecentralCallback("ddp", transport)
+        fit(modules[index], [LightningRecorder(recorder), sync], tokens, seed=index)
+        return transport.bytes_sent
+
+    sent, recorders = run_peers(train)
+    assert [r.steps for r in recorders] == [STEPS, STEPS]
+    n_params = sum(p.numel() for p in modules[0].parameters())
+    assert sent == [STEPS * 4 * n_params] * 2  # one average of the float32 gradients per step
+    assert torch.equal(flat(modules[0].model), flat(modules[1].model))
+    assert not torch.equal(flat(modules[0].model), flat(LitGPT().model))  # they trained
+
+
+# ----- the package itself -----
+def test_importing_decentral_pulls_in_no_framework_and_a_missing_extra_says_what_to_install():
+    code = """
+import sys
+import decentral, decentral.cli, decentral.integrations, decentral.integrations.adoption
+assert not {"transformers", "lightning", "pytorch_lightning"} & set(sys.modules), sorted(sys.modules)
+sys.modules["transformers"] = sys.modules["lightning"] = None  # as if the extras were not installed
+for name in ("hf_trainer", "lightning"):
+    try:
+        __import__("decentral.integrations." + name)
+    except ImportError as e:
+        print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "decentral.integrations.hf_trainer needs transformers: pip install 'decentral[hf]'",
+        "decentral.integrations.lightning needs lightning: pip install 'decentral[lightning]'",
+    ]
+
+
+def test_an_unknown_protocol_name_is_one_clear_error():
+    with pytest.raises(ValueError, match="unknown protocol 'dilcoo'; one of co2, ddp, diloco"):
+        hf_trainer.DecentralCallback("dilcoo", SoloTransport())
+
+
+@pytest.mark.parametrize("script", ["hf_trainer.py", "lightning_loop.py"])
+def test_the_example_trains_two_peers_over_the_real_swarm(script):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--peers", "2", "--steps", "10",
+                          "--every", "5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("2 DiLoCo rounds") == 2
+    assert "the peers' models are identical after the last round: True" in out.stdout
