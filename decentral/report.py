@@ -36,9 +36,10 @@ def find_metrics(run: Path) -> list[Path]:
 
 def read_run(run: Path) -> list[dict]:
     """The records of every metrics file of `run` (`find_metrics`), their `worker` names made unique
-    across files (module docstring)."""
+    across files (module docstring); a record without one is named after its file's folder."""
     files = find_metrics(run)
-    records = {path: read_metrics(path) for path in files}
+    records = {path: [{**r, "worker": str(r.get("worker", path.parent.name))} for r in read_metrics(path)]
+               for path in files}
     folders = {path: path.parent.relative_to(run).parts if run.is_dir() else () for path in files}
     pairs = {(path, r["worker"]) for path, rows in records.items() for r in rows}
     for depth in range(max(map(len, folders.values()), default=0) + 1):  # depth 0: the names as they are
@@ -61,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "report.png"
     summary = write_report(records, out, title=str(run))
-    print(f"report: {len(summary)} workers; plot {out}")
+    print(f"report: plot {out}; workers: {len(summary)}")
     return 0
 
 

@@ -95,17 +95,19 @@ def test_report_redraws_the_plot_and_prints_the_table_of_a_train_run(train_run, 
     final = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("final"))
     assert lines[1].split()[:2] == ["solo", str(STEPS)]
     assert lines[1].split()[3] == f"{final['val_loss']:.4f}"
-    assert lines[-1] == f"report: 1 workers; plot {png}"
+    assert lines[-1] == f"report: plot {png}; workers: 1"
 
 
 def test_report_tells_apart_workers_of_the_same_name_in_a_bench_folder(tmp_path, capsys):
-    for method, worker, folder in (("diloco", "w0", "w0"), ("noloco", "w0", "w0"), ("diloco", "w0.rank1", "w0/rank1")):
+    for method, worker, folder in (("diloco", "w0", "w0"), ("noloco", "w0", "w0"), ("diloco", "w0.rank1", "w0/rank1"),
+                                   ("other", None, "w7")):
         with MetricsLog(tmp_path / method / folder / "metrics.jsonl") as log:
             for step in range(1, 4):
-                log.write(worker=worker, step=step, loss=3.0 - step / 10, wall_s=step * 0.5)
+                log.write(step=step, loss=3.0 - step / 10, wall_s=step * 0.5, **({"worker": worker} if worker else {}))
     assert main(["report", str(tmp_path)]) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]]
-    assert rows == ["diloco/w0", "diloco/w0.rank1", "noloco/w0"]  # files in sorted order
+    # files in sorted order; records without a worker field are named after their folder
+    assert rows == ["diloco/w0", "diloco/w0.rank1", "noloco/w0", "other/w7"]
     assert (tmp_path / "report.png").stat().st_size > 0
 
 
