@@ -143,6 +143,30 @@ def test_a_trainer_callback_averages_the_replicas_every_h_optimizer_steps_and_th
     assert llama_loss(models[0], tokens) < before - 0.5
 
 
+class Boom(TrainerCallback):
+    armed = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.armed and state.global_step == 2:
+            raise RuntimeError("boom")
+
+
+def test_a_trainer_run_that_raised_is_unhooked_when_the_next_one_begins(tokens, tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CONTEXT))
+    sync, boom = hf_trainer.DecentralCallback("diloco", SoloTransport(), every=2), Boom()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, save_strategy="no",
+                             report_to="none", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(tokens, 0), callbacks=[sync, boom])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()  # Trainer tells no callback
+    stale = sync.adoption.sync
+    boom.armed = False
+    trainer.train()  # the same optimizer again
+    assert stale.step == 2 and len(sync.adoption.reports) == 2  # the first run's protocol stepped no more
+
+
 # ----- Lightning -----
 class LitGPT(lightning.LightningModule):
     def __init__(self):
@@ -238,10 +262,23 @@ def test_an_unknown_protocol_name_is_one_clear_error():
         hf_trainer.DecentralCallback("dilcoo", SoloTransport())
 
 
-@pytest.mark.parametrize("script", ["hf_trainer.py", "lightning_loop.py"])
-def test_the_example_trains_two_peers_over_the_real_swarm(script):
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--peers", "2", "--steps", "10",
-                          "--every", "5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("2 DiLoCo rounds") == 2
-    assert "the peers' models are identical after the last round: True" in out.stdout
+def test_the_examples_train_two_peers_over_the_real_swarm(tmp_path):
+    runs = {}
+    for script in ("hf_trainer.py", "lightning_loop.py"):  # side by side: most of each is start-up
+        out = (tmp_path / f"{script}.out").open("w+")
+        runs[script] = out, subprocess.Popen([sys.executable, str(ROOT / "examples" / script), "--peers", "2",
+                                              "--steps", "10", "--every", "5"], stdout=out, stderr=subprocess.STDOUT,
+                                             text=True, cwd=ROOT)
+    try:
+        for script, (out, run) in runs.items():
+            run.wait(timeout=120)
+            out.seek(0)
+            output = out.read()
+            assert run.returncode == 0, f"{script}: {output[-3000:]}"
+            assert output.count("2 DiLoCo rounds") == 2, f"{script}: {output[-3000:]}"
+            assert "the peers' models are identical after the last round: True" in output, f"{script}: {output[-3000:]}"
+    finally:
+        for out, run in runs.values():
+            if run.poll() is None:
+                run.kill()
+            out.close()

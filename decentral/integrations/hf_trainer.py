@@ -32,19 +32,15 @@ class DecentralCallback(TrainerCallback):
         self.adoption = Adoption(protocol, transport, peers=peers, wait_peers_s=wait_peers_s, **kwargs)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if model is None or optimizer is None:
-            raise RuntimeError("the Trainer passed no model or optimizer at train begin; the protocol needs both")
         self.adoption.enter(model, optimizer)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.adoption.collect()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = self.adoption.metrics()
-        if logs is not None and metrics:
-            logs.update(metrics)
-            if state.log_history:  # the record Trainer.log appended just before calling us
-                state.log_history[-1].update(metrics)
+        metrics = self.adoption.metrics()  # {} outside training (an evaluate() of its own)
+        logs.update(metrics)
+        state.log_history[-1].update(metrics)  # the record Trainer.log appended just before calling us
 
     def on_train_end(self, args, state, control, **kwargs):
         self.adoption.exit()
