@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pipeline_parser(sub)
 
-    from decentral import bench, btmbench, islandbench, netlab, soakbench, sweepbench, syncbench
+    from decentral import bench, btmbench, islandbench, netlab, overheadbench, soakbench, sweepbench, syncbench
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
                                   "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("soak", soakbench, "a swarm whose peers are killed and restarted, against the same without"),
             ("sweep", sweepbench, "one protocol's settings against each other on loss (in one process, no network)"),
             ("islands", islandbench, "fast islands: hierarchical vs flat, sharded vs leader"),
-            ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)")):
+            ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)"),
+            ("overhead", overheadbench, "the library's per-inner-step cost against a plain torch loop (no network)")):
         module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter))
 
