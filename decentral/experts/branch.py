@@ -44,6 +44,7 @@ def load_start_point(path: str | Path) -> StartPoint:
     path = Path(path)
     if (path / META_FILE).is_file():
         expert = read_expert(path)
+        check_branchable(expert)
         verify_expert(expert)
         optimizer = None
         if expert.optimizer_file is not None:
@@ -63,6 +64,14 @@ def load_start_point(path: str | Path) -> StartPoint:
                                      meta["inner_optimizer"]["param_groups"])
     return StartPoint(model, optimizer, int(meta["sync"]["step"]), model_sha256(model),
                       int(meta.get("lineage", {}).get("tokens", 0)), meta["recipe"]["model"], f"checkpoint {path}")
+
+
+def check_branchable(expert: Expert) -> None:
+    """RegistryError for a Hugging Face expert: training starts from one with its weights alone (--model FOLDER);
+    branching with its AdamW state and schedule works for the reference GPT only."""
+    if expert.is_hf:
+        raise RegistryError(f"expert {expert.name!r} is a Hugging Face model: branching one (its AdamW state and "
+                            f"schedule) is not supported yet; train from its weights with --model {expert.folder}")
 
 
 def averaged_start(parents: list[Expert], domain: str, folder: Path) -> Expert:

@@ -64,8 +64,12 @@ def cmd_seed(args) -> int:
 
 
 def cmd_branch(args) -> int:
+    from decentral.experts.branch import check_branchable
+
     registry = Registry(args.registry)
     parents = [registry.get(name) for name in args.parent]
+    for parent in parents:
+        check_branchable(parent)
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
     recipe = _recipe(args)
@@ -190,7 +194,7 @@ def cmd_eval(args) -> int:
     if not args.domain:
         raise RegistryError("give the domains to evaluate on with --domain")
     domains = load_domains(args.domain)
-    config = EvalConfig(context=experts[0].config().context, test_batches=args.batches, mode=args.mode, top_k=args.top_k)
+    config = EvalConfig(context=experts[0].context, test_batches=args.batches, mode=args.mode, top_k=args.top_k)
     scores = score_experts(experts, domains, config,
                            progress=lambda e: print(f"experts: scored {e.name}", file=sys.stderr, flush=True))
     report = ensemble_report(experts, domains, scores, config, PriorCache(registry.root / "priors.json"))

@@ -17,6 +17,13 @@ branched from it continues the optimizer as well as the weights), and `expert.js
 A model's hash is the sha256 of its safetensors bytes as `safetensors.torch.save` writes them
 (sorted names, no metadata), so the same weights always have the same hash, whichever path
 (a training checkpoint, a merge, a download) produced them.
+
+A Hugging Face expert (decentral.models.hf) is a folder that `AutoModelForCausalLM.from_pretrained`
+opens: save_pretrained's layout (config.json, model.safetensors or shards with
+model.safetensors.index.json, HF's own tensor names) beside expert.json, whose `model` is
+`{"source": "hf"}` and `layout` lists every file of the layout with its sha256 and size. Its `sha256`
+is that of the layout's manifest, the lines `{sha256}  {file}` in file-name order (`sha256sum`'s), and
+`size` the layout's bytes.
 """
 
 from __future__ import annotations
@@ -35,14 +42,21 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save as save_tensors
 
-from decentral.checkpoint import CheckpointError, load_checkpoint
-from decentral.models import GPT, GPTConfig
+from torch import nn
+
+from decentral.checkpoint import TENSORS_FILE, CheckpointError, load_checkpoint
+from decentral.checkpoint import META_FILE as CHECKPOINT_META_FILE
+from decentral.models import GPT, GPT_SOURCE, GPTConfig, ModelError
 
 FORMAT = 1
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 META_FILE = "expert.json"
+CONFIG_FILE = "config.json"  # of a Hugging Face model
+INDEX_FILE = "model.safetensors.index.json"  # of a Hugging Face model saved in shards
+HF_SOURCE = "hf"  # the `model` of a Hugging Face expert: {"source": "hf"}
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a file of a layout: no folders
 
 
 class RegistryError(ValueError):
@@ -65,7 +79,13 @@ class Expert:
     recipe: dict[str, Any] | None = None
     optimizer: dict[str, Any] | None = None
     merge: dict[str, Any] | None = None
+    layout: dict[str, dict[str, Any]] | None = None  # Hugging Face experts: {file: {"sha256", "size"}}
     path: Path | None = field(default=None, compare=False)
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether this is a Hugging Face model in save_pretrained's layout (else the reference GPT)."""
+        return self.model.get("source") == HF_SOURCE
 
     @property
     def model_file(self) -> Path:
@@ -77,7 +97,10 @@ class Expert:
 
     def files(self) -> dict[str, tuple[str, int]]:
         """{file name: (sha256, size)} of the files that make up this expert, expert.json aside."""
-        out = {MODEL_FILE: (self.sha256, self.size)}
+        if self.is_hf:
+            out = {name: (entry["sha256"], entry["size"]) for name, entry in self.layout.items()}
+        else:
+            out = {MODEL_FILE: (self.sha256, self.size)}
         if self.optimizer:
             out[OPTIMIZER_FILE] = (self.optimizer["sha256"], self.optimizer["size"])
         return out
@@ -93,17 +116,46 @@ class Expert:
         return {"format": FORMAT, **meta}
 
     def config(self) -> GPTConfig:
+        if self.is_hf:
+            raise RegistryError(f"expert {self.name!r} is a Hugging Face model, not the reference GPT")
         try:
             return GPTConfig(**self.model)
         except (TypeError, ValueError) as e:
             raise RegistryError(f"expert {self.name!r}: bad model config {self.model}: {e}") from None
 
-    def load_model(self, device: torch.device | str = "cpu", verify: bool = False) -> GPT:
-        """Build the model from `model` and load the weights (checking the hash first when `verify`)."""
+    def hf_config(self) -> dict[str, Any]:
+        """A Hugging Face expert's config.json."""
+        return _read_json(self.folder / CONFIG_FILE)
+
+    @property
+    def context(self) -> int:
+        """The sequence length to evaluate it at: the reference GPT's `context`; a Hugging Face model's training
+        context (its recipe's), else its config's max_position_embeddings."""
+        if not self.is_hf:
+            return self.config().context
+        if self.recipe:
+            return int(self.recipe["train"]["context"])
+        config = self.hf_config()
+        positions = config.get("text_config", config).get("max_position_embeddings")
+        if not isinstance(positions, int):
+            raise RegistryError(f"expert {self.name!r}: its {CONFIG_FILE} has no max_position_embeddings and it has "
+                                "no recipe: no context to evaluate it at")
+        return positions
+
+    def load_model(self, device: torch.device | str = "cpu", verify: bool = False) -> nn.Module:
+        """Build the model from `model` and load the weights (checking the hash first when `verify`): the reference
+        GPT, or a Hugging Face expert through `from_pretrained` behind decentral.models.hf.HFCausalLM."""
         from safetensors.torch import load_file
 
         if verify:
             verify_expert(self)
+        if self.is_hf:
+            from decentral.models.hf import HFCausalLM, read_pretrained_layout
+
+            try:
+                return HFCausalLM(read_pretrained_layout(self.folder)).to(device).eval()
+            except ModelError as e:
+                raise RegistryError(f"expert {self.name!r}: {e}") from None
         model = GPT(self.config())
         try:
             model.load_state_dict(load_file(self.model_file))
@@ -136,19 +188,32 @@ def model_sha256(state: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256(model_bytes(state)).hexdigest()
 
 
+def layout_digest(layout: dict[str, dict[str, Any]]) -> str:
+    """The sha256 of a Hugging Face expert: of its layout's manifest, `{sha256}  {file}` lines by file name."""
+    manifest = "".join(f"{layout[name]['sha256']}  {name}\n" for name in sorted(layout))
+    return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RegistryError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise RegistryError(f"{path}: cannot be read ({e.strerror})") from None
+
+
 def read_expert(folder: str | Path) -> Expert:
     """The expert stored in `folder`; RegistryError naming the file when anything is missing or malformed."""
     folder = Path(folder)
     meta_path = folder / META_FILE
     if not meta_path.is_file():
         raise RegistryError(f"{folder} is not an expert folder: {META_FILE} is missing")
-    if not (folder / MODEL_FILE).is_file():
-        raise RegistryError(f"{folder} is not an expert folder: {MODEL_FILE} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RegistryError(f"{meta_path}: not valid JSON ({e})") from None
-    return expert_from_json(meta, str(meta_path), path=folder)
+    expert = expert_from_json(_read_json(meta_path), str(meta_path), path=folder)
+    for name in expert.layout or [MODEL_FILE]:
+        if not (folder / name).is_file():
+            raise RegistryError(f"{folder} is not an expert folder: {name} is missing")
+    return expert
 
 
 def expert_from_json(meta: Any, where: str, path: Path | None = None) -> Expert:
@@ -163,12 +228,36 @@ def expert_from_json(meta: Any, where: str, path: Path | None = None) -> Expert:
         raise RegistryError(f"{where}: sha256 must be 64 hex digits")
     if not isinstance(expert.model, dict):
         raise RegistryError(f"{where}: model must be a mapping of GPTConfig fields")
+    if expert.is_hf:
+        _check_layout(expert, where)
+    elif expert.layout is not None:
+        raise RegistryError(f"{where}: only a Hugging Face expert (model source {HF_SOURCE!r}) has a layout")
     if expert.optimizer is not None and not (
         isinstance(expert.optimizer, dict) and {"sha256", "size", "param_groups"} <= set(expert.optimizer)
     ):
         raise RegistryError(f"{where}: optimizer must be null or have sha256, size and param_groups")
     check_name(expert.name)
     return expert
+
+
+def _check_layout(expert: Expert, where: str) -> None:
+    """RegistryError unless a Hugging Face expert's layout lists plain files with their sha256 and size, a config and
+    weights among them, and its sha256 and size are the layout's."""
+    layout = expert.layout
+    if not isinstance(layout, dict):
+        raise RegistryError(f"{where}: a Hugging Face expert needs `layout`, {{file: {{sha256, size}}}}")
+    for name, entry in layout.items():
+        if not FILE_PATTERN.match(name) or name in (META_FILE, OPTIMIZER_FILE):
+            raise RegistryError(f"{where}: layout file {name!r} must be a plain file name other than {META_FILE} and "
+                                f"{OPTIMIZER_FILE}")
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) and isinstance(entry.get("size"), int)
+                and entry["size"] >= 0):
+            raise RegistryError(f"{where}: layout file {name!r} needs a sha256 of 64 hex digits and a size")
+    if CONFIG_FILE not in layout or not {MODEL_FILE, INDEX_FILE} & set(layout):
+        raise RegistryError(f"{where}: the layout needs {CONFIG_FILE} and {MODEL_FILE} or {INDEX_FILE}")
+    if expert.sha256 != layout_digest(layout) or expert.size != sum(e["size"] for e in layout.values()):
+        raise RegistryError(f"{where}: sha256 and size must be the layout's (its manifest's sha256, its bytes)")
 
 
 def verify_expert(expert: Expert) -> None:
@@ -208,11 +297,16 @@ def write_expert(folder: str | Path, write_model, meta: Expert,
     """Create expert folder `folder` atomically (see `staging`): `write_model(path)` writes
     model.safetensors (and may return its sha256, when it hashed the bytes as it wrote them),
     `optimizer` (inner optimizer tensors, param_groups) goes to optimizer.safetensors, and their sizes
-    and hashes are filled into `meta` before expert.json is written. A failure leaves nothing behind."""
+    and hashes are filled into `meta` before expert.json is written. A failure leaves nothing behind.
+    For a Hugging Face expert (`meta.is_hf`) `write_model(folder)` writes save_pretrained's layout into the
+    folder (it may return {file: sha256} of those it hashed as it wrote them): each file is `meta.layout`."""
     with staging(folder) as tmp:
-        digest = write_model(tmp / MODEL_FILE)
-        meta.size = (tmp / MODEL_FILE).stat().st_size
-        meta.sha256 = digest if isinstance(digest, str) else file_sha256(tmp / MODEL_FILE)
+        if meta.is_hf:
+            _write_layout(tmp, write_model, meta)
+        else:
+            digest = write_model(tmp / MODEL_FILE)
+            meta.size = (tmp / MODEL_FILE).stat().st_size
+            meta.sha256 = digest if isinstance(digest, str) else file_sha256(tmp / MODEL_FILE)
         if optimizer is not None:
             tensors, param_groups = optimizer
             (tmp / OPTIMIZER_FILE).write_bytes(model_bytes(tensors))
@@ -223,21 +317,51 @@ def write_expert(folder: str | Path, write_model, meta: Expert,
     return meta
 
 
+def _write_layout(folder: Path, write_files, meta: Expert) -> None:
+    """Let `write_files(folder)` write a Hugging Face model's layout; record its files in `meta` (checked)."""
+    hashed = write_files(folder) or {}
+    meta.layout = {}
+    for path in sorted(folder.iterdir()):
+        if not path.is_file():
+            raise RegistryError(f"{path.name}: a model's layout is plain files, not folders")
+        meta.layout[path.name] = {"sha256": hashed.get(path.name) or file_sha256(path), "size": path.stat().st_size}
+    meta.sha256, meta.size = layout_digest(meta.layout), sum(e["size"] for e in meta.layout.values())
+    _check_layout(meta, f"expert {meta.name!r}")
+
+
+def _copy_files(files: list[Path]):
+    """A `write_model` for a Hugging Face expert that copies `files` into its folder."""
+    def write(folder: Path) -> None:
+        for path in files:
+            shutil.copyfile(path, folder / path.name)
+    return write
+
+
 def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: str, domain: str | None,
                            with_optimizer: bool = False) -> Expert:
     """Write the model of a `decentral train` checkpoint as an expert folder, with its lineage (and its
-    inner optimizer state when `with_optimizer`, for experts that others will branch from)."""
+    inner optimizer state when `with_optimizer`, for experts that others will branch from). A Hugging Face
+    model's checkpoint holds it in save_pretrained's layout: those files are copied as they are."""
+    checkpoint = Path(checkpoint)
     try:
-        tensors, meta = load_checkpoint(checkpoint)
+        tensors, meta = load_checkpoint(checkpoint)  # checks every file's sha256, the layout's included
     except CheckpointError as e:
         raise RegistryError(str(e)) from None
     state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    if not state or "recipe" not in meta:
+    hf = "recipe" in meta and meta["recipe"]["model"].get("source", GPT_SOURCE) != GPT_SOURCE
+    if not (state or hf) or "recipe" not in meta:
         raise RegistryError(f"{checkpoint} is not a `decentral train` checkpoint (no model tensors or recipe)")
+    if hf:
+        files = sorted(p for p in checkpoint.iterdir() if p.is_file() and p.name not in (TENSORS_FILE,
+                                                                                       CHECKPOINT_META_FILE))
+        write_model = _copy_files(files)
+    else:
+        data = model_bytes(state)
+        write_model = lambda path: path.write_bytes(data)  # noqa: E731
     lineage = meta.get("lineage", {})
-    data = model_bytes(state)
     expert = Expert(
-        name=check_name(name), domain=domain, sha256="", size=0, model=meta["recipe"]["model"],
+        name=check_name(name), domain=domain, sha256="", size=0,
+        model={"source": HF_SOURCE} if hf else meta["recipe"]["model"],
         parent=lineage.get("parent"), start_step=int(lineage.get("start_step", 0)),
         steps=int(meta["sync"]["step"]), tokens=int(lineage.get("tokens", 0)), recipe=meta["recipe"],
     )
@@ -245,7 +369,7 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
     if with_optimizer:
         optimizer = ({k: v for k, v in tensors.items() if k.startswith("inner.")},
                      meta["inner_optimizer"]["param_groups"])
-    return write_expert(folder, lambda path: path.write_bytes(data), expert, optimizer)
+    return write_expert(folder, write_model, expert, optimizer)
 
 
 class Registry:

@@ -38,7 +38,7 @@ def posterior_weights(recipe: Any) -> list[float]:
         experts = [read_expert(ref.folder) for ref in recipe.experts]
     except RegistryError as e:
         raise MergeError(f"{recipe.source}: {e}") from None
-    config = EvalConfig(context=experts[0].config().context)
+    config = EvalConfig(context=experts[0].context)
     cache = PriorCache(experts[0].folder.parent / "priors.json")
     prior = domain_prior(experts, load_domain(spec), config, cache)
     return [max(float(p), PRIOR_FLOOR) for p in prior]

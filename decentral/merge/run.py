@@ -16,6 +16,13 @@
    beside `out_dir`, renamed into place only when complete and every input verified, so a failure
    anywhere leaves nothing behind.
 
+Hugging Face experts (decentral.experts.registry: save_pretrained's layout) merge the same way, their
+weights read from model.safetensors or through the shards' index. Their config.json files must agree
+(but for `transformers_version` and `dtype`, which say how a model was saved); the output holds the
+first input's config.json, its `dtype` the output's, and its other files (generation_config.json),
+and one model.safetensors, so `from_pretrained` opens it. Hugging Face and reference-GPT inputs
+together are an error.
+
 The output dtype of a tensor is the recipe's `dtype`, else the dtype the inputs store it in (float32
 where they disagree). The expert's name is `out_dir`'s folder name, which must be a valid expert
 name: a MergeError says what is allowed rather than renaming it. `out_dir` may replace an older
@@ -25,7 +32,9 @@ expert folder, never a folder that is not an expert's, nor one of the merge's in
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -34,13 +43,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decentral.experts.registry import META_FILE, Expert, RegistryError, check_name, file_sha256, read_expert, write_expert
+from decentral.experts.registry import (
+    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, OPTIMIZER_FILE, Expert, RegistryError, check_name, file_sha256,
+    read_expert, write_expert,
+)
 from decentral.merge.base import MergeError
 from decentral.merge.recipe import OUTPUT_DTYPES, MergeRecipe, ModelRef, load_merge_recipe
-from decentral.merge.tensors import DTYPES, FLOAT_CODES, SafetensorsReader, SafetensorsWriter, write_order
+from decentral.merge.tensors import (
+    DTYPES, FLOAT_CODES, SafetensorsReader, SafetensorsWriter, ShardedReader, write_order,
+)
 
 EMBEDDING_HINTS = ("head", "embed", "wte", "tok")  # names of output heads and token embeddings
 MAX_LISTED = 10  # problems listed in one error message
+SAVED_AS = ("transformers_version", "dtype")  # config.json keys saying how a model was saved, not what it is
 
 
 @dataclass
@@ -48,10 +63,21 @@ class _Input:
     role: str  # "base" or "expert"
     ref: ModelRef
     expert: Expert
-    reader: SafetensorsReader
+    reader: SafetensorsReader | ShardedReader
 
     def __str__(self) -> str:
         return f"{self.role} {self.ref.label!r}"
+
+    def weight_files(self) -> set[str]:
+        """The files of the input's folder that hold its weights."""
+        if isinstance(self.reader, ShardedReader):
+            return {self.reader.path.name, *self.reader.shards}
+        return {self.reader.path.name}
+
+    def checked_files(self) -> dict[Path, str]:
+        """The files a verifying merge hashes, with their recorded sha256 (all but optimizer.safetensors)."""
+        return {self.expert.folder / name: digest for name, (digest, _) in self.expert.files().items()
+                if name != OPTIMIZER_FILE}
 
 
 def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool = True) -> Expert:
@@ -72,6 +98,7 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
     with ExitStack() as stack:
         inputs = [_open_input(role, ref, recipe.source, stack) for role, ref in refs]
         _check_output_folder(out_dir, inputs)
+        _check_one_kind(inputs)
         specs = _output_specs(inputs, recipe.dtype)
         model = _common_model(inputs)
         base = inputs[0].expert if recipe.base else None
@@ -87,6 +114,8 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
                             for i in inputs if i.role == "expert"],
             },
         )
+        if meta.is_hf:
+            return write_expert(out_dir, lambda folder: _write_hf(folder, recipe, inputs, specs, progress), meta)
         return write_expert(out_dir, lambda path: _write_merged(path, recipe, inputs, specs, progress), meta)
 
 
@@ -95,7 +124,9 @@ def _open_input(role: str, ref: ModelRef, source: str, stack: ExitStack) -> _Inp
         expert = read_expert(ref.folder)
     except RegistryError as e:
         raise MergeError(f"{source}: {ref.key} ({ref.label!r}): {e}") from None
-    reader = stack.enter_context(SafetensorsReader(expert.model_file))
+    sharded = expert.is_hf and INDEX_FILE in expert.layout
+    reader = stack.enter_context(ShardedReader(expert.folder / INDEX_FILE) if sharded else
+                                 SafetensorsReader(expert.model_file))
     return _Input(role, ref, expert, reader)
 
 
@@ -157,14 +188,58 @@ def _listing(problems: list[str]) -> str:
     return "; ".join(problems[:MAX_LISTED]) + more
 
 
+def _check_one_kind(inputs: list[_Input]) -> None:
+    """MergeError when Hugging Face and reference-GPT experts are merged together."""
+    if len({i.expert.is_hf for i in inputs}) > 1:
+        hf, gpt = ([str(i) for i in inputs if i.expert.is_hf == kind] for kind in (True, False))
+        raise MergeError(f"the inputs mix Hugging Face models ({', '.join(hf)}) and reference GPTs "
+                         f"({', '.join(gpt)}); a merge takes one kind")
+
+
 def _common_model(inputs: list[_Input]) -> dict:
-    first = inputs[0].expert.model
-    if all(i.expert.model == first for i in inputs):
-        return dict(first)
-    keys = sorted({k for i in inputs for k in i.expert.model})
-    differ = [k for k in keys if len({repr(i.expert.model.get(k)) for i in inputs}) > 1]
-    listed = "; ".join(f"{k}: " + ", ".join(f"{i} {i.expert.model.get(k)!r}" for i in inputs) for k in differ)
-    raise MergeError(f"the inputs' model configs (expert.json `model`) differ: {listed}")
+    """The inputs' shared expert.json `model` (and, for Hugging Face models, config.json but for `SAVED_AS`)."""
+    if inputs[0].expert.is_hf:
+        configs = [{k: v for k, v in _hf_config(i).items() if k not in SAVED_AS} for i in inputs]
+        if any(config != configs[0] for config in configs):
+            raise MergeError(f"the inputs' Hugging Face configs ({CONFIG_FILE}) differ: {_differences(inputs, configs)}")
+    models = [i.expert.model for i in inputs]
+    if all(model == models[0] for model in models):
+        return dict(models[0])
+    raise MergeError(f"the inputs' model configs (expert.json `model`) differ: {_differences(inputs, models)}")
+
+
+def _differences(inputs: list[_Input], configs: list[dict]) -> str:
+    """`key: input value, ...` for every key whose value is not the same in all `configs` (one per input)."""
+    keys = sorted({k for config in configs for k in config})
+    differ = [k for k in keys if len({repr(config.get(k)) for config in configs}) > 1]
+    return "; ".join(f"{k}: " + ", ".join(f"{i} {config.get(k)!r}" for i, config in zip(inputs, configs))
+                     for k in differ)
+
+
+def _hf_config(i: _Input) -> dict:
+    try:
+        config = i.expert.hf_config()
+    except RegistryError as e:
+        raise MergeError(f"{i}: {e}") from None
+    if not isinstance(config, dict):
+        raise MergeError(f"{i}: {i.expert.folder / CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _write_hf(folder: Path, recipe: MergeRecipe, inputs: list[_Input], specs: dict[str, tuple[str, tuple[int, ...]]],
+              progress: bool) -> dict[str, str]:
+    """A merge of Hugging Face models in save_pretrained's layout: the first input's config.json (its dtype the
+    output's) and other files beside the merged model.safetensors. {file: sha256} of the files hashed on the way."""
+    first = inputs[0]
+    config = _hf_config(first)
+    codes = {code for code, _ in specs.values()}
+    names = {code: name for name, code in OUTPUT_DTYPES.items()}
+    if len(codes) == 1 and codes <= set(names):
+        config["dtype"] = names[codes.pop()]
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in set(first.expert.layout) - first.weight_files() - {CONFIG_FILE}:
+        shutil.copyfile(first.expert.folder / name, folder / name)
+    return {MODEL_FILE: _write_merged(folder / MODEL_FILE, recipe, inputs, specs, progress)}
 
 
 def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
@@ -179,8 +254,8 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
     touched ones, measured). When verifying, an input whose tensors the merge visits in file order,
     the usual case, is hashed from those same buffers by a fourth thread while the tensor is merged:
     the check covers exactly the bytes that were merged, and every file is read once. Any other
-    input's file is hashed again on that thread. Only model.safetensors is checked, not an
-    optimizer.safetensors beside it, which a merge does not use. The arithmetic runs on one torch
+    input's files (a Hugging Face model's shards and config) are hashed again on that thread. An
+    optimizer.safetensors beside the model is not checked: a merge does not use it. The arithmetic runs on one torch
     thread: it is memory-bound, and the other stages keep the second core busy.
     """
     base = inputs[0] if recipe.base else None
@@ -201,7 +276,8 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        rereads = {stages["verify"].submit(file_sha256, i.expert.model_file): i for i in checked if id(i) not in streamed}
+        rereads = {stages["verify"].submit(file_sha256, path): (i, path, digest) for i in checked
+                   for path, digest in i.checked_files().items() if not (id(i) in streamed and path == i.reader.path)}
         hashing: list[Future] = []
         writing: Future | None = None
         reading = stages["read"].submit(read, order[0], buffer_sets[0]) if order else None
@@ -237,8 +313,8 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
         for future in hashing:
             future.result()
         for i in inputs:
-            if id(i) in streamed and streamed[id(i)].hexdigest() != i.expert.sha256:
-                _corrupt(i)
+            if id(i) in streamed and streamed[id(i)].hexdigest() != i.checked_files()[i.reader.path]:
+                _corrupt(i, i.reader.path)
         _raise_if_corrupt(rereads, wait=True)
         return digest
     finally:
@@ -252,21 +328,23 @@ def _write(writer: SafetensorsWriter, bar: tqdm, name: str, tensor: torch.Tensor
     bar.update(tensor.nbytes)
 
 
-def _in_file_order(reader: SafetensorsReader, order: list[str]) -> bool:
-    """Whether visiting `order` reads the whole data section of `reader`'s file front to back."""
+def _in_file_order(reader: SafetensorsReader | ShardedReader, order: list[str]) -> bool:
+    """Whether visiting `order` reads the whole data section of `reader`'s file front to back (one file only)."""
+    if not isinstance(reader, SafetensorsReader):
+        return False
     begins = [reader.tensors[name].begin for name in order]
     return all(a <= b for a, b in zip(begins, begins[1:]))
 
 
-def _raise_if_corrupt(rereads: dict[Future, _Input], wait: bool) -> None:
+def _raise_if_corrupt(rereads: dict[Future, tuple[_Input, Path, str]], wait: bool) -> None:
     """MergeError for an input whose file, hashed again by `rereads`, does not match its record."""
-    for future, i in rereads.items():
-        if (wait or future.done()) and future.result() != i.expert.sha256:
-            _corrupt(i)
+    for future, (i, path, digest) in rereads.items():
+        if (wait or future.done()) and future.result() != digest:
+            _corrupt(i, path)
 
 
-def _corrupt(i: _Input) -> None:
-    raise MergeError(f"{i}: {i.expert.model_file} does not match the sha256 recorded in its {META_FILE} "
+def _corrupt(i: _Input, path: Path) -> None:
+    raise MergeError(f"{i}: {path} does not match the sha256 recorded in its {META_FILE} "
                      "(corrupt or changed); not merging it")
 
 

@@ -14,6 +14,9 @@ the same: it reads into reusable buffers, exposes the header bytes so a merge ca
 as it reads it, names the file in every error, and does not depend on how a safetensors release
 maps files.
 
+`ShardedReader` reads a model saved in shards (save_pretrained's model.safetensors.index.json and the
+files its `weight_map` names) as one file: every shard's header is checked against the index.
+
 `SafetensorsWriter` is given every tensor's dtype and shape up front, writes the header first and
 then each tensor's bytes as they are produced, hashing them on the way. Its bytes equal what
 `safetensors.torch.save` writes for the same tensors without metadata: header keys in the order
@@ -106,6 +109,65 @@ class SafetensorsReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ShardedReader:
+    """The shards an index file (`weight_map`: tensor name -> file beside it) names, read as one model: `tensors`
+    (name -> TensorInfo, offsets within its shard) and `get(name, buffer)` as SafetensorsReader's. TensorFileError
+    when the index is malformed or a shard does not hold exactly the tensors the index puts in it."""
+
+    def __init__(self, index: str | Path):
+        self.path = Path(index)
+        self.shards: dict[str, SafetensorsReader] = {}
+        try:
+            weight_map = _weight_map(self.path)
+            for file in sorted(set(weight_map.values())):
+                self.shards[file] = SafetensorsReader(self.path.parent / file)
+            self._shard_of = {name: self.shards[file] for name, file in weight_map.items()}
+            self.tensors = {}
+            for file, reader in self.shards.items():
+                for name, info in reader.tensors.items():
+                    if weight_map.get(name) != file:
+                        raise TensorFileError(f"{reader.path}: holds tensor {name!r}, which {self.path.name} puts "
+                                              f"in {weight_map.get(name) or 'no shard'}")
+                    self.tensors[name] = info
+            missing = sorted(set(weight_map) - set(self.tensors))
+            if missing:
+                raise TensorFileError(f"{self.path.parent / weight_map[missing[0]]}: has no tensor {missing[0]!r}, "
+                                      f"which {self.path.name} puts there")
+        except BaseException:
+            self.close()
+            raise
+
+    def get(self, name: str, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        if name not in self._shard_of:
+            raise TensorFileError(f"{self.path}: no tensor {name!r}")
+        return self._shard_of[name].get(name, buffer)
+
+    def close(self) -> None:
+        for reader in self.shards.values():
+            reader.close()
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a save_pretrained index file, every shard a plain file name."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TensorFileError(f"{index}: not a readable JSON index ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise TensorFileError(f"{index}: expected {{\"weight_map\": {{tensor name: shard file}}}}")
+    for file in set(weight_map.values()):
+        if Path(file).name != file or file in (".", ".."):
+            raise TensorFileError(f"{index}: shard {file!r} is not a file name beside the index")
+    return weight_map
 
 
 def _parse_header(file, path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], bytes]:
