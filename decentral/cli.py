@@ -13,11 +13,15 @@ from pathlib import Path
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 
 from decentral.config import RecipeError, load_recipe, recipe_path
+from decentral.models import ModelError, absolute_source, check_source
 
 
 DOMAIN_HELP = ("a text domain, repeatable: batches are balanced over the domains and validation uses each "
                "one's dev split. Built in: code, legal, manuals, headers, changelogs; your own: NAME=PATH[,PATH]")
 DEVICE_HELP = "auto (a GPU when there is one), cpu, cuda or cuda:N (default: the recipe's train.device)"
+MODEL_HELP = ("gpt (the reference GPT the recipe's model section shapes), hf:CONFIG.json (a Hugging Face causal LM "
+              "built from a transformers config, no download) or a save_pretrained folder to start from "
+              "(needs decentral[hf]; default: the recipe's model.source)")
 
 
 def _recipe(args):
@@ -36,6 +40,10 @@ def _recipe(args):
         recipe.island.size = args.island_size
     if getattr(args, "island_mode", None):
         recipe.island.mode = args.island_mode
+    if getattr(args, "model", None):
+        check_source(args.model)
+        recipe.model_source = args.model
+    recipe.model_source = absolute_source(recipe.model_source)  # as a swarm key's: island ranks start elsewhere
     key = swarm_key_path(args)
     if key:
         recipe.swarm.key_file = str(Path(key).resolve())
@@ -231,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--island-mode", choices=["leader", "sharded"], help="how islands average (default: leader)")
     demo.add_argument("--tensorboard", metavar="DIR", help="each worker also writes its metrics as TensorBoard "
                       "scalars into DIR/<worker> (needs decentral[tensorboard])")
+    demo.add_argument("--model", metavar="SOURCE", help=MODEL_HELP)
     demo.set_defaults(func=cmd_demo, run=None)
 
     swarm = sub.add_parser("swarm", help="swarm peers without training")
@@ -247,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/train")
     train.add_argument("--init-from", metavar="DIR", help="start from this checkpoint or expert folder: its weights, "
                        "inner optimizer state and step (the LR schedule continues)")
+    train.add_argument("--model", metavar="SOURCE", help=MODEL_HELP)
     add_worker_arguments(train)
     train.set_defaults(func=cmd_train)
 
@@ -322,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
-            AdmissionError, NetworkError, LaunchError, MetricsError) as e:
+            AdmissionError, NetworkError, LaunchError, MetricsError, ModelError) as e:
         print(f"decentral: {e}", file=sys.stderr)
         return 2
 

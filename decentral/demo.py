@@ -19,7 +19,7 @@ import yaml
 
 from decentral.config import Recipe
 from decentral.metrics import read_metrics, write_report
-from decentral.models import GPT
+from decentral.models import build_model
 from decentral.swarm.admission import SwarmKey
 
 
@@ -98,7 +98,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     elapsed = time.monotonic() - start
     records = read_metrics(sorted(out.glob("w*/metrics.jsonl")))
     summary = write_report(records, out / "report.png", title=f"{recipe.protocol}, {members}")
-    num_params = GPT(recipe.model).num_parameters()
+    num_params = build_model(recipe.model_source, recipe.model, recipe.train.context).num_parameters()
     outer = recipe.protocol_args.get("every", None)
     per_step = [s["bytes_sent"] / max(1, s["final_step"]) for s in summary.values()]
     mean_per_step = sum(per_step) / len(per_step)

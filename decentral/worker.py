@@ -1,4 +1,5 @@
-"""The reference worker: one swarm member training the reference GPT on local text with a protocol.
+"""The reference worker: one swarm member training a model (the reference GPT, or a Hugging Face causal LM:
+decentral.models.build_model) on local text with a protocol.
 
 Built on the library API: the protocol hooks the inner optimizer; this loop is a plain loop.
 Writes `metrics.jsonl` (a record per inner step; `val_loss` every `eval_every` steps; the sync's
@@ -24,7 +25,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from decentral.checkpoint import load_checkpoint, load_training_state, save_checkpoint, training_state
+from decentral.checkpoint import (
+    CheckpointError, load_checkpoint, load_training_state, save_checkpoint, training_state,
+)
 from decentral.config import Recipe
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
@@ -34,7 +37,7 @@ from decentral.experts.branch import StartPoint, load_start_point
 from decentral.experts.registry import RegistryError
 from decentral.hierarchy import IslandError
 from decentral.metrics import MetricsLog, TensorBoardSink
-from decentral.models import GPT
+from decentral.models import GPT_SOURCE, build_model
 from decentral.swarm import SwarmTransport
 from decentral.swarm.admission import SwarmKey
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol, SyncReport
@@ -83,18 +86,29 @@ def inner_lr(step: int, recipe: Recipe) -> float:
 
 
 def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: dict) -> None:
-    tensors, meta = training_state(protocol.model.state_dict(), protocol.optimizer, protocol.state_dict())
+    """OUT/checkpoint: the training state, and a model with files of its own (`write_files`: a Hugging Face
+    model's save_pretrained layout) in them beside it instead of in the training state."""
+    model = protocol.model
+    files = getattr(model, "write_files", None)
+    tensors, meta = training_state({} if files else model.state_dict(), protocol.optimizer, protocol.state_dict())
     tokens = lineage["start_tokens"] + (protocol.step - lineage["start_step"]) * recipe.train.batch_size * recipe.train.context
     meta.update(recipe=recipe.to_dict(), lineage={**lineage, "tokens": tokens})
-    save_checkpoint(opts.out / "checkpoint", tensors, meta)
+    save_checkpoint(opts.out / "checkpoint", tensors, meta, files=files)
 
 
 def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) -> dict:
     """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage.
     In an island every rank takes its leader's checkpoint (a rank killed between two saves holds an older
     one, and the island's replicas must be identical)."""
-    state = load_checkpoint(opts.out / "checkpoint") if not opts.island_mode or opts.rank == 0 else None
+    read = getattr(protocol.model, "read_files", None)  # the inverse of _save's `write_files`
+    files = (lambda folder: {f"model.{k}": v for k, v in read(folder).items()}) if read else None
+    path = opts.out / "checkpoint"
+    state = load_checkpoint(path, files) if not opts.island_mode or opts.rank == 0 else None
     tensors, meta = transport.from_leader(state) if opts.island_mode else state
+    found = {k[len("model."):]: v.shape for k, v in tensors.items() if k.startswith("model.")}
+    if found != {k: v.shape for k, v in protocol.model.state_dict().items()}:
+        raise CheckpointError(f"{path} holds another model than this run's (its recipe's model: "
+                              f"{meta.get('recipe', {}).get('model')}); resume with the model it was written with")
     model, sync = load_training_state(tensors, meta, protocol.optimizer)
     protocol.model.load_state_dict(model)
     protocol.load_state_dict(sync)
@@ -176,8 +190,11 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         raise DataError("give either --data (one corpus) or --domain (balanced domains), not both")
     domains = load_domains(opts.domains) if opts.domains else None
     corpus = None if domains else load_corpus(opts.data)
+    if opts.init_from and not opts.resume and recipe.model_source != GPT_SOURCE:
+        raise RegistryError(f"--init-from starts the reference GPT; model {recipe.model_source} starts from "
+                            "--model PATH, a save_pretrained folder (its checkpoints are ones)")
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
-    model = GPT(recipe.model).to(device)
+    model = build_model(recipe.model_source, recipe.model, t.context).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     lineage = {"parent": None, "start_step": 0, "start_tokens": 0}
     if start is not None:
