@@ -116,3 +116,11 @@ def test_a_model_that_is_not_llama_style_is_refused():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=256))
     with pytest.raises(NetworkError, match="a Llama-style model .* GPT2LMHeadModel is neither"):
         cut(HFCausalLM(gpt2), 2)
+
+
+def test_the_pipeline_runtime_refuses_a_hugging_face_recipe_in_one_line(source):
+    from decentral.config import RecipeError
+    from decentral.pipeline.recipe import parse_pipeline_recipe
+
+    with pytest.raises(RecipeError, match="r.yaml: model.source .*: the pipeline runtime trains the reference GPT only"):
+        parse_pipeline_recipe({"pipeline": {"stages": 2}, "model": {"source": source}}, "r.yaml")

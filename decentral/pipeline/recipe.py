@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 from decentral.config import Recipe, RecipeError, parse_recipe, read_yaml, typed_section
+from decentral.models import GPT_SOURCE
 from decentral.pipeline.frames import DTYPES
 from decentral.pipeline.network import DEFAULT_MEMORY, Network, Node, parse_network
 
@@ -68,6 +69,9 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
         raise RecipeError(f"{where}: pipeline needs stages >= 2, microbatches >= 1, memory >= 1, nodes >= 0 and "
                           "calibrate_at >= 0")
     recipe = parse_recipe(rest, where)
+    if recipe.model_source != GPT_SOURCE:
+        raise RecipeError(f"{where}: model.source {recipe.model_source!r}: the pipeline runtime trains the reference GPT "
+                          "only (decentral.pipeline.stages.cut also cuts Llama-style Hugging Face models)")
     if recipe.train.context > recipe.model.context:
         raise RecipeError(f"{where}: train.context {recipe.train.context} exceeds model.context {recipe.model.context}")
     return PipelineRecipe(config, recipe)
