@@ -69,7 +69,7 @@ def evaluate_dropping(model: GPT, stages: int, batches: list[Batch], drop: float
     """Whole model against the model with a share `drop` of its stages dropped (module docstring)."""
     full = mean_loss(model, stages, tuple(range(stages)), batches)
     orders = kept_orders(stages, drop, draws, seed)
-    losses = [mean_loss(model, stages, order, batches)  # on a terminal, a bar: up to a second each on a CPU core
+    losses = [mean_loss(model, stages, order, batches)  # a bar on a terminal only: seconds per subset
               for order in tqdm(orders, desc="scoring with stages dropped", unit="subset", disable=None, leave=False)]
     dropped_ppl = float(np.mean([math.exp(loss) for loss in losses]))
     return {"full_loss": full, "full_ppl": math.exp(full), "drop": drop, "kept_stages": len(orders[0]),
