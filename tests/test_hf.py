@@ -155,6 +155,11 @@ def test_resume_continues_at_the_saved_step_and_refuses_a_corrupt_model_file(tmp
     at_10 = [r["val_loss"] for r in records if r["step"] == 10 and "val_loss" in r]
     assert len(at_10) == 3 and at_10[0] == at_10[1] == at_10[2]  # saved, reloaded, validated again: the same model
     assert load_checkpoint(out / "checkpoint")[1]["sync"]["step"] == 20
+    capsys.readouterr()
+    wider = write_config(tmp_path / "wider", hidden_size=48)
+    assert main([*args, "--resume", "--model", f"hf:{wider}"]) == 2
+    err = capsys.readouterr().err
+    assert "holds another model than this run's" in err and len(err.strip().splitlines()) == 1, err
     weights = out / "checkpoint" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
