@@ -142,8 +142,9 @@ def test_without_transformers_one_line_says_what_to_install(tmp_path, small_corp
     assert "pip install 'decentral[hf]'" in err and len(err.splitlines()) == 1, err
 
 
-def test_resume_continues_at_the_saved_step_and_refuses_a_corrupt_model_file(tmp_path, small_corpus, capsys,
-                                                                             llama_config):
+def test_resume_and_a_new_run_from_the_checkpoint_folder(tmp_path, small_corpus, capsys, llama_config):
+    """--resume goes on at the saved step with the saved weights; --model CHECKPOINT starts a new run from them;
+    resuming with another model, or from a damaged model file, is one line and exit code 2."""
     out = tmp_path / "out"
     args = ["train", "--protocol", local_recipe(tmp_path / "r.yaml", f"hf:{llama_config}"), "--out", str(out),
             "--data", str(small_corpus)]
@@ -155,6 +156,12 @@ def test_resume_continues_at_the_saved_step_and_refuses_a_corrupt_model_file(tmp
     at_10 = [r["val_loss"] for r in records if r["step"] == 10 and "val_loss" in r]
     assert len(at_10) == 3 and at_10[0] == at_10[1] == at_10[2]  # saved, reloaded, validated again: the same model
     assert load_checkpoint(out / "checkpoint")[1]["sync"]["step"] == 20
+    # --model PATH: a new run starts from the checkpoint's weights (a save_pretrained folder)
+    branch = tmp_path / "branch"
+    assert main([*args[:3], "--out", str(branch), "--data", str(small_corpus), "--model", str(out / "checkpoint"),
+                 "--stop-at", "1"]) == 0
+    first = json.loads((branch / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["val_loss"] == records[-1]["val_loss"]
     capsys.readouterr()
     wider = write_config(tmp_path / "wider", hidden_size=48)
     assert main([*args, "--resume", "--model", f"hf:{wider}"]) == 2
