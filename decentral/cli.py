@@ -8,9 +8,11 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
 
 from decentral.config import RecipeError, load_recipe, recipe_path
 from decentral.models import ModelError, absolute_source, check_source
@@ -112,8 +114,13 @@ def train_worker(recipe, args, **overrides) -> int:
 
 def cmd_train(args) -> int:
     from decentral.ranks import rank_from_env, spawn_ranks
+    from decentral.swarm.peer import check_multiaddrs
 
+    check_multiaddrs(args.join or ())  # a malformed --join fails now, not once the model is built
     recipe = _recipe(args)
+    if args.island and recipe.protocol == "local":
+        raise RecipeError("--island averages what the protocol averages over torch.distributed; local averages "
+                          "nothing: give another protocol")
     launched = None if args.island else rank_from_env()  # torchrun (or --island-size) started us as a rank
     if launched is None and recipe.island.size > 1 and not args.island:
         if recipe.protocol == "local":
@@ -179,30 +186,41 @@ def cmd_demo(args) -> int:
                     tensorboard=Path(args.tensorboard) if args.tensorboard else None)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """What every command that runs a training worker takes, besides --protocol, --out and the start point."""
     p.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
     p.add_argument("--domain", action="append", metavar="NAME[=PATH]", help=DOMAIN_HELP)
-    p.add_argument("--steps", type=int, help="inner steps: the LR schedule's length (default: the recipe's)")
-    p.add_argument("--batch-size", type=int, help="sequences per inner step (default: the recipe's)")
-    p.add_argument("--stop-at", type=int, metavar="STEP", help="stop at this inner step (the LR schedule still "
+    p.add_argument("--steps", type=positive_int, help="inner steps: the LR schedule's length (default: the recipe's)")
+    p.add_argument("--batch-size", type=positive_int, help="sequences per inner step (default: the recipe's)")
+    p.add_argument("--stop-at", type=positive_int, metavar="STEP", help="stop at this inner step (the LR schedule still "
                    "spans --steps); a later run continues with --resume or --init-from")
     p.add_argument("--timeout", type=float, help="seconds one average may take")
     p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
-    p.add_argument("--num-workers", type=int, default=1, help="number of data shards")
+    p.add_argument("--num-workers", type=positive_int, default=1, help="number of data shards")
     p.add_argument("--name", default="worker", help="name in logs and metrics")
     p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard scalars into DIR "
                    "(needs decentral[tensorboard])")
     p.add_argument("--maddr-file", help="write our multiaddrs to this file once joined")
-    p.add_argument("--min-peers", type=int, default=1,
+    p.add_argument("--min-peers", type=positive_int, default=1,
                    help="wait until this many peers (us included) are up and ready to train our first round")
     p.add_argument("--island", metavar="tcp://HOST:PORT",
                    help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
     p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--island-size", type=int, metavar="N",
+    p.add_argument("--world-size", type=positive_int, default=1)
+    p.add_argument("--island-size", type=positive_int, metavar="N",
                    help="train as a fast island of N local ranks that all-reduce gradients every step and are one "
                    "member of the swarm (default: the recipe's island.size; torchrun sets it by WORLD_SIZE)")
     p.add_argument("--island-mode", choices=["leader", "sharded"],
@@ -221,19 +239,47 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
                    "it take part (default: $DECENTRAL_SWARM_KEY, else the recipe's swarm.key_file, else open)")
 
 
+EXIT_CODES = """exit codes:
+  0    done
+  1    it ran, and something in it failed: a benchmark's method or point, a demo's worker, a host's
+       command (netlab -- CMD), a pipeline node left without commands; or a bug (with a traceback)
+  2    it could not run as asked: one line on stderr says why (an argument, recipe, data path,
+       --join address, port, registry, network file, island rendezvous, netlab setup)
+  3    training diverged (train)
+  4    an island stopped: one of its ranks failed or left (train); the rest of the swarm goes on
+  130  interrupted (Ctrl-C; SIGTERM makes train save its checkpoint first)"""
+
+
+def example(*lines: str, before: str = "") -> dict:
+    """Keyword arguments for a parser (ArgumentParser, add_parser) whose --help ends with `lines` (commands,
+    or `# ...` comments) as its example, after `before` if given; line breaks are kept."""
+    block = "example:\n" + "\n".join(f"  {line}" for line in lines)
+    return dict(epilog=f"{before}\n\n{block}" if before else block,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def described(text: str) -> dict:
+    """`example` for a help text that ends with an "example:" block: the text above it is the description."""
+    description, _, block = text.partition("\nexample:\n")
+    return dict(description=description, **example(*(line.strip() for line in block.strip().splitlines())))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="decentral", description=__doc__)
+    parser = argparse.ArgumentParser(prog="decentral", description=__doc__, **example(
+        "decentral demo", "decentral train --protocol noloco --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...",
+        before=EXIT_CODES))
     parser.add_argument("-v", "--verbose", action="store_true", help="log swarm internals")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="a local swarm of workers training a small GPT on Python's own source")
-    demo.add_argument("--workers", type=int, default=4)
+    demo = sub.add_parser("demo", help="a local swarm of workers training a small GPT on Python's own source",
+                          **example("decentral demo --protocol diloco --workers 2 --steps 200 --out runs/demo-diloco"))
+    demo.add_argument("--workers", type=positive_int, default=4)
     demo.add_argument("--protocol", default="noloco", help="co2, ddp, diloco, noloco, streaming, or a recipe file")
-    demo.add_argument("--steps", type=int, help="inner steps per worker (default: the recipe's)")
+    demo.add_argument("--steps", type=positive_int, help="inner steps per worker (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--timeout", type=float, help="seconds one average may take")
     demo.add_argument("--device", help=DEVICE_HELP)
-    demo.add_argument("--island-size", type=int, metavar="N",
+    demo.add_argument("--island-size", type=positive_int, metavar="N",
                       help="each worker a fast island of N ranks (DDP inside, one swarm member); e.g. --workers 2 "
                       "--island-size 2")
     demo.add_argument("--island-mode", choices=["leader", "sharded"], help="how islands average (default: leader)")
@@ -242,16 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", metavar="SOURCE", help=MODEL_HELP)
     demo.set_defaults(func=cmd_demo, run=None)
 
-    swarm = sub.add_parser("swarm", help="swarm peers without training")
+    swarm = sub.add_parser("swarm", help="swarm peers without training", **example(
+        "decentral swarm keygen swarm.key", "decentral swarm start --swarm-key swarm.key --host 0.0.0.0 --port 31337"))
     swarm_sub = swarm.add_subparsers(dest="swarm_command", required=True)
-    start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr")
+    start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr", **example(
+        "decentral swarm start --swarm-key swarm.key --host 0.0.0.0 --announce-host 203.0.113.5 --port 31337"))
     add_network_arguments(start)
     start.set_defaults(func=cmd_swarm_start, run="decentral")
-    keygen = swarm_sub.add_parser("keygen", help="write a new swarm key: only peers holding it take part")
+    keygen = swarm_sub.add_parser("keygen", help="write a new swarm key: only peers holding it take part",
+                                  **example("decentral swarm keygen swarm.key"))
     keygen.add_argument("path", metavar="FILE")
     keygen.set_defaults(func=cmd_swarm_keygen)
 
-    train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)")
+    train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)",
+                           **example("# the first member prints the --join address of the others",
+                                     "decentral train --protocol noloco --swarm-key swarm.key --host 0.0.0.0 --port 31337",
+                                     "decentral train --protocol noloco --swarm-key swarm.key --join "
+                                     "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --data mytexts/"))
     train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
     train.add_argument("--out", default="runs/train")
     train.add_argument("--init-from", metavar="DIR", help="start from this checkpoint or expert folder: its weights, "
@@ -263,11 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     from decentral.experts import cli as experts_cli
 
     experts = sub.add_parser("experts", help="branch-train-merge: seed, branch, registry, swarm sharing, ensemble",
-                             description=experts_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                             **described(experts_cli.__doc__))
     experts_cli.add_arguments(experts)
 
     merge = sub.add_parser("merge", help="merge experts as a recipe says (merges/*.yaml)",
-                           description=experts_cli.MERGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           **described(experts_cli.MERGE_HELP))
     experts_cli.add_merge_arguments(merge)
 
     from decentral.pipeline.cli import add_pipeline_parser
@@ -278,37 +331,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
                                   "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
-                                  "`bench soak`: a swarm under churn; `bench sweep`: a protocol's settings on loss")
+                                  "`bench soak`: a swarm under churn; `bench sweep`: a protocol's settings on loss",
+                                  description=bench.__doc__, **example(
+                                      "decentral bench --hosts 4 --bandwidth 20mbit --protocols ddp,diloco,noloco "
+                                      "--out runs/bench"))
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
     suites = bench_parser.add_subparsers(dest="suite", title="other benchmarks")
     from decentral.merge import bench as merge_bench
     from decentral.pipeline import bench as pipeline_bench
 
-    for name, module, help in (
-            ("btm", btmbench, "branch-train-merge against a dense model of equal compute"),
-            ("merge", merge_bench, "merge time and peak memory against reading the inputs once"),
-            ("soak", soakbench, "a swarm whose peers are killed and restarted, against the same without"),
-            ("sweep", sweepbench, "one protocol's settings against each other on loss (in one process, no network)"),
-            ("islands", islandbench, "fast islands: hierarchical vs flat, sharded vs leader"),
-            ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)"),
-            ("overhead", overheadbench, "the library's per-inner-step cost against a plain torch loop (no network)")):
+    for name, module, help, command in (
+            ("btm", btmbench, "branch-train-merge against a dense model of equal compute",
+             "--seeds 1 --seed-steps 200 --branch-steps 200 --out runs/bench-btm"),
+            ("merge", merge_bench, "merge time and peak memory against reading the inputs once",
+             "--params 10000000 --out runs/bench-merge"),
+            ("soak", soakbench, "a swarm whose peers are killed and restarted, against the same without",
+             "--hosts 4 --steps 1000 --kill-every 30 --minutes 5 --out runs/soak"),
+            ("sweep", sweepbench, "one protocol's settings against each other on loss (in one process, no network)",
+             "--protocol diloco --steps 400 --set outer_lr=0.7,1.0 --with-local --out runs/sweep"),
+            ("islands", islandbench, "fast islands: hierarchical vs flat, sharded vs leader",
+             "--parts b --ks 2 --out runs/islands"),
+            ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)",
+             "--seeds 0 --out runs/bench-pipeline"),
+            ("overhead", overheadbench, "the library's per-inner-step cost against a plain torch loop (no network)",
+             "--protocols diloco,noloco --steps 300 --out runs/overhead")):
         module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+                                               **example(f"decentral bench {name} {command}")))
 
-    sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow")
+    sync_parser = sub.add_parser("syncbench", help="time of one outer sync, DiLoCo vs NoLoCo, as hosts grow",
+                                 description=syncbench.__doc__, **example(
+                                     "decentral syncbench --hosts 2,4,8 --bandwidth 20mbit --out runs/syncbench"))
     syncbench.add_arguments(sync_parser)
     sync_parser.set_defaults(func=syncbench.run_syncbench)
 
-    lab = sub.add_parser("netlab", help="emulated hosts behind capped links (network namespaces + tc tbf)")
+    lab = sub.add_parser("netlab", help="emulated hosts behind capped links (network namespaces + tc tbf)",
+                         **example("decentral netlab --hosts 2 --bandwidth 20mbit --measure",
+                                   "decentral netlab --hosts 4 --bandwidth 20mbit -- ping -c 1 {addr0}"))
     netlab.add_arguments(lab)
     lab.set_defaults(func=netlab.main)
 
     from decentral import report
 
     report.add_arguments(sub.add_parser("report", help="redraw the loss plot of any run and print its summary table",
-                                        description=report.__doc__,
-                                        formatter_class=argparse.RawDescriptionHelpFormatter))
+                                        description=report.__doc__, **example("decentral report runs/demo")))
     return parser
 
 
@@ -323,8 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.data import DataError
     from decentral.device import DeviceError
     from decentral.experts.registry import RegistryError
+    from decentral.island import RendezvousError
     from decentral.merge import MergeError
     from decentral.metrics import MetricsError
+    from decentral.netlab import NetLabError
     from decentral.pipeline import NetworkError
     from decentral.ranks import LaunchError
     from decentral.swarm import AdmissionError, SwarmError
@@ -332,9 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
-            AdmissionError, NetworkError, LaunchError, MetricsError, ModelError) as e:
-        print(f"decentral: {e}", file=sys.stderr)
+            AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError) as e:
+        if args.verbose:
+            traceback.print_exc()
+        print("decentral: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -206,8 +206,10 @@ def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = 
         raise error(f"{what} {path} does not exist")
     try:
         return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise error(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # a MarkedYAMLError's str() spans lines: say where and what, on one
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise error(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -221,5 +223,12 @@ def default_recipe_path(protocol: str) -> Path:
 
 
 def recipe_path(name_or_file: str) -> Path:
-    """A `--protocol` argument as a file: a .yaml/.yml path as given, else the shipped recipe of that name."""
-    return Path(name_or_file) if name_or_file.endswith((".yaml", ".yml")) else default_recipe_path(name_or_file)
+    """A `--protocol` argument as a file: a .yaml/.yml path as given, else the shipped recipe of that name
+    (RecipeError if there is none)."""
+    if name_or_file.endswith((".yaml", ".yml")):
+        return Path(name_or_file)
+    path = default_recipe_path(name_or_file)
+    if not path.is_file():
+        shipped = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise RecipeError(f"no protocol {name_or_file!r}: give one of {', '.join(shipped)} or a recipe file (.yaml)")
+    return path

@@ -66,20 +66,24 @@ class NetLabError(RuntimeError):
     """A lab could not be set up or torn down; the message names the failing command."""
 
 
+class LabSettingsError(NetLabError, ValueError):
+    """A lab asked for with settings it cannot have: a rate, host count, LAN, name, mode or latency."""
+
+
 def parse_rate(text: str) -> int:
     """Parse a link rate such as "20mbit", "100Mbit", "512kbit" or "1gbit" into bits per second.
 
     Prefixes are decimal as in tc (k = 10^3, m = 10^6, g = 10^9, t = 10^12) and
     case-insensitive. Unlike tc, a "bps" suffix ("10mbps") also means *bits*
     per second, as in everyday networking use. A bare number has no unit and is
-    rejected, as is anything that is not a positive rate (ValueError).
+    rejected, as is anything that is not a positive rate (LabSettingsError, a ValueError).
     """
     match = _RATE_RE.match(text) if isinstance(text, str) else None
     if match is None:
-        raise ValueError(f"not a link rate: {text!r} (expected e.g. '20mbit', '512kbit', '1gbit', '10mbps')")
+        raise LabSettingsError(f"not a link rate: {text!r} (expected e.g. '20mbit', '512kbit', '1gbit', '10mbps')")
     bps = round(float(match.group(1)) * _SCALE[match.group(2).lower()])
     if bps < 1:
-        raise ValueError(f"link rate must be at least 1 bit/s, got {text!r}")
+        raise LabSettingsError(f"link rate must be at least 1 bit/s, got {text!r}")
     return bps
 
 
@@ -244,19 +248,19 @@ class NetLab:
     def __init__(self, hosts: int, bandwidth: str | None = "20mbit", *, latency_ms: float = 0.0,
                  name: str = "dcl", mode: str = "auto", lans: list[list[int]] | None = None) -> None:
         if not 1 <= hosts <= MAX_HOSTS:
-            raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+            raise LabSettingsError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
         self.lans = [list(group) for group in lans or []]
         members = [i for group in self.lans for i in group]
         if any(not isinstance(i, int) or not 0 <= i < hosts for i in members) or len(set(members)) != len(members):
-            raise ValueError(f"lans must be disjoint groups of host indices in 0..{hosts - 1}, got {lans}")
+            raise LabSettingsError(f"lans must be disjoint groups of host indices in 0..{hosts - 1}, got {lans}")
         if len(self.lans) > 256 or any(not group for group in self.lans):
-            raise ValueError(f"lans must be at most 256 non-empty groups, got {lans}")
+            raise LabSettingsError(f"lans must be at most 256 non-empty groups, got {lans}")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", name) or len(f"{name}-v{hosts - 1}") > 15:
-            raise ValueError(f"lab name must be alphanumeric and short enough for '{name}-v{hosts - 1}' to fit 15 chars")
+            raise LabSettingsError(f"lab name must be alphanumeric and short enough for '{name}-v{hosts - 1}' to fit 15 chars")
         if mode not in ("auto", "netns", "loopback"):
-            raise ValueError(f"mode must be auto, netns or loopback, got {mode!r}")
+            raise LabSettingsError(f"mode must be auto, netns or loopback, got {mode!r}")
         if latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+            raise LabSettingsError(f"latency_ms must be >= 0, got {latency_ms}")
         self.name = name
         self.rate_bps = None if bandwidth is None else parse_rate(bandwidth)
         self.latency_ms = float(latency_ms)
@@ -554,8 +558,7 @@ def main(args: argparse.Namespace) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     bandwidth = None if args.bandwidth.lower() in ("none", "0", "") else args.bandwidth
     if args.measure and args.hosts < 2:
-        print("netlab: --measure needs at least 2 hosts", file=sys.stderr)
-        return 2
+        raise LabSettingsError("--measure needs at least 2 hosts")
     try:
         with NetLab(args.hosts, bandwidth, latency_ms=args.latency_ms, name=args.name, mode=args.mode) as lab:
             for host in lab.hosts:
@@ -570,9 +573,6 @@ def main(args: argparse.Namespace) -> int:
             return status
     except KeyboardInterrupt:
         return 130
-    except (NetLabError, ValueError) as exc:
-        print(f"netlab: {exc}", file=sys.stderr)
-        return 1
 
 
 def _helper_main(argv: list[str]) -> int:

@@ -1,8 +1,9 @@
 """Branch-train-merge from the command line: train a seed on all domains, branch an expert per domain,
 keep them in a registry, share them through a swarm, and evaluate their ensemble.
 
-example (3 domains that exist on every machine; the seed takes the first half of a 600-step
-schedule with batches of 48, each expert the second half with 16 of its own domain):
+example:
+  # 3 domains that exist on every machine; the seed takes the first half of a 600-step schedule
+  # with batches of 48, each expert the second half with 16 of its own domain
   decentral experts seed --domain code --domain legal --domain manuals --steps 600 --batch-size 48
   decentral experts branch code --from seed --domain code --batch-size 16
   decentral experts branch legal --from seed --domain legal --batch-size 16
@@ -18,7 +19,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, serve_until_stopped, train_worker
+from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, example, serve_until_stopped, train_worker
 from decentral.config import parse_recipe
 from decentral.metrics import format_table
 from decentral.experts.registry import Registry, RegistryError
@@ -256,9 +257,8 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="experts_command", required=True)
 
-    def command(name: str, help: str, example: str, func) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    def command(name: str, help: str, command_line: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, **example(command_line))
         p.set_defaults(func=func)
         return p
 

@@ -13,7 +13,6 @@ re-planning < 2 s.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -86,12 +85,13 @@ def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 
 def add_arguments(parser) -> None:
     """`decentral bench pipeline` (the planner), `... pipeline convergence` and `... pipeline timing` (the
     runtime: decentral.pipeline.trainbench)."""
+    from decentral.cli import example
     from decentral.pipeline import trainbench
 
     suites = parser.add_subparsers(dest="pipeline_suite", title="the runtime's benchmarks")
     convergence = suites.add_parser("convergence", help="skip vs no skip at equal iterations; half the stages "
-                                    "dropped at inference", description=trainbench.__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    "dropped at inference", description=trainbench.__doc__, **example(
+                                        "decentral bench pipeline convergence --steps 300 --out runs/bench-skippipe"))
     convergence.add_argument("--recipe", default="protocols/skippipe.yaml")
     convergence.add_argument("--steps", type=int, help="iterations (default: the recipe's)")
     convergence.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.33], help="the first is the baseline")
@@ -102,7 +102,8 @@ def add_arguments(parser) -> None:
     convergence.set_defaults(func=lambda args: trainbench.convergence_bench(
         args.out, args.recipe, args.steps, tuple(args.skips), args.drop, args.data, args.netlab) and 0)
     timing = suites.add_parser("timing", help="the runtime's iteration time on netlab hosts against the simulator's",
-                               description=trainbench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                               description=trainbench.__doc__, **example(
+                                   "decentral bench pipeline timing --nodes 4 --stages 2 --out runs/bench-skippipe-timing"))
     timing.add_argument("--recipe", default="protocols/skippipe.yaml", help="model and microbatch shape")
     timing.add_argument("--bandwidth", default="20mbit", help="every host's uplink cap")
     timing.add_argument("--latency-ms", type=float, default=20.0)

@@ -18,13 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+from decentral.cli import described
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.constraints import path_length
 from decentral.pipeline.network import load_network
 from decentral.pipeline.planner import Plan, plan
 
-
-DESCRIPTION, _, EXAMPLE = __doc__.partition("\nexample:")
 
 TRAIN_HELP = """Train the reference GPT with SkipPipe: one `decentral pipeline node` process per node of the
 network (the recipe's pipeline.network, --network, or pipeline.nodes equal nodes on loopback), each
@@ -59,13 +58,11 @@ example:
 def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     """Register `pipeline plan|train|eval|node` on the `decentral` command's subparsers; returns the
     `pipeline` parser."""
-    help_text = dict(description=DESCRIPTION, epilog="example:" + EXAMPLE,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
     pipeline = subparsers.add_parser("pipeline", help="SkipPipe: plan, train and evaluate partial pipelines",
-                                     **help_text)
+                                     **described(__doc__))
     commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
     p = commands.add_parser("plan", help="plan stages and microbatch paths; simulate them against the baselines",
-                            **help_text)
+                            **described(__doc__))
     p.add_argument("network", metavar="NETWORK.json", help="nodes, links and training shape (JSON)")
     p.add_argument("--stages", type=int, help="pipeline stages (default: the file's)")
     p.add_argument("--skip", type=float, help="share of stages each microbatch skips, in [0, 1) (default: the file's)")
@@ -78,7 +75,7 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     t = commands.add_parser("train", help="train the reference GPT with SkipPipe on local processes; evaluate it",
-                            **_help(TRAIN_HELP))
+                            **described(TRAIN_HELP))
     t.add_argument("--recipe", default="protocols/skippipe.yaml", help="a SkipPipe recipe (default: %(default)s)")
     t.add_argument("--network", metavar="NETWORK.json", help="the nodes and links to plan for (default: the "
                    "recipe's pipeline.network, else pipeline.nodes equal nodes)")
@@ -95,7 +92,7 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = commands.add_parser("eval", help="evaluate a pipeline run: whole model and with stages dropped",
-                            **_help(EVAL_HELP))
+                            **described(EVAL_HELP))
     e.add_argument("run", metavar="RUN", help="a `decentral pipeline train` output folder")
     e.add_argument("--drop", type=float, default=0.5, help="share of stages dropped (default 0.5)")
     e.add_argument("--draws", type=int, default=10, help="random subsets scored when there are more than 20")
@@ -105,7 +102,7 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     n = commands.add_parser("node", help="one node of a pipeline (started by `pipeline train`, or by you per machine)",
-                            **_help(NODE_HELP))
+                            **described(NODE_HELP))
     n.add_argument("--recipe", required=True, help="the SkipPipe recipe every node of the run uses")
     n.add_argument("--network", metavar="NETWORK.json", help="the network (default: the recipe's); the lead plans "
                    "over it, the others read their stage and memory from it")
@@ -128,12 +125,6 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     n.add_argument("--resume", action="store_true", help="start from OUT/stage (the lead: from its iteration)")
     n.set_defaults(func=cmd_node)
     return pipeline
-
-
-def _help(text: str) -> dict:
-    description, _, example = text.partition("\nexample:")
-    return dict(description=description, epilog="example:" + example,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def cmd_train(args) -> int:

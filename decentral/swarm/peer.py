@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from hivemind.dht import DHT
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from decentral.swarm.admission import TOKEN_BYTES, SignedRecords, SwarmKey, ensure_identity
 from decentral.swarm.wire import TrafficStats, read_frame, write_frame
@@ -33,6 +35,35 @@ StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awai
 
 class SwarmError(RuntimeError):
     """The swarm could not be started or reached."""
+
+
+def check_multiaddrs(maddrs: Sequence[str]) -> None:
+    """SwarmError naming the first of `maddrs` that is not a peer's multiaddr (/ip4/HOST/tcp/PORT/p2p/ID)."""
+    for maddr in maddrs:
+        try:
+            names = [p.name for p in Multiaddr(str(maddr)).protocols()]
+        except ValueError as e:  # multiaddr's ParseError
+            raise SwarmError(f"{maddr!r} is not a multiaddr ({e}); a member prints its own as "
+                             "/ip4/HOST/tcp/PORT/p2p/PEER_ID") from None
+        if "p2p" not in names:
+            raise SwarmError(f"{maddr!r} names no peer: a peer's multiaddr ends with /p2p/PEER_ID, as a member "
+                             "prints it")
+
+
+def startup_error(error: Exception, initial_peers: Sequence[str], host: str, port: int) -> str:
+    """Why our DHT process did not start, in one line (p2pd's last log line, without its timestamp)."""
+    text = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(error))
+    if "address already in use" in text:
+        return f"cannot listen on {host}:{port}: the port is in use (choose another --port, or 0 for any free one)"
+    if "cannot assign requested address" in text:
+        return f"cannot listen on {host}: it is not an address of this machine (--host)"
+    if "failed to connect to bootstrap peers" in text or "bootstrap failed" in text:
+        return (f"could not reach any peer at {', '.join(map(str, initial_peers))}: nothing answered there "
+                "(is the address right, and is that peer still running?)")
+    if "already taken" in text:
+        return (f"could not start a swarm peer: {text} (is another process using this identity, e.g. the same "
+                "--out? a killed one's daemon lets go of it within seconds)")
+    return f"could not start a swarm peer{f' through {list(initial_peers)}' if initial_peers else ''}: {text}"
 
 
 class NotServing(Exception):
@@ -91,6 +122,7 @@ class SwarmPeer:
         identity_path: str | Path | None = None,
         swarm_key: SwarmKey | None = None,
     ):
+        check_multiaddrs(initial_peers)
         self.run = run
         self.stats = TrafficStats()
         self.swarm_key = swarm_key
@@ -117,10 +149,7 @@ class SwarmPeer:
                     log.info("identity %s is still in use (a killed life's daemon shutting down?); retrying", identity_path)
                     time.sleep(1.0)  # the killed process's DHT child notices its parent is gone within ORPHAN_CHECK_S
                     continue
-                where = f" through {list(initial_peers)}" if initial_peers else ""
-                hint = (" (is another process using this identity, e.g. the same --out? a killed one's daemon "
-                        "lets go of it within seconds)" if "already taken" in str(e) else "")
-                raise SwarmError(f"could not start a swarm peer{where}: {e}{hint}") from e
+                raise SwarmError(startup_error(e, initial_peers, host, port)) from e
         self.peer_id = str(self.dht.peer_id)
         self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
         self._loop = asyncio.new_event_loop()

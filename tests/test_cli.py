@@ -1,0 +1,121 @@
+"""The `decentral` command line as a user meets it: every --help ends with an example that parses, and
+what a user can get wrong ends in one line on stderr and exit code 2, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from decentral.cli import build_parser, main
+from decentral.swarm.admission import SwarmKey
+
+PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed id nobody runs
+
+
+def all_parsers(parser: argparse.ArgumentParser):
+    """`parser` and every parser below it, through argparse's subparsers actions."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from all_parsers(sub)
+
+
+def test_every_help_ends_with_an_example_of_its_own_command_that_parses():
+    parsers = list(all_parsers(build_parser()))
+    assert {"decentral train", "decentral bench soak", "decentral pipeline node"} <= {p.prog for p in parsers}
+    for parser in parsers:
+        text = parser.format_help()
+        assert "\nexample:\n" in text, f"`{parser.prog} --help` has no example"
+        lines = [line.strip() for line in text.rsplit("\nexample:\n", 1)[1].strip().splitlines()]
+        commands = [line for line in lines if not line.startswith("#")]
+        assert commands and all(c.startswith("decentral ") for c in commands), (parser.prog, lines)
+        assert any(f"{c} ".startswith(parser.prog + " ") for c in commands), (parser.prog, commands)
+        for command in commands:
+            build_parser().parse_args(shlex.split(command, comments=True)[1:])  # SystemExit if it does not parse
+
+
+def test_top_level_help_documents_the_exit_codes():
+    text = build_parser().format_help()
+    for code in ("0", "1", "2", "3", "4", "130"):
+        assert f"\n  {code} " in text.split("exit codes:")[1]
+
+
+@pytest.fixture(scope="module")
+def user_errors(tmp_path_factory):
+    """Every case of USER_ERRORS run at once as `python -m decentral ...` in a scratch folder; its result by id."""
+    tmp = tmp_path_factory.mktemp("cli")
+    SwarmKey.generate(tmp / "swarm.key")  # a keyed swarm: no open-swarm notice on stderr
+    (tmp / "typo.yaml").write_text("protocol: {name: noloco}\ntrian: {steps: 10}\n")
+    (tmp / "bad.yaml").write_text("protocol: {name: noloco\n")
+    (tmp / "net.json").write_text('{"nodes": [\n')
+    (tmp / "registry" / "code").mkdir(parents=True)
+    (tmp / "registry" / "code" / "model.safetensors").write_bytes(b"")
+    (tmp / "registry" / "code" / "expert.json").write_text("{not json")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    env = {**os.environ, "DECENTRAL_SWARM_KEY": str(tmp / "swarm.key")}
+
+    def run(args):
+        return subprocess.run([sys.executable, "-m", "decentral", *args], cwd=tmp, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    arguments = [[a.format(port=busy.getsockname()[1], peer=PEER_ID) for a in args] for _, args, _ in USER_ERRORS]
+    with busy, ThreadPoolExecutor(len(arguments)) as pool:
+        return dict(zip([name for name, _, _ in USER_ERRORS], pool.map(run, arguments)))
+
+
+TRAIN = ["train", "--out", "run", "--protocol", "diloco", "--timeout", "1"]
+USER_ERRORS = [  # (id, arguments, what the one line says)
+    ("missing data", ["train", "--protocol", "local", "--data", "/nonexistent"], "/nonexistent"),
+    ("unreachable --join", [*TRAIN, "--join", "/ip4/127.0.0.1/tcp/1/p2p/{peer}"], "could not reach any peer at"),
+    ("malformed --join", [*TRAIN, "--join", "127.0.0.1:31337"], "'127.0.0.1:31337' is not a multiaddr"),
+    ("port in use", [*TRAIN, "--port", "{port}"], "the port is in use"),
+    ("recipe with a typo", ["train", "--protocol", "typo.yaml"], "unknown section(s) ['trian']"),
+    ("recipe not YAML", ["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
+    ("missing recipe", ["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),
+    ("unknown protocol", ["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
+    ("island rendezvous", [*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
+     "rank 1 of 2 could not join the island at tcp://127.0.0.1:1"),
+    ("netlab settings", ["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
+    ("bench link rate", ["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
+    ("merge without its recipe", ["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
+    ("bad registry", ["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
+    ("bad network file", ["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),
+]
+
+
+@pytest.mark.parametrize("name, expected", [(name, expected) for name, _, expected in USER_ERRORS],
+                         ids=[name for name, _, _ in USER_ERRORS])
+def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
+    done = user_errors[name]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("decentral: "), done.stderr
+    assert expected in lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--join", "/ip4/127.0.0.1/tcp/1"], "names no peer"),
+    (["train", "--protocol", "local", "--island", "tcp://127.0.0.1:1"], "give another protocol"),
+    (["netlab", "--hosts", "1", "--measure"], "--measure needs at least 2 hosts"),
+])
+def test_more_user_errors_in_process(args, expected, capsys):
+    assert main(args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("decentral: ") and expected in lines[0]
+
+
+def test_a_count_below_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--num-workers", "0"])
+    assert done.value.code == 2 and "--num-workers: must be at least 1, got 0" in capsys.readouterr().err
