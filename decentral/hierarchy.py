@@ -173,6 +173,11 @@ class HierarchicalTransport:
     def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return self._from_leader(lambda: self.swarm.progress(max_age_s))
 
+    def set_card(self, now: bool = True, **fields) -> None:
+        """On this rank's own swarm connection (the leader's is the island's; a rank without one drops them)."""
+        if self.swarm:
+            self.swarm.set_card(now, **fields)
+
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Every connection waits for `count` connections of its own run (islands, in sharded mode each
         shard's); an error on any rank is raised on every rank."""

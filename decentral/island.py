@@ -91,6 +91,9 @@ class IslandTransport:
     def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return {rank: {} for rank in self._ids}
 
+    def set_card(self, now: bool = True, **fields) -> None:
+        """No heartbeat to carry them: the fields are dropped."""
+
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Mean of a flat tensor over all ranks: one all-reduce of the sum, divided by the rank count.
 

@@ -132,6 +132,9 @@ class LoopbackTransport:
         with self.hub._cond:
             return {p: dict(self.hub._progress[p]) for p in self.hub._open}
 
+    def set_card(self, now: bool = True, **fields) -> None:
+        """Nobody watches a hub: the fields are dropped."""
+
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         return self.average_async(tensor, group, tag, round).result()
 

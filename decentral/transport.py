@@ -81,6 +81,11 @@ class Transport(Protocol):
         reported it ({} where unknown). `max_age_s`: a view that old will do, where the transport keeps
         one (then nothing waits on the network)."""
 
+    def set_card(self, now: bool = True, **fields) -> None:
+        """Small JSON fields our heartbeat carries from now on beside the progress (replacing those of the
+        same name), which the others see in `progress()`; `now`: published at once, else with the next
+        regular heartbeat (nothing waits on the network). A transport without heartbeats ignores them."""
+
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
         Weights are the protocol's to fix, never a member's to claim: in every round each member has done
@@ -138,6 +143,9 @@ class SoloTransport:
 
     def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return {self.peer_id: {}}
+
+    def set_card(self, now: bool = True, **fields) -> None:
+        pass
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         flat = tensor.detach().float().reshape(-1).clone()

@@ -1,7 +1,8 @@
 """Who is in the swarm, and who takes part in which outer round.
 
 Two kinds of DHT records under the run's key:
-- `peers`: a heartbeat per peer ({"step", "round", "digests"} and its `set_card` fields), refreshed every `heartbeat_s` and expiring
+- `peers`: a heartbeat per peer ({"step", "round", "digests", "at"} and its `set_card` fields, at most
+  `CARD_BYTES`; "at": when it was sent, DHT time), refreshed every `heartbeat_s` and expiring
   after `expire_s`; a killed peer drops out of every view within that time, and a peer that closes
   cleanly marks itself as left at once. A heartbeat must outlive the longest stall that our own
   averaging traffic can put on a saturated uplink, or views split while a round is in flight
@@ -24,11 +25,15 @@ import logging
 import threading
 import time
 
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
 from decentral.swarm.peer import SwarmPeer
 from decentral.transport import with_digest
 
 log = logging.getLogger(__name__)
 
+CARD_BYTES = 2048  # the most a peer's `set_card` fields may take (packed): a heartbeat stays small
 
 
 class Membership:
@@ -65,14 +70,23 @@ class Membership:
         """Our inner step, as last set (the heartbeat may not carry it yet)."""
         return self._progress["step"]
 
-    def set_card(self, **fields) -> None:
-        """Fields (JSON values) that every heartbeat carries from now on beside the progress, e.g. an
-        island's shard connections (decentral.hierarchy); published at once."""
-        self._card = dict(fields)
-        self._beat()
+    def set_card(self, now: bool = True, **fields) -> None:
+        """Fields (JSON values) that every heartbeat carries from now on beside the progress, replacing those
+        of the same name set before, e.g. an island's shard connections (decentral.hierarchy), what the
+        monitor shows (decentral.swarm.monitor). `now`: published at once (a DHT write on the calling
+        thread), else with the next regular beat. ValueError when the card would outgrow `CARD_BYTES`."""
+        card = {**self._card, **fields}
+        if len(MSGPackSerializer.dumps(card)) > CARD_BYTES:
+            raise ValueError(f"a heartbeat card holds at most {CARD_BYTES} bytes: {sorted(card)} do not fit")
+        self._card = card
+        if now:
+            self._beat()
+
+    def _record(self) -> dict:
+        return {**self._card, **self._progress, "at": round(get_dht_time(), 2)}
 
     def _beat(self) -> None:
-        self.peer.publish("peers", self.peer.peer_id, {**self._card, **self._progress}, ttl=self.expire_s)
+        self.peer.publish("peers", self.peer.peer_id, self._record(), ttl=self.expire_s)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
@@ -105,7 +119,7 @@ class Membership:
                     if isinstance(info, dict) and not info.get("left")}
             with self._lock:
                 self._view = (time.monotonic(), view)
-        return {**view, self.peer.peer_id: view.get(self.peer.peer_id, {**self._card, **self._progress})}
+        return {**view, self.peer.peer_id: view.get(self.peer.peer_id, self._record())}
 
     def is_alive(self, peer_id: str, refresh_s: float = 1.0) -> bool:
         """Whether `peer_id` has a live heartbeat. Answers from the last lookup, and looks again (at most
@@ -139,6 +153,6 @@ class Membership:
         self._news.set()
         self._thread.join(timeout=5)
         try:
-            self.peer.publish("peers", self.peer.peer_id, {**self._progress, "left": True}, ttl=self.expire_s)
+            self.peer.publish("peers", self.peer.peer_id, {**self._record(), "left": True}, ttl=self.expire_s)
         except Exception as e:
             log.warning("could not announce leaving: %s", e)

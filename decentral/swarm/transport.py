@@ -108,9 +108,9 @@ class SwarmTransport:
     def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         return self.membership.alive(max_age_s)
 
-    def set_card(self, **fields) -> None:
-        """Fixed fields our heartbeat carries from now on, which the others see in `progress()`."""
-        self.membership.set_card(**fields)
+    def set_card(self, now: bool = True, **fields) -> None:
+        """Fields our heartbeat carries from now on, which the others see in `progress()` (Membership.set_card)."""
+        self.membership.set_card(now, **fields)
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""

@@ -1,0 +1,219 @@
+"""Watch a running swarm: what each peer's heartbeat says about it, read by an observer that takes no part.
+
+A training peer's heartbeat (decentral.swarm.membership) carries its step and round; `StatusCard` adds
+its name, its multiaddrs and, over its last `WINDOW_S` seconds or more, its mean training loss and its
+tokens, bytes sent and bytes received per second. The card rides on the regular heartbeat:
+no connection and no DHT write of its own.
+
+`SwarmMonitor` joins the run's DHT as a client-only node: it serves nothing, publishes nothing (no
+heartbeat, no round announcement), so no member counts it, waits for it or averages with it. It reads
+the `peers` records with its own validator, which hands it every record as stored; it then checks
+each one as a member would (signed by the peer it names, sealed under the swarm key) and keeps those
+that pass. Records that do not open at all tell it that the swarm is keyed and it lacks that key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence, TextIO
+
+from hivemind.dht import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
+from decentral.swarm.peer import SwarmError, _DHTProcess
+
+WINDOW_S = 3.0  # the shortest window a card's rates are measured over
+NAME_CHARS = 64
+MAX_ADDRS = 4
+ADDR_CHARS = 256
+GONE_KEPT_S = 600.0  # how long a live monitor keeps listing a peer whose heartbeat expired
+
+
+class StatusCard:
+    """What a training peer tells the monitor (module docstring). `update` runs once per inner step: it
+    adds up the step's loss and, once per window, hands the transport the new figures (`set_card`, not published
+    before the next regular heartbeat). `tokens_per_step`: tokens one inner step trains on."""
+
+    def __init__(self, transport, name: str, tokens_per_step: int):
+        self.transport, self.tokens_per_step = transport, tokens_per_step
+        self._start: tuple[float, int, int] | None = None  # (wall_s, bytes sent, bytes received) of the window
+        self._steps, self._loss = 0, 0.0  # inner steps in the window, and the sum of their losses
+        addrs = [a[:ADDR_CHARS] for a in transport.multiaddrs()[:MAX_ADDRS]]
+        transport.set_card(False, name=name[:NAME_CHARS], addrs=addrs)
+
+    def update(self, record: dict) -> None:
+        """`record`: the worker's metrics record of the inner step just done (its `loss`, `bytes_sent`,
+        `bytes_received`, and `wall_s`, seconds on a monotonic clock)."""
+        now, sent, received = record["wall_s"], record["bytes_sent"], record["bytes_received"]
+        if self._start is None:
+            self._start = (now, sent, received)
+            self.transport.set_card(False, loss=_rounded(record["loss"]))
+            return
+        self._steps += 1
+        self._loss += record["loss"]
+        elapsed = now - self._start[0]
+        if elapsed < WINDOW_S:
+            return
+        self.transport.set_card(False, loss=_rounded(self._loss / self._steps),
+                                tokens_per_s=_rounded(self._steps * self.tokens_per_step / elapsed),
+                                sent_per_s=_rounded((sent - self._start[1]) / elapsed),
+                                received_per_s=_rounded((received - self._start[2]) / elapsed))
+        self._start, self._steps, self._loss = (now, sent, received), 0, 0.0
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+class _RawRecords(RecordValidatorBase):
+    """Hands every record to the monitor's process as stored (key, subkey, value, expiry), to be checked there."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return MSGPackSerializer.dumps([record.key, record.subkey, record.value, record.expiration_time])
+
+
+class SwarmMonitor:
+    """An observer of run `run`, joined through any member's multiaddr in `initial_peers`; `swarm_key`:
+    the swarm's key, if it has one. SwarmError when no member answers."""
+
+    def __init__(self, run: str, initial_peers: Sequence[str], *, swarm_key: SwarmKey | None = None,
+                 startup_timeout: float = 30.0):
+        self.run, self.swarm_key = run, swarm_key
+        self._dir = tempfile.mkdtemp(prefix="decentral-monitor-")
+        identity = ensure_identity(Path(self._dir) / "identity.key")
+        self._check = SignedRecords(identity, swarm_key)
+        self._key = DHTID.generate(source=f"{run}/peers").to_bytes()  # the `peers` records' key, as stored
+        self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
+        try:
+            self.dht = _DHTProcess(initial_peers=list(initial_peers), client_mode=True, start=True, await_ready=True,
+                                   startup_timeout=startup_timeout, identity_path=str(identity),
+                                   record_validators=[_RawRecords()], cache_locally=False, cache_nearest=0)
+        except Exception as e:  # hivemind raises several types for a bad or unreachable multiaddr
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise SwarmError(f"could not reach the swarm through {list(initial_peers)}: {e}") from e
+
+    def rows(self) -> list[dict]:
+        """One row per peer with a heartbeat (state "alive"), or that said it left ("left"), or, in a
+        monitor that looked before, whose heartbeat expired since ("gone", for `GONE_KEPT_S`), sorted by
+        name and id: {"id", "name", "state", "addrs", "step", "round", "loss", "tokens_per_s",
+        "sent_per_s", "received_per_s", "last_seen_s"}; None where a peer does not say (an older
+        version). AdmissionError when peers' records exist but none opens with our key (or without one)."""
+        found = self.dht.get(f"{self.run}/peers", latest=True)
+        stored = found.value if found is not None and isinstance(found.value, dict) else {}
+        now, current, unreadable = get_dht_time(), {}, 0
+        for item in stored.values():
+            opened = self._open(item.value)
+            if opened is None:
+                unreadable += 1
+            else:
+                current[opened[0]] = opened[1]
+        if unreadable and not current:
+            if self.swarm_key is None:
+                raise AdmissionError(f"run {self.run!r} is keyed: its records do not open without its key; "
+                                     "give it with --swarm-key FILE")
+            raise AdmissionError(f"run {self.run!r}'s records do not open with swarm key {self.swarm_key.fingerprint}: "
+                                 "the swarm has another key, or none")
+        self._seen = {p: seen for p, seen in self._seen.items()
+                      if p not in current and not seen[0].get("left") and now - seen[1] < GONE_KEPT_S}
+        rows = [_row(p, info, "gone", now) for p, (info, _) in self._seen.items()]
+        rows += [_row(p, info, "left" if info.get("left") else "alive", now) for p, info in current.items()]
+        self._seen.update((p, (info, now)) for p, info in current.items())
+        return sorted(rows, key=lambda r: (r["name"] or "", r["id"]))
+
+    def _open(self, raw) -> tuple[str, dict] | None:
+        """(peer id, its heartbeat) of a record as stored, when it passes a member's checks."""
+        try:
+            key, subkey, value, expiration = raw
+            record = DHTRecord(key, subkey, value, expiration)
+            if key != self._key or not self._check.validate(record):
+                return None
+            info = MSGPackSerializer.loads(self._check.strip_value(record))
+            peer = MSGPackSerializer.loads(subkey)
+        except Exception:  # not a record of ours at all
+            return None
+        return (peer, info) if isinstance(info, dict) and isinstance(peer, str) else None
+
+    def close(self) -> None:
+        self.dht.shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _number(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
+def _row(peer: str, info: dict, state: str, now: float) -> dict:
+    """A peer's heartbeat as a row: fields of the wrong type (or missing) are None."""
+    name, addrs, at = info.get("name"), info.get("addrs"), _number(info.get("at"))
+    step, round = _number(info.get("step")), _number(info.get("round"))
+    return {
+        "id": peer, "name": name[:NAME_CHARS] if isinstance(name, str) else None, "state": state,
+        "addrs": [a[:ADDR_CHARS] for a in addrs[:MAX_ADDRS] if isinstance(a, str)] if isinstance(addrs, list) else [],
+        "step": None if step is None else int(step), "round": None if round is None else int(round),
+        **{k: _number(info.get(k)) for k in ("loss", "tokens_per_s", "sent_per_s", "received_per_s")},
+        "last_seen_s": None if at is None else max(0.0, now - at),
+    }
+
+
+COLUMNS = ("PEER", "NAME", "STATE", "STEP", "ROUND", "LOSS", "TOKENS/S", "SENT/S", "RECV/S", "SEEN", "ADDRESS")
+
+
+def format_table(run: str, rows: list[dict]) -> str:
+    """The rows as a text table under a title line."""
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [[r["id"][-8:], r["name"] or "-", r["state"], num(r["step"], "d"), num(r["round"], "d"),
+              num(r["loss"], ".3f"), num(r["tokens_per_s"], ",.0f"), _bytes(r["sent_per_s"]),
+              _bytes(r["received_per_s"]), "-" if r["last_seen_s"] is None else f"{r['last_seen_s']:.0f}s ago",
+              r["addrs"][0] if r["addrs"] else "-"] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(COLUMNS)]
+    alive = sum(r["state"] == "alive" for r in rows)
+    out = [f"run {run!r}: {alive} peer{'s' * (alive != 1)} alive, {time.strftime('%H:%M:%S')}",
+           "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in lines]
+    return "\n".join(line.rstrip() for line in out)
+
+
+def _bytes(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    for unit in ("B", "KB", "MB"):
+        if rate < 1000:
+            return f"{rate:.0f} {unit}"
+        rate /= 1000
+    return f"{rate:.1f} GB"
+
+
+CLEAR = "\x1b[H\x1b[2J"  # ANSI: cursor home, clear the screen
+
+
+def watch(monitor: SwarmMonitor, *, interval_s: float, as_json: bool, once: bool, out: TextIO = sys.stdout) -> None:
+    """Print the monitor's rows: one JSON document ({"run", "peers"}) with `as_json`, one table with `once`,
+    else a table redrawn in place every `interval_s` until Ctrl-C."""
+    if as_json:
+        json.dump({"run": monitor.run, "peers": monitor.rows()}, out, indent=1)
+        out.write("\n")
+        return
+    while True:
+        table = format_table(monitor.run, monitor.rows())
+        if once:
+            out.write(table + "\n")
+            return
+        out.write((CLEAR if out.isatty() else "\n") + table + "\n")
+        out.flush()
+        time.sleep(interval_s)  # the refresh period the user asked for

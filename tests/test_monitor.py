@@ -1,0 +1,104 @@
+"""`decentral status` on a live keyed swarm of real `decentral train` processes: it lists every peer from
+their heartbeats (step, round, loss, rates, addresses) without becoming a member, and a reader without
+the swarm's key gets a one-line error."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from decentral.swarm import SwarmKey
+from decentral.swarm.monitor import SwarmMonitor
+
+
+def status(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "DECENTRAL_SWARM_KEY"}
+    return subprocess.Popen([sys.executable, "-m", "decentral", "status", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def status_until(condition, args, timeout: float = 30.0) -> list[dict]:
+    """`status --json` run again (each a new process) until its peers meet `condition`; those peers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = status(*args, "--json")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        peers = json.loads(out)["peers"]
+        if condition(peers):
+            return peers
+        assert time.monotonic() < deadline, peers
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(0.2)  # polling files other processes write
+
+
+def test_status_shows_a_live_keyed_swarm_without_joining_it(workers, tmp_path):
+    key = tmp_path / "swarm.key"
+    SwarmKey.generate(key)
+    w = workers({"name": "diloco", "every": 10}, steps=100_000, num_workers=3)
+    run = yaml.safe_load(w.recipe.read_text())["swarm"]["run"]
+    procs = [w.start(i, extra=["--swarm-key", str(key)]) for i in range(3)]
+    wait_for(lambda: all(len(w.metrics(i)) > 1 for i in range(3)) or any(p.poll() is not None for p in procs), 60,
+             "every worker training")
+    assert all(p.poll() is None for p in procs), [w.log(i) for i in range(3)]
+    for p in procs:  # their training threads yield the CPU to the monitor's processes (their network threads do not)
+        os.setpriority(os.PRIO_PROCESS, p.pid, 10)
+    maddrs = {f"w{i}": (w.root / f"w{i}.maddrs").read_text().split() for i in range(3)}
+    args = ["--join", w.bootstrap[0], "--run", run]
+
+    keyless = status(*args, "--json")
+    first = status_until(lambda peers: len(peers) == 3 and all(p["loss"] is not None for p in peers),
+                         [*args, "--swarm-key", str(key)])
+    assert [p["name"] for p in first] == ["w0", "w1", "w2"]
+    for p in first:
+        assert p["state"] == "alive" and math.isfinite(p["loss"]) and p["last_seen_s"] < 10, p
+        assert p["addrs"] == maddrs[p["name"]] and p["addrs"][0].endswith("/p2p/" + p["id"]), (p, maddrs)
+    out, err = keyless.communicate(timeout=60)
+    assert keyless.returncode == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and "--swarm-key" in err, err
+
+    before = {p["id"]: p["step"] for p in first}
+    second = status_until(lambda peers: all(p["step"] > before[p["id"]] and p["tokens_per_s"] for p in peers),
+                          [*args, "--swarm-key", str(key)])
+    assert {p["id"] for p in second} == set(before)
+    for p in second:
+        assert math.isfinite(p["loss"]) and p["tokens_per_s"] > 0 and p["sent_per_s"] is not None, p
+
+    # the monitor is no member: every average after it looked is over the 3 peers, complete
+    looked = max(p["round"] for p in second)
+    wait_for(lambda: all(any(r.get("round", 0) > looked + 1 and "group_size" in r for r in w.metrics(i))
+                         for i in range(3)), 60, "two more rounds on every worker")
+    for i in range(3):
+        syncs = [r for r in w.metrics(i) if "group_size" in r]
+        assert all(r["group_size"] <= 3 for r in syncs), syncs
+        late = [r for r in syncs if r["round"] > looked]
+        assert late and all(r["group_size"] == 3 and r["complete"] for r in late), late
+
+
+def test_monitor_shows_peers_without_a_card_and_peers_that_left(make_swarm):
+    a, b = make_swarm(2)  # an open swarm of peers that publish no card (as older versions do)
+    b.set_card(name=7, addrs="x", loss="high", tokens_per_s=float("nan"))  # nonsense is shown as unknown
+    with pytest.raises(ValueError, match="at most"):
+        b.set_card(name="x" * 4000)  # a heartbeat stays small
+    monitor = SwarmMonitor(a.peer.run, a.multiaddrs())
+    try:
+        rows = {r["id"]: r for r in monitor.rows()}
+        assert set(rows) == {a.peer_id, b.peer_id} and set(a.progress()) == {a.peer_id, b.peer_id}
+        for r in rows.values():
+            assert r["state"] == "alive" and r["name"] is None and r["addrs"] == [] and r["loss"] is None, r
+            assert r["tokens_per_s"] is None and r["step"] == 0
+        b.close()
+        wait_for(lambda: {r["id"]: r["state"] for r in monitor.rows()} == {a.peer_id: "alive", b.peer_id: "left"},
+                 10, "b listed as left")
+    finally:
+        monitor.close()
