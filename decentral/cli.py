@@ -164,6 +164,24 @@ def cmd_swarm_keygen(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from decentral.swarm.admission import SwarmKey
+    from decentral.swarm.monitor import SwarmMonitor, watch
+
+    if args.interval <= 0:
+        print("decentral: --interval must be more than 0 seconds", file=sys.stderr)
+        return 2
+    key_path = swarm_key_path(args)
+    monitor = SwarmMonitor(args.run, args.join, swarm_key=SwarmKey.load(key_path) if key_path else None)
+    try:
+        watch(monitor, interval_s=args.interval, as_json=args.json, once=args.once)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        monitor.close()
+    return 0
+
+
 def serve_until_stopped() -> None:
     """Say how to stop, then block until Ctrl-C or SIGTERM."""
     print("Ctrl-C to stop.", flush=True)
@@ -299,6 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
                                   **example("decentral swarm keygen swarm.key"))
     keygen.add_argument("path", metavar="FILE")
     keygen.set_defaults(func=cmd_swarm_keygen)
+
+    status = sub.add_parser("status", help="watch a running swarm: each peer's step, round, loss, tokens/s, "
+                            "bytes/s and last heartbeat, without joining it as a member", **example(
+                                "decentral status --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --swarm-key "
+                                "swarm.key --once"))
+    status.add_argument("--join", action="append", required=True, metavar="MADDR", help="multiaddr of any member")
+    status.add_argument("--run", default="decentral", help="the run's name (default: decentral, the recipes')")
+    status.add_argument("--swarm-key", metavar="FILE", help="the swarm's key, if it has one "
+                        "(default: $DECENTRAL_SWARM_KEY)")
+    status.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes")
+    status.add_argument("--once", action="store_true", help="print the table once and exit")
+    status.add_argument("--json", action="store_true", help="print one JSON document {run, peers} and exit")
+    status.set_defaults(func=cmd_status)
 
     train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)",
                            **example("# the first member prints the --join address of the others",

@@ -40,6 +40,7 @@ from decentral.metrics import MetricsLog, TensorBoardSink
 from decentral.models import GPT_SOURCE, build_model
 from decentral.swarm import SwarmTransport
 from decentral.swarm.admission import SwarmKey
+from decentral.swarm.monitor import StatusCard
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol, SyncReport
 from decentral.transport import SoloTransport, Transport
 
@@ -299,6 +300,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     try:
         if opts.on_ready and transport.multiaddrs():
             opts.on_ready(transport.multiaddrs())
+        card = StatusCard(transport, opts.name, t.batch_size * t.context * (opts.world_size if opts.island_mode else 1))
         with protocol:  # joins the swarm: its state, round and step, and announces the round
             _wait_for_peers(transport, opts, protocol.round)
             batches = batches_from(protocol.step)
@@ -326,6 +328,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 optimizer.step()  # the protocol's hooks run here
                 optimizer.zero_grad(set_to_none=True)
                 record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start)
+                card.update(record)  # what `decentral status` shows of us, with the next heartbeat
                 if report is not None:
                     last_sync = report
                 if protocol.step % t.eval_every == 0:
