@@ -138,6 +138,7 @@ def test_mixed_kinds_and_different_configs_are_refused(tmp_path):
     hf_expert(tmp_path, "a", seed=0)
     hf_expert(tmp_path, "eps", seed=1, rms_norm_eps=1e-5)
     tiny_expert(tmp_path, name="gpt")
+    assert "layout" not in json.loads((tmp_path / "gpt" / "expert.json").read_text())  # GPT records as before
     with pytest.raises(MergeError, match=r"mix Hugging Face models \(expert 'a'\) and reference GPTs \(expert 'gpt'\)"):
         merge(linear(tmp_path, "a", "gpt"), tmp_path / "out" / "m", progress=False)
     with pytest.raises(MergeError, match=r"configs \(config.json\) differ: rms_norm_eps: expert 'a' 1e-06, "

@@ -112,7 +112,8 @@ class Expert:
         return self.path
 
     def to_json(self) -> dict[str, Any]:
-        meta = {k: v for k, v in asdict(self).items() if k != "path"}
+        """expert.json's record (a reference GPT's without `layout`, as before Hugging Face experts)."""
+        meta = {k: v for k, v in asdict(self).items() if k != "path" and not (k == "layout" and v is None)}
         return {"format": FORMAT, **meta}
 
     def config(self) -> GPTConfig:
