@@ -2,6 +2,7 @@
 their heartbeats (step, round, loss, rates, addresses) without becoming a member, and a reader without
 the swarm's key gets a one-line error."""
 
+import io
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from decentral.swarm import SwarmKey
-from decentral.swarm.monitor import SwarmMonitor
+from decentral.swarm.monitor import SwarmMonitor, watch
 
 
 def status(*args: str) -> subprocess.Popen:
@@ -100,5 +101,11 @@ def test_monitor_shows_peers_without_a_card_and_peers_that_left(make_swarm):
         b.close()
         wait_for(lambda: {r["id"]: r["state"] for r in monitor.rows()} == {a.peer_id: "alive", b.peer_id: "left"},
                  10, "b listed as left")
+        table = io.StringIO()
+        watch(monitor, interval_s=1.0, as_json=False, once=True, out=table)
+        lines = table.getvalue().splitlines()
+        assert lines[0].startswith(f"run {a.peer.run!r}: 1 peer alive") and lines[1].split()[:3] == ["PEER", "NAME", "STATE"]
+        assert sorted(line.split()[:3] for line in lines[2:]) == sorted([[a.peer_id[-8:], "-", "alive"],
+                                                                          [b.peer_id[-8:], "-", "left"]]), lines
     finally:
         monitor.close()
