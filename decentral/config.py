@@ -229,6 +229,6 @@ def recipe_path(name_or_file: str) -> Path:
         return Path(name_or_file)
     path = default_recipe_path(name_or_file)
     if not path.is_file():
-        shipped = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        shipped = sorted(p.stem for p in path.parent.glob("*.yaml") if p.stem in PROTOCOLS)
         raise RecipeError(f"no protocol {name_or_file!r}: give one of {', '.join(shipped)} or a recipe file (.yaml)")
     return path
