@@ -118,9 +118,45 @@ def test_a_model_that_is_not_llama_style_is_refused():
         cut(HFCausalLM(gpt2), 2)
 
 
-def test_the_pipeline_runtime_refuses_a_hugging_face_recipe_in_one_line(source):
-    from decentral.config import RecipeError
+def test_one_microbatch_through_the_grpc_pipeline_is_the_hf_models_math(tmp_path, small_corpus, source):
+    """The runtime (stage servers over gRPC, in this process) trains a Llama as the whole model along the same path
+    does: loss, one AdamW step per stage; `pipeline eval`'s model is put together from the stage checkpoints."""
+    from decentral.data.corpus import load_corpus
+    from decentral.pipeline.evaluate import load_run
+    from decentral.pipeline.node import StageNode, microbatch
     from decentral.pipeline.recipe import parse_pipeline_recipe
+    from decentral.worker import inner_lr
+    from test_pipeline_runtime import TRAIN, InProcessPipeline, tiny_recipe
 
-    with pytest.raises(RecipeError, match="r.yaml: model.source .*: the pipeline runtime trains the reference GPT only"):
-        parse_pipeline_recipe({"pipeline": {"stages": 2}, "model": {"source": source}}, "r.yaml")
+    class HFPipeline(InProcessPipeline):
+        def make(self, name: str, stage: int) -> StageNode:
+            r = self.recipe.recipe
+            return StageNode(name, make_stage(r.model, 4, stage, r.train.seed, r.model_source, r.train.context),
+                             self.recipe, memory=3, tokens=self.tokens if stage == 0 else None, out=tmp_path / name)
+
+    recipe = parse_pipeline_recipe({**tiny_recipe(4, 0.25, 1), "model": {"source": source}})
+    assert recipe.activation_bytes() == TRAIN["batch_size"] * TRAIN["context"] * TINY_LLAMA["hidden_size"] * 4
+    tokens = load_corpus([small_corpus]).train
+    pipeline = HFPipeline(recipe, {"h": 0, "a": 1, "b": 2, "c": 3}, tokens)
+    try:
+        record = pipeline.coordinator.run_iteration(0)
+        order = [pipeline.nodes[name].stage.index for name in pipeline.events[0]["routes"][0]]
+        for node in pipeline.nodes.values():
+            node.save()
+    finally:
+        pipeline.close()
+    model = llama(source, recipe.recipe.train.seed)
+    x, y = microbatch(tokens, 0, 0, TRAIN["batch_size"], TRAIN["context"], recipe.recipe.train.seed)
+    loss = partial_loss(model, 4, order, x, y)
+    assert len(order) == 3 and record["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    loss.backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=inner_lr(0, recipe.recipe),
+                                  weight_decay=recipe.recipe.train.weight_decay, betas=(0.9, 0.95))
+    for stage in cut(model, 4):
+        torch.nn.utils.clip_grad_norm_([p for p in stage.parameters() if p.grad is not None], 1.0)
+    optimizer.step()
+    expected = model.state_dict()
+    for node in pipeline.nodes.values():
+        assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in node.stage.global_state_dict().items())
+    assembled, _ = load_run(tmp_path)
+    assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in assembled.state_dict().items())

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from decentral.checkpoint import load_checkpoint
 from decentral.data.batches import Batch
-from decentral.models.gpt import GPT
 from decentral.pipeline.network import PipelineError
 from decentral.pipeline.recipe import PipelineRecipe, parse_pipeline_recipe
 from decentral.pipeline.stages import assemble, partial_loss
@@ -28,7 +28,7 @@ from decentral.pipeline.stages import assemble, partial_loss
 MAX_SUBSETS = 20
 
 
-def load_run(run: str | Path) -> tuple[GPT, PipelineRecipe]:
+def load_run(run: str | Path) -> tuple[nn.Module, PipelineRecipe]:
     """The whole model of a run folder, and its recipe (PipelineError when a stage has no checkpoint)."""
     run = Path(run)
     found: dict[int, tuple[str, dict]] = {}
@@ -43,7 +43,9 @@ def load_run(run: str | Path) -> tuple[GPT, PipelineRecipe]:
     missing = sorted(set(range(recipe.pipeline.stages)) - set(found))
     if missing:
         raise PipelineError(f"{run}: no checkpoint of stage(s) {missing}")
-    return assemble(recipe.recipe.model, (found[s][1] for s in sorted(found))), recipe
+    model = assemble(recipe.recipe.model, (found[s][1] for s in sorted(found)), recipe.recipe.model_source,
+                     recipe.recipe.train.context)
+    return model, recipe
 
 
 def kept_orders(stages: int, drop: float, draws: int = 10, seed: int = 0) -> list[tuple[int, ...]]:
@@ -58,13 +60,13 @@ def kept_orders(stages: int, drop: float, draws: int = 10, seed: int = 0) -> lis
     return [(0, *subset) for subset in subsets]
 
 
-def mean_loss(model: GPT, stages: int, order: tuple[int, ...], batches: list[Batch]) -> float:
+def mean_loss(model: nn.Module, stages: int, order: tuple[int, ...], batches: list[Batch]) -> float:
     model.eval()
     with torch.no_grad():
         return sum(float(partial_loss(model, stages, order, x, y)) for x, y in batches) / len(batches)
 
 
-def evaluate_dropping(model: GPT, stages: int, batches: list[Batch], drop: float = 0.5, draws: int = 10,
+def evaluate_dropping(model: nn.Module, stages: int, batches: list[Batch], drop: float = 0.5, draws: int = 10,
                       seed: int = 0) -> dict:
     """Whole model against the model with a share `drop` of its stages dropped (module docstring)."""
     full = mean_loss(model, stages, tuple(range(stages)), batches)

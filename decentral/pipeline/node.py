@@ -115,14 +115,15 @@ class StageNode:
         if stage.index == 0 and tokens is None:
             raise PipelineError(f"{name}: a stage-0 node needs training text")
         self.name, self.stage, self.recipe, self.memory, self.out = name, stage, recipe, memory, out
-        train, model = recipe.recipe.train, recipe.recipe.model
+        train = recipe.recipe.train
         self.tokens = tokens
         self.optimizer = torch.optim.AdamW(stage.parameters(), lr=train.lr, weight_decay=train.weight_decay,
                                            betas=(0.9, 0.95))
         self.params = list(stage.parameters())
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self.protocol = make_protocol(stage, self.optimizer) if make_protocol else None
-        self.max_frame = 4 * train.batch_size * train.context * model.d_model
+        self.width = recipe.hidden_width()
+        self.max_frame = 4 * train.batch_size * train.context * self.width
         # gRPC refuses longer messages unread: a frame, or our stage's weights (what a joining replica asks for)
         max_message = max(self.max_frame, 4 * sum(p.numel() for p in self.params)) + HEADER_ROOM
         self.key = key
@@ -182,10 +183,10 @@ class StageNode:
 
     def _on_send(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self._admit(SEND, request, context)
-        train, model = self.recipe.recipe.train, self.recipe.recipe.model
+        train = self.recipe.recipe.train
         try:
             frame = decode_frame(request)
-            tensor = frame_tensor(frame, self.max_frame, width=model.d_model, max_rows=train.batch_size,
+            tensor = frame_tensor(frame, self.max_frame, width=self.width, max_rows=train.batch_size,
                                   max_tokens=train.context)
         except FrameError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")

@@ -3,7 +3,7 @@
     pipeline: {stages: 6, skip: 0.33, microbatches: 6, memory: 3, routing: planned, ...}
     protocol: {name: diloco, every: 50, ...}   # how the replicas of each stage stay in sync (local: not at all)
     train:    {steps: 300, batch_size: 8, ...}  # steps are iterations; batch_size is sequences per microbatch
-    model:    {n_layer: 6, ...}
+    model:    {n_layer: 6, ...}                 # or {source: hf:CONFIG.json}: a Llama-style Hugging Face model
     swarm:    {run: skippipe, timeout: 60, ...} # the DHT the nodes find each other through, and the stage groups
 
 Unknown keys are errors naming the key (RecipeError), as for every recipe.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from decentral.config import Recipe, RecipeError, parse_recipe, read_yaml, typed_section
-from decentral.models import GPT_SOURCE
+from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX
 from decentral.pipeline.frames import DTYPES
 from decentral.pipeline.network import DEFAULT_MEMORY, Network, Node, parse_network
 
@@ -49,8 +49,24 @@ class PipelineRecipe:
     def activation_bytes(self) -> int:
         """Bytes of one microbatch's activations (and gradients) on the wire."""
         itemsize = 2 if self.pipeline.wire_dtype != "float32" else 4
-        train, model = self.recipe.train, self.recipe.model
-        return train.batch_size * train.context * model.d_model * itemsize
+        train = self.recipe.train
+        return train.batch_size * train.context * self.hidden_width() * itemsize
+
+    def hidden_width(self) -> int:
+        """The width of the hidden states between stages: model.d_model, or a Hugging Face config's hidden_size."""
+        source = self.recipe.model_source
+        if source == GPT_SOURCE:
+            return self.recipe.model.d_model
+        try:
+            import transformers
+        except ImportError:
+            raise RecipeError("Hugging Face models need transformers: pip install 'decentral[hf]'") from None
+        path = source[len(HF_CONFIG_PREFIX):] if source.startswith(HF_CONFIG_PREFIX) else source
+        try:
+            return int(transformers.AutoConfig.from_pretrained(path).get_text_config().hidden_size)
+        except (OSError, ValueError, AttributeError) as e:
+            raise RecipeError(f"model.source {source}: no transformers config with a hidden_size there "
+                              f"({type(e).__name__})") from None
 
 
 def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
@@ -69,10 +85,7 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
         raise RecipeError(f"{where}: pipeline needs stages >= 2, microbatches >= 1, memory >= 1, nodes >= 0 and "
                           "calibrate_at >= 0")
     recipe = parse_recipe(rest, where)
-    if recipe.model_source != GPT_SOURCE:
-        raise RecipeError(f"{where}: model.source {recipe.model_source!r}: the pipeline runtime trains the reference GPT "
-                          "only (decentral.pipeline.stages.cut also cuts Llama-style Hugging Face models)")
-    if recipe.train.context > recipe.model.context:
+    if recipe.model_source == GPT_SOURCE and recipe.train.context > recipe.model.context:
         raise RecipeError(f"{where}: train.context {recipe.train.context} exceeds model.context {recipe.model.context}")
     return PipelineRecipe(config, recipe)
 

@@ -90,7 +90,8 @@ def run_node(opts: NodeOptions) -> int:
     try:
         if opts.maddr_file:
             opts.maddr_file.write_text("\n".join(peer.multiaddrs()) + "\n")
-        stage = make_stage(recipe.recipe.model, recipe.pipeline.stages, index, recipe.recipe.train.seed)
+        stage = make_stage(recipe.recipe.model, recipe.pipeline.stages, index, recipe.recipe.train.seed,
+                           recipe.recipe.model_source, recipe.recipe.train.context)
         node = StageNode(opts.name, stage, recipe, memory=entry.memory, host=opts.host, port=opts.port,
                          tokens=tokens, shared_uplink=entry.uplink_mbps is not None,
                          key=CallKey(opts.swarm_key) if opts.swarm_key else None,
