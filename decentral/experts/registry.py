@@ -41,7 +41,6 @@ from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save as save_tensors
-
 from torch import nn
 
 from decentral.checkpoint import TENSORS_FILE, CheckpointError, load_checkpoint

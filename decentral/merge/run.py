@@ -18,7 +18,7 @@
 
 Hugging Face experts (decentral.experts.registry: save_pretrained's layout) merge the same way, their
 weights read from model.safetensors or through the shards' index. Their config.json files must agree
-(but for `transformers_version` and `dtype`, which say how a model was saved); the output holds the
+but for `SAVED_AS` (`transformers_version`, `dtype`: how a model was saved); the output holds the
 first input's config.json, its `dtype` the output's, and its other files (generation_config.json),
 and one model.safetensors, so `from_pretrained` opens it. Hugging Face and reference-GPT inputs
 together are an error.
@@ -55,7 +55,7 @@ from decentral.merge.tensors import (
 
 EMBEDDING_HINTS = ("head", "embed", "wte", "tok")  # names of output heads and token embeddings
 MAX_LISTED = 10  # problems listed in one error message
-SAVED_AS = ("transformers_version", "dtype")  # config.json keys saying how a model was saved, not what it is
+SAVED_AS = ("transformers_version", "dtype", "torch_dtype")  # config.json keys saying how a model was saved
 
 
 @dataclass
@@ -201,7 +201,8 @@ def _common_model(inputs: list[_Input]) -> dict:
     if inputs[0].expert.is_hf:
         configs = [{k: v for k, v in _hf_config(i).items() if k not in SAVED_AS} for i in inputs]
         if any(config != configs[0] for config in configs):
-            raise MergeError(f"the inputs' Hugging Face configs ({CONFIG_FILE}) differ: {_differences(inputs, configs)}")
+            raise MergeError(f"the inputs' Hugging Face configs ({CONFIG_FILE}) differ: "
+                             f"{_differences(inputs, configs)}")
     models = [i.expert.model for i in inputs]
     if all(model == models[0] for model in models):
         return dict(models[0])

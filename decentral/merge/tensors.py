@@ -162,7 +162,8 @@ def _weight_map(index: Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TensorFileError(f"{index}: not a readable JSON index ({e})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
         raise TensorFileError(f"{index}: expected {{\"weight_map\": {{tensor name: shard file}}}}")
     for file in set(weight_map.values()):
         if Path(file).name != file or file in (".", ".."):
