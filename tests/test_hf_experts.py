@@ -14,6 +14,7 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
+from decentral.checkpoint import save_checkpoint  # noqa: E402
 from decentral.cli import main  # noqa: E402
 from decentral.data.domains import load_domain  # noqa: E402
 from decentral.experts.ensemble import Ensemble  # noqa: E402
@@ -86,6 +87,24 @@ def test_a_train_checkpoint_becomes_an_expert_that_from_pretrained_opens(tmp_pat
     flip_a_data_byte(expert.folder / "model.safetensors")
     with pytest.raises(RegistryError, match="model.safetensors does not match its recorded sha256"):
         expert.load_model(verify=True)
+
+
+def test_a_sharded_checkpoint_is_added_file_by_file_and_a_damaged_one_refused(tmp_path):
+    lm = llama(2)
+    meta = {"recipe": {"model": {"source": "hf:config.json"}, "train": {"context": 32}}, "sync": {"step": 3}}
+    checkpoint = save_checkpoint(tmp_path / "checkpoint", {}, meta,
+                                 files=lambda folder: save_pretrained_layout(lm, folder, max_shard_size="20KB"))
+    expert = Registry(tmp_path / "experts").add_checkpoint(checkpoint, "big")
+    layout = {p.name for p in checkpoint.iterdir()} - {"tensors.safetensors", "meta.json"}
+    assert set(expert.layout) == layout and "model.safetensors.index.json" in layout and expert.steps == 3
+    verify_expert(expert)
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.equal(from_pretrained(expert.folder)(input_ids=x).logits, lm(input_ids=x).logits)
+    shard = sorted(checkpoint.glob("model-*.safetensors"))[0]
+    flip_a_data_byte(shard)
+    with pytest.raises(RegistryError, match=f"{shard.name} \\(checksum mismatch\\)"):
+        Registry(tmp_path / "experts").add_checkpoint(checkpoint, "broken")
+    assert not (tmp_path / "experts" / "broken").exists()
 
 
 @pytest.fixture(scope="module")
