@@ -328,7 +328,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 optimizer.step()  # the protocol's hooks run here
                 optimizer.zero_grad(set_to_none=True)
                 record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start)
-                card.update(record)  # what `decentral status` shows of us, with the next heartbeat
+                card.update(record["loss"], record["wall_s"])  # what `decentral status` shows of us
                 if report is not None:
                     last_sync = report
                 if protocol.step % t.eval_every == 0:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from decentral.swarm import SwarmKey
-from decentral.swarm.monitor import SwarmMonitor, watch
+from decentral.swarm.monitor import WINDOW_S, StatusCard, SwarmMonitor, watch
 
 
 def status(*args: str) -> subprocess.Popen:
@@ -109,3 +109,32 @@ def test_monitor_shows_peers_without_a_card_and_peers_that_left(make_swarm):
                                                                           [b.peer_id[-8:], "-", "left"]]), lines
     finally:
         monitor.close()
+
+
+class CardRecorder:
+    """A transport's counters and card, as StatusCard uses them."""
+
+    def __init__(self):
+        self.bytes_sent = self.bytes_received = 0
+        self.card, self.published = {}, 0
+
+    def multiaddrs(self):
+        return ["/ip4/127.0.0.1/tcp/1/p2p/Qm" + "x" * 300, *["/ip4/10.0.0.1/tcp/2"] * 9]
+
+    def set_card(self, now=True, **fields):
+        self.card.update(fields)
+        self.published += now
+
+
+def test_a_status_card_reports_window_means_and_rates_and_never_publishes_by_itself():
+    t = CardRecorder()
+    card = StatusCard(t, "n" * 500, tokens_per_step=256)
+    assert len(t.card["name"]) == 64 and len(t.card["addrs"]) == 4 and len(t.card["addrs"][0]) == 256
+    card.update(5.0, 100.0)  # the first step: its loss, no rates yet
+    assert t.card["loss"] == 5.0 and "tokens_per_s" not in t.card
+    for i in range(1, 7):  # six more steps over 3 s, 1000 bytes out and 500 in each
+        t.bytes_sent, t.bytes_received = 1000 * i, 500 * i
+        card.update(float(i), 100.0 + WINDOW_S * i / 6)
+    assert t.card["loss"] == 3.5 and t.card["tokens_per_s"] == 6 * 256 / WINDOW_S
+    assert t.card["sent_per_s"] == 6000 / WINDOW_S and t.card["received_per_s"] == 3000 / WINDOW_S
+    assert t.published == 0  # the next regular heartbeat carries the card

@@ -39,35 +39,35 @@ GONE_KEPT_S = 600.0  # how long a live monitor keeps listing a peer whose heartb
 
 
 class StatusCard:
-    """What a training peer tells the monitor (module docstring). `update` runs once per inner step: it
-    adds up the step's loss and, once per window, hands the transport the new figures (`set_card`, not published
-    before the next regular heartbeat). `tokens_per_step`: tokens one inner step trains on."""
+    """What a training peer tells the monitor (module docstring), through `transport`'s heartbeat.
+    `update` after every inner step adds up its loss and, once per window, reads the transport's byte
+    counters and hands it the new figures (`set_card`, published with the next regular heartbeat).
+    `tokens_per_step`: tokens one inner step trains on."""
 
     def __init__(self, transport, name: str, tokens_per_step: int):
         self.transport, self.tokens_per_step = transport, tokens_per_step
-        self._start: tuple[float, int, int] | None = None  # (wall_s, bytes sent, bytes received) of the window
+        self._start: tuple[float, int, int] | None = None  # (time, bytes sent, bytes received) the window began at
         self._steps, self._loss = 0, 0.0  # inner steps in the window, and the sum of their losses
         addrs = [a[:ADDR_CHARS] for a in transport.multiaddrs()[:MAX_ADDRS]]
         transport.set_card(False, name=name[:NAME_CHARS], addrs=addrs)
 
-    def update(self, record: dict) -> None:
-        """`record`: the worker's metrics record of the inner step just done (its `loss`, `bytes_sent`,
-        `bytes_received`, and `wall_s`, seconds on a monotonic clock)."""
-        now, sent, received = record["wall_s"], record["bytes_sent"], record["bytes_received"]
+    def update(self, loss: float, now_s: float) -> None:
+        """After an inner step: its training loss, and the time in seconds (any monotonic clock)."""
         if self._start is None:
-            self._start = (now, sent, received)
-            self.transport.set_card(False, loss=_rounded(record["loss"]))
+            self._start = (now_s, self.transport.bytes_sent, self.transport.bytes_received)
+            self.transport.set_card(False, loss=_rounded(loss))
             return
         self._steps += 1
-        self._loss += record["loss"]
-        elapsed = now - self._start[0]
+        self._loss += loss
+        elapsed = now_s - self._start[0]
         if elapsed < WINDOW_S:
             return
+        sent, received = self.transport.bytes_sent, self.transport.bytes_received
         self.transport.set_card(False, loss=_rounded(self._loss / self._steps),
                                 tokens_per_s=_rounded(self._steps * self.tokens_per_step / elapsed),
                                 sent_per_s=_rounded((sent - self._start[1]) / elapsed),
                                 received_per_s=_rounded((received - self._start[2]) / elapsed))
-        self._start, self._steps, self._loss = (now, sent, received), 0, 0.0
+        self._start, self._steps, self._loss = (now_s, sent, received), 0, 0.0
 
 
 def _rounded(x: float) -> float:
