@@ -9,7 +9,9 @@ no connection and no DHT write of its own.
 heartbeat, no round announcement), so no member counts it, waits for it or averages with it. It reads
 the `peers` records with its own validator, which hands it every record as stored; it then checks
 each one as a member would (signed by the peer it names, sealed under the swarm key) and keeps those
-that pass. Records that do not open at all tell it that the swarm is keyed and it lacks that key.
+that pass. Records that do not open at all tell it that the swarm is keyed and it lacks that key. (A
+DHT node that serves forged records in place of a peer's can hide that peer from the monitor; members'
+nodes store no such record, and nobody can fake a peer's row.)
 """
 
 from __future__ import annotations
