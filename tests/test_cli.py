@@ -85,8 +85,7 @@ USER_ERRORS = [  # (id, arguments, what the one line says)
     ("unknown protocol", ["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
     ("island rendezvous", [*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
      "rank 1 of 2 could not join the island at tcp://127.0.0.1:1"),
-    ("netlab settings", ["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
-    ("bench link rate", ["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
+    ("netlab settings, from bench", ["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
     ("merge without its recipe", ["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
     ("bad registry", ["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
     ("bad network file", ["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),
@@ -107,6 +106,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
 @pytest.mark.parametrize("args, expected", [
     (["train", "--join", "/ip4/127.0.0.1/tcp/1"], "names no peer"),
     (["train", "--protocol", "local", "--island", "tcp://127.0.0.1:1"], "give another protocol"),
+    (["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
     (["netlab", "--hosts", "1", "--measure"], "--measure needs at least 2 hosts"),
 ])
 def test_more_user_errors_in_process(args, expected, capsys):
