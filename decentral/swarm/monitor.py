@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
-from decentral.swarm.peer import SwarmError, _DHTProcess
+from decentral.swarm.peer import SwarmError, _DHTProcess, check_multiaddrs, startup_error
 
 WINDOW_S = 3.0  # the shortest window a card's rates are measured over
 NAME_CHARS = 64
@@ -92,6 +92,7 @@ class SwarmMonitor:
 
     def __init__(self, run: str, initial_peers: Sequence[str], *, swarm_key: SwarmKey | None = None,
                  startup_timeout: float = 30.0):
+        check_multiaddrs(initial_peers)
         self.run, self.swarm_key = run, swarm_key
         self._dir = tempfile.mkdtemp(prefix="decentral-monitor-")
         identity = ensure_identity(Path(self._dir) / "identity.key")
@@ -102,9 +103,9 @@ class SwarmMonitor:
             self.dht = _DHTProcess(initial_peers=list(initial_peers), client_mode=True, start=True, await_ready=True,
                                    startup_timeout=startup_timeout, identity_path=str(identity),
                                    record_validators=[_RawRecords()], cache_locally=False, cache_nearest=0)
-        except Exception as e:  # hivemind raises several types for a bad or unreachable multiaddr
+        except Exception as e:  # hivemind raises several types for an unreachable multiaddr
             shutil.rmtree(self._dir, ignore_errors=True)
-            raise SwarmError(f"could not reach the swarm through {list(initial_peers)}: {e}") from e
+            raise SwarmError(startup_error(e, initial_peers, "127.0.0.1", 0)) from e  # a client listens nowhere
 
     def rows(self) -> list[dict]:
         """One row per peer with a heartbeat (state "alive"), or that said it left ("left"), or, in a
