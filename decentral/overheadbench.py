@@ -4,7 +4,8 @@ Trains the reference GPT (the recipes' model and train settings) on CPU in one p
 - plain: forward, backward, clip, AdamW step, zero_grad (and the recipe's LR schedule), nothing else;
 - one loop per protocol (`--protocols`): the same loop with the protocol hooked into the optimizer over
   a `SoloTransport` (no network, no threads), plus the worker's own per-step bookkeeping
-  (`decentral.worker.step_record`, then `MetricsLog.write` of that record to OUT/<protocol>/metrics.jsonl).
+  (`decentral.worker.step_record`, the swarm monitor's `StatusCard.update`, then `MetricsLog.write` of
+  the record to OUT/<protocol>/metrics.jsonl).
 Each loop has its own model (same seed) and optimizer; batches are built before timing and the same
 for all, so data loading is not measured; validation and checkpoints (every `eval_every` steps in the
 worker) are not part of a step and not measured. DDP is left out: it averages every step, so it has
@@ -19,7 +20,7 @@ against the plain loop's steps of the same block, which ran interleaved with the
 - all steps: total time ÷ the plain loop's total − 1 (plus the outer step's local arithmetic: with a
   SoloTransport nothing is sent, so that is the copies, the outer optimizer and the state digest);
 - direct: the library's own phases, timed inside each step (the protocol's optimizer hooks, less what
-  the hook calls cost the plain loop; building the record; writing it) ÷ the plain loop's median step,
+  the hook calls cost the plain loop; building the record; the card; writing) ÷ the plain loop's median step,
   over inner steps (medians) and over all steps (means; "outer step": the median of the phases on an
   outer step). Wall-time ratios on a busy machine carry its noise; these do not, but they miss
   indirect costs (caches), which the ratios would show.
@@ -49,13 +50,14 @@ from decentral.data.batches import train_batches
 from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, format_table
 from decentral.models import GPT
+from decentral.swarm.monitor import StatusCard
 from decentral.sync import PROTOCOLS, SyncProtocol
 from decentral.transport import SoloTransport
 from decentral.worker import inner_lr, step_record
 
 TARGET = 0.02  # issue #14: the library's per-inner-step overhead at most 2% of a plain loop's step
 # the phases of one step, in order; the hooks' include torch's own step wrapper, which the plain loop has too
-PHASES = ("compute", "pre_hooks", "adamw", "post_hooks", "zero_grad", "record", "write")
+PHASES = ("compute", "pre_hooks", "adamw", "post_hooks", "zero_grad", "record", "card", "write")
 DEFAULT_BLOCK = 50  # steps per overhead ratio when no protocol has an `every`
 
 
@@ -70,6 +72,7 @@ class Loop:
     optimizer: torch.optim.Optimizer
     protocol: SyncProtocol | None = None
     log: MetricsLog | None = None
+    card: StatusCard | None = None
     done: int = 0
     phases: list[list[float]] = field(default_factory=list)
     synced: list[bool] = field(default_factory=list)
@@ -102,14 +105,16 @@ class Loop:
         self.optimizer.step()  # the protocol's hooks run here
         t2 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        t3 = t4 = t5 = time.perf_counter()
+        t3 = t4 = t5 = t6 = time.perf_counter()
         if protocol is not None:
             record, _ = step_record(self.name, protocol, protocol.transport, loss, t3 - start)
             t4 = time.perf_counter()
-            self.log.write(**record)
+            self.card.update(record["loss"], record["wall_s"])
             t5 = time.perf_counter()
+            self.log.write(**record)
+            t6 = time.perf_counter()
         pre, post = self._marks
-        self.phases.append([t1 - t0, pre - t1, post - pre, t2 - post, t3 - t2, t4 - t3, t5 - t4])
+        self.phases.append([t1 - t0, pre - t1, post - pre, t2 - post, t3 - t2, t4 - t3, t5 - t4, t6 - t5])
         self.synced.append(before is not None and before != (protocol.wait_s, protocol.round))
         self.done += 1
 
@@ -123,10 +128,12 @@ def make_loop(name: str, recipe: Recipe, out: Path | None) -> Loop:
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     if out is None:
         return Loop(name, recipe, model, optimizer)
-    protocol = PROTOCOLS[recipe.protocol](model, optimizer, SoloTransport(), **recipe.protocol_args)
+    transport = SoloTransport()
+    protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
     metrics = out / name / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    return Loop(name, recipe, model, optimizer, protocol, MetricsLog(metrics))
+    return Loop(name, recipe, model, optimizer, protocol, MetricsLog(metrics),
+                StatusCard(transport, name, t.batch_size * t.context))
 
 
 def load_recipes(protocols: list[str]) -> list[Recipe]:
@@ -207,9 +214,9 @@ def summarize(loops: list[Loop], block: int) -> dict:
             per_block_inner = [float(np.median(times[s][inner[s]]) / np.median(plain_times[s]) - 1) for s in blocks]
             per_block_all = [float(times[s].sum() / plain_times[s].sum() - 1) for s in blocks]
             ours = phases[:, hooks].sum(axis=1) - plain_hooks  # the protocol's hooks, per step
-            ours += phases[:, PHASES.index("record")] + phases[:, PHASES.index("write")]
+            ours += phases[:, [PHASES.index(p) for p in ("record", "card", "write")]].sum(axis=1)
             library = dict(hooks=float(np.median(phases[inner][:, hooks].sum(axis=1))) - plain_hooks,
-                           record=entry["profile_inner_s"]["record"], write=entry["profile_inner_s"]["write"])
+                           **{p: entry["profile_inner_s"][p] for p in ("record", "card", "write")})
             entry.update(
                 overhead_inner=quartiles(per_block_inner), overhead_all=quartiles(per_block_all),
                 block_overhead_inner=per_block_inner, block_overhead_all=per_block_all,
@@ -225,14 +232,14 @@ def summarize(loops: list[Loop], block: int) -> dict:
 
 def format_results(results: dict) -> str:
     rows = [("loop", "median step", "mean step", "inner steps [IQR]", "all steps [IQR]", "hooks", "record",
-             "write", "direct inner", "direct all", "outer step", f"≤ {TARGET:.0%}")]
+             "card", "write", "direct inner", "direct all", "outer step", f"≤ {TARGET:.0%}")]
     for name, v in results["loops"].items():
         if name == "plain":
-            rows.append((name, _ms(v["median_step_s"]), _ms(v["mean_step_s"]), *["-"] * 9))
+            rows.append((name, _ms(v["median_step_s"]), _ms(v["mean_step_s"]), *["-"] * 10))
             continue
         lib = v["library_inner_s"]
         rows.append((name, _ms(v["median_inner_step_s"]), _ms(v["mean_step_s"]), _ratio(v["overhead_inner"]),
-                     _ratio(v["overhead_all"]), *(f"{lib[k] * 1e6:.0f} µs" for k in ("hooks", "record", "write")),
+                     _ratio(v["overhead_all"]), *(f"{lib[k] * 1e6:.0f} µs" for k in ("hooks", "record", "card", "write")),
                      f"{v['overhead_direct_inner']:+.3%}", f"{v['overhead_direct_all']:+.3%}",
                      "-" if v["outer_step_hooks_s"] is None else _ms(v["outer_step_hooks_s"]),
                      "yes" if v["meets_target"] else "NO"))

@@ -29,7 +29,7 @@ def test_the_suite_hooks_each_protocol_and_writes_results_and_plot(tmp_path, sma
         assert len(loop["block_overhead_inner"]) == 3 and len(loop["block_overhead_all"]) == 3
         for key in ("overhead_inner", "overhead_all"):
             assert set(loop[key]) == {"median", "q1", "q3"}
-        assert set(loop["library_inner_s"]) == {"hooks", "record", "write"} and loop["library_inner_s"]["write"] > 0
+        assert set(loop["library_inner_s"]) == {"hooks", "record", "card", "write"} and loop["library_inner_s"]["write"] > 0
         assert isinstance(loop["meets_target"], bool) and isinstance(loop["overhead_direct_inner"], float)
         records = read_metrics(out / name / "metrics.jsonl")  # the worker's own records, one per step
         assert [r["step"] for r in records] == list(range(1, 15))
