@@ -107,6 +107,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["train", "--join", "/ip4/127.0.0.1/tcp/1"], "names no peer"),
     (["train", "--protocol", "local", "--island", "tcp://127.0.0.1:1"], "give another protocol"),
     (["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
+    (["swarm", "keygen", "/nonexistent/folder/swarm.key"], "cannot write swarm key /nonexistent/folder/swarm.key"),
     (["netlab", "--hosts", "1", "--measure"], "--measure needs at least 2 hosts"),
 ])
 def test_more_user_errors_in_process(args, expected, capsys):

@@ -64,6 +64,8 @@ class SwarmKey:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             raise AdmissionError(f"{path} exists; remove it first if you mean to replace the swarm's key") from None
+        except OSError as e:  # a missing folder, no permission
+            raise AdmissionError(f"cannot write swarm key {path}: {e.strerror or e}") from None
         with os.fdopen(fd, "w") as f:
             f.write(secret.hex() + "\n")
         return cls(secret)
