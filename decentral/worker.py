@@ -33,11 +33,11 @@ from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
 from decentral.data.domains import balanced_eval_batches, load_domains
 from decentral.device import pick_device
-from decentral.experts.branch import StartPoint, load_start_point
+from decentral.experts.branch import StartPoint, load_start_point, model_differences
 from decentral.experts.registry import RegistryError
 from decentral.hierarchy import IslandError
 from decentral.metrics import MetricsLog, TensorBoardSink
-from decentral.models import GPT_SOURCE, build_model
+from decentral.models import build_model, describe_model
 from decentral.swarm import SwarmTransport
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.monitor import StatusCard
@@ -117,11 +117,12 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
 
 
 def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
-    """Load a start point's weights (and inner optimizer state, when it has one) into a fresh model."""
-    ours = dataclasses.asdict(recipe.model)
+    """Load a start point's weights (and inner optimizer state, when it has one) into a fresh model of the same
+    description (decentral.models.describe_model)."""
+    ours = describe_model(model)
     if start.model_config != ours:
-        raise RegistryError(f"--init-from {start.source}: its model {start.model_config} differs from the "
-                            f"recipe's {ours}")
+        raise RegistryError(f"--init-from {start.source}: its model differs from the recipe's ({recipe.model_source}): "
+                            f"{model_differences(start.model_config, ours)}")
     if start.step >= recipe.train.steps:
         raise RegistryError(f"--init-from {start.source} is at step {start.step}, the end of a {recipe.train.steps}-step "
                             f"schedule: give more --steps (the schedule's total, the start point's steps included)")
@@ -191,9 +192,6 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         raise DataError("give either --data (one corpus) or --domain (balanced domains), not both")
     domains = load_domains(opts.domains) if opts.domains else None
     corpus = None if domains else load_corpus(opts.data)
-    if opts.init_from and not opts.resume and recipe.model_source != GPT_SOURCE:
-        raise RegistryError(f"--init-from starts the reference GPT; model {recipe.model_source} starts from "
-                            "--model PATH, a save_pretrained folder (its checkpoints are ones)")
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
     model = build_model(recipe.model_source, recipe.model, t.context).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))

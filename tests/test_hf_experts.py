@@ -14,9 +14,10 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from decentral.checkpoint import save_checkpoint  # noqa: E402
+from decentral.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from decentral.cli import main  # noqa: E402
-from decentral.data.domains import load_domain  # noqa: E402
+from decentral.data.batches import evaluate  # noqa: E402
+from decentral.data.domains import balanced_eval_batches, load_domain, load_domains  # noqa: E402
 from decentral.experts.ensemble import Ensemble  # noqa: E402
 from decentral.experts.registry import (  # noqa: E402
     Expert, Registry, RegistryError, expert_from_json, read_expert, verify_expert, write_expert,
@@ -27,6 +28,7 @@ from decentral.models.hf import save_pretrained_layout  # noqa: E402
 from conftest import TINY_TRAIN  # noqa: E402
 from test_expert_sharing import sharing  # noqa: E402,F401  (the fixture)
 from test_experts import tiny_expert  # noqa: E402
+from test_hf import local_recipe  # noqa: E402
 
 TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
@@ -177,7 +179,7 @@ def test_a_record_naming_files_outside_its_folder_is_refused(tmp_path):
         expert_from_json(record, "record")
 
 
-def test_hf_experts_ensemble_evaluate_and_refuse_branching(tmp_path, capsys):
+def test_hf_experts_ensemble_and_evaluate(tmp_path, capsys):
     for seed, name in enumerate(("a", "b")):
         hf_expert(tmp_path, name, seed)
     experts = [read_expert(tmp_path / name).load_model() for name in ("a", "b")]
@@ -201,10 +203,6 @@ def test_hf_experts_ensemble_evaluate_and_refuse_branching(tmp_path, capsys):
     row = next(line for line in report.splitlines() if line.startswith("expert a "))
     assert float(row.split()[-1]) == pytest.approx(math.exp(nll), abs=1e-3), report
     assert any(line.startswith("ensemble ") for line in report.splitlines())
-    capsys.readouterr()  # from_pretrained's progress bars above
-    assert main(["experts", "branch", "c", "--registry", str(tmp_path), "--from", "a", "--domain", "code"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "expert 'a' is a Hugging Face model: branching one" in err and len(err.splitlines()) == 1
 
 
 def test_a_sharded_hf_expert_is_fetched_through_the_swarm_file_by_file(tmp_path, sharing):  # noqa: F811
@@ -217,3 +215,69 @@ def test_a_sharded_hf_expert_is_fetched_through_the_swarm_file_by_file(tmp_path,
     verify_expert(got)
     x = torch.randint(0, 256, (2, 16))
     assert torch.equal(from_pretrained(got.folder)(input_ids=x).logits, from_pretrained(expert.folder)(input_ids=x).logits)
+
+
+def text_domain(folder, corpus, files: int = 200) -> str:
+    """`NAME=PATH` of a domain of real text in enough files for its by-file splits: `corpus` cut into pieces."""
+    text = b"".join(p.read_bytes() for p in sorted(corpus.iterdir()))
+    folder.mkdir()
+    size = len(text) // files
+    for i in range(files):
+        (folder / f"{i}.txt").write_bytes(text[i * size:(i + 1) * size])
+    return f"text={folder}"
+
+
+def metrics(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_hf_seed_branches_with_its_weights_adamw_state_and_schedule(tmp_path, small_corpus, llama_config, capsys):
+    """`experts branch` from a Hugging Face seed (a real `decentral train --model hf:CONFIG.json` run) goes on at
+    the seed's step with its weights and AdamW state; `train --init-from` its checkpoint starts from the same
+    model; several parents start from their posterior-weighted average; a run of another config is one line and
+    exit code 2."""
+    domain = text_domain(tmp_path / "text", small_corpus)
+    train = ["train", "--protocol", local_recipe(tmp_path / "r.yaml", "gpt"), "--domain", domain, "--steps", "40"]
+    assert main([*train, "--model", f"hf:{llama_config}", "--stop-at", "20", "--out", str(tmp_path / "seed")]) == 0
+    registry = ["--registry", str(tmp_path / "reg")]
+    assert main(["experts", "add", str(tmp_path / "seed" / "checkpoint"), "--name", "seed", "--with-optimizer",
+                 *registry]) == 0
+    seed_val = metrics(tmp_path / "seed")[-1]["val_loss"]
+
+    assert main(["experts", "branch", "text", "--from", "seed", "--domain", domain, *registry,
+                 "--out", str(tmp_path / "text-run")]) == 0
+    records = metrics(tmp_path / "text-run")
+    assert records[0]["step"] == 20 and records[0]["val_loss"] == seed_val  # the seed's model, validated again
+    assert [r["step"] for r in records if "loss" in r] == list(range(21, 41))  # the schedule went on
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert vals[-1] < vals[0], vals
+    tensors, meta = load_checkpoint(tmp_path / "text-run" / "checkpoint")
+    assert int(tensors["inner.0.step"]) == 40  # AdamW's 20 steps of the seed and 20 of the branch
+    seed, text = Registry(tmp_path / "reg").get("seed"), Registry(tmp_path / "reg").get("text")
+    assert text.is_hf and (text.parent, text.start_step, text.steps) == (seed.sha256, 20, 40)
+
+    # the seed's checkpoint is the same start point as its expert, hash included
+    assert main([*train, "--model", f"hf:{llama_config}", "--init-from", str(tmp_path / "seed" / "checkpoint"),
+                 "--stop-at", "21", "--out", str(tmp_path / "again")]) == 0
+    assert metrics(tmp_path / "again")[0]["val_loss"] == seed_val
+    assert load_checkpoint(tmp_path / "again" / "checkpoint")[1]["lineage"]["parent"] == seed.sha256
+
+    # two parents: their average weighted by the domain's posterior, at the step they branched at, AdamW fresh
+    assert main(["experts", "branch", "avg", "--from", "seed", "--from", "text", "--domain", domain, *registry,
+                 "--stop-at", "1", "--out", str(tmp_path / "avg")]) == 0
+    start = read_expert(tmp_path / "avg" / "init")
+    assert start.is_hf and start.merge["method"] == "posterior" and start.steps == 0
+    val = balanced_eval_batches(load_domains([domain]), "dev", batch_size=TINY_TRAIN["batch_size"],
+                                context=TINY_TRAIN["context"], num_batches=TINY_TRAIN["eval_batches"])
+    assert metrics(tmp_path / "avg")[0]["val_loss"] == pytest.approx(evaluate(start.load_model(), val), rel=1e-6)
+    tensors, meta = load_checkpoint(tmp_path / "avg" / "checkpoint")
+    assert int(tensors["inner.0.step"]) == 1 and meta["lineage"]["parent"] == start.sha256
+
+    wider = tmp_path / "wider"
+    transformers.LlamaConfig(**{**TINY_LLAMA, "hidden_size": 48}).save_pretrained(wider)
+    capsys.readouterr()
+    assert main([*train, "--model", f"hf:{wider / 'config.json'}", "--init-from", str(seed.folder),
+                 "--out", str(tmp_path / "wide")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"expert 'seed' at {seed.folder}" in err and f"hf:{wider / 'config.json'}" in err, err
+    assert "hidden_size 32 there, 48 here" in err and len(err.splitlines()) == 1, err

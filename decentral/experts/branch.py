@@ -5,7 +5,10 @@ with the seed's inner optimizer state and learning-rate schedule continued, so `
 --init-from` takes the weights, the inner optimizer state (when the start point has one) and the
 inner step from either
 - a `decentral train` checkpoint folder (`tensors.safetensors` + `meta.json`), or
-- an expert folder (`model.safetensors` + `expert.json`, optionally `optimizer.safetensors`).
+- an expert folder (`model.safetensors` + `expert.json`, optionally `optimizer.safetensors`),
+of the reference GPT or of a Hugging Face model (whose weights are a save_pretrained layout in either
+folder, read through `from_pretrained` under the names decentral.models.hf.HFCausalLM gives them). The
+run's model must be the start point's: the same GPT config, or the same transformers config.
 A new expert may also branch from a weighted average of existing experts (§3.1; `decentral experts
 branch` with several parents, `averaged_start`): θ = Σ_j π_j θ_j with π the new domain's prior over the
 parents on its dev split. The average is an expert folder without optimizer state (AdamW restarts), at
@@ -23,55 +26,77 @@ from safetensors.torch import load_file
 
 from decentral.checkpoint import CheckpointError, load_checkpoint, optimizer_state_dict
 from decentral.experts.registry import (
-    META_FILE, Expert, RegistryError, model_sha256, read_expert, verify_expert, write_meta,
+    META_FILE, Expert, RegistryError, checkpoint_layout, file_sha256, layout_digest, model_sha256, read_expert,
+    verify_expert, write_meta,
 )
+from decentral.models import GPT_SOURCE, HF_SOURCE, ModelError, gpt_description
 
 
 @dataclass
 class StartPoint:
-    model: dict[str, torch.Tensor]
+    model: dict[str, torch.Tensor]  # a state dict with the names of the run's model (a Hugging Face model's `lm.*`)
     optimizer: dict[str, Any] | None  # a torch optimizer state_dict; None: the inner optimizer starts fresh
     step: int  # the inner step training continues from (the LR schedule's position)
-    parent: str  # sha256 of the model's canonical safetensors bytes (decentral.experts.registry)
+    parent: str  # the start model's hash: the sha256 an expert folder of it records (decentral.experts.registry)
     tokens: int  # tokens the start model has seen
-    model_config: dict[str, Any]
+    model_config: dict[str, Any]  # what the model is (decentral.models.describe_model): the run's must be the same
     source: str
 
 
 def load_start_point(path: str | Path) -> StartPoint:
-    """Read a checkpoint folder or an expert folder (its hashes checked); RegistryError when it is neither
-    or is corrupt."""
+    """Read a checkpoint folder or an expert folder (its hashes checked), of the reference GPT or a Hugging Face
+    model; RegistryError when it is neither or is corrupt."""
     path = Path(path)
     if (path / META_FILE).is_file():
         expert = read_expert(path)
-        check_branchable(expert)
         verify_expert(expert)
         optimizer = None
         if expert.optimizer_file is not None:
             optimizer = optimizer_state_dict(load_file(expert.optimizer_file), expert.optimizer["param_groups"])
-        return StartPoint(load_file(expert.model_file), optimizer, expert.steps, expert.sha256, expert.tokens,
-                          expert.model, f"expert {expert.name!r} at {path}")
+        model, config = (_hf_model(path) if expert.is_hf else
+                         (load_file(expert.model_file), gpt_description(expert.model)))
+        return StartPoint(model, optimizer, expert.steps, expert.sha256, expert.tokens, config,
+                          f"expert {expert.name!r} at {path}")
     try:
-        tensors, meta = load_checkpoint(path)
+        tensors, meta = load_checkpoint(path)  # checks every file's sha256, a Hugging Face layout's included
     except CheckpointError as e:
         raise RegistryError(f"--init-from {path}: neither an expert folder nor a usable checkpoint ({e})") from None
-    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    recipe_model = meta.get("recipe", {}).get("model", {})
+    if recipe_model.get("source", GPT_SOURCE) != GPT_SOURCE:  # the model is a save_pretrained layout beside the state
+        model, config = _hf_model(path)
+        parent = layout_digest({p.name: {"sha256": file_sha256(p)} for p in checkpoint_layout(path)})
+    else:
+        model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        config, parent = gpt_description(recipe_model), model_sha256(model)
     if not model or "recipe" not in meta:
         raise RegistryError(f"--init-from {path}: not a `decentral train` checkpoint (no model tensors or recipe)")
     optimizer = None
     if "inner_optimizer" in meta:
         optimizer = optimizer_state_dict({k: v for k, v in tensors.items() if k.startswith("inner.")},
-                                     meta["inner_optimizer"]["param_groups"])
-    return StartPoint(model, optimizer, int(meta["sync"]["step"]), model_sha256(model),
-                      int(meta.get("lineage", {}).get("tokens", 0)), meta["recipe"]["model"], f"checkpoint {path}")
+                                         meta["inner_optimizer"]["param_groups"])
+    return StartPoint(model, optimizer, int(meta["sync"]["step"]), parent,
+                      int(meta.get("lineage", {}).get("tokens", 0)), config, f"checkpoint {path}")
 
 
-def check_branchable(expert: Expert) -> None:
-    """RegistryError for a Hugging Face expert: training starts from one with its weights alone (--model FOLDER);
-    branching with its AdamW state and schedule works for the reference GPT only."""
-    if expert.is_hf:
-        raise RegistryError(f"expert {expert.name!r} is a Hugging Face model: branching one (its AdamW state and "
-                            f"schedule) is not supported yet; train from its weights with --model {expert.folder}")
+def _hf_model(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict, description) of the Hugging Face model saved in `folder` (save_pretrained's layout), as the
+    run's HFCausalLM names and describes it."""
+    from decentral.models.hf import HFCausalLM, read_pretrained_layout
+
+    try:
+        model = HFCausalLM(read_pretrained_layout(folder))
+    except ModelError as e:
+        raise RegistryError(f"--init-from {folder}: {e}") from None
+    return model.state_dict(), model.describe()
+
+
+def model_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    """What differs between a start point's model description and the run's, in one line."""
+    kinds = {GPT_SOURCE: "the reference GPT", HF_SOURCE: "a Hugging Face model"}
+    if theirs["source"] != ours["source"]:
+        return f"{kinds[theirs['source']]} there, {kinds[ours['source']]} here"
+    keys = sorted(k for k in {*theirs, *ours} if theirs.get(k) != ours.get(k))
+    return "; ".join(f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in keys)
 
 
 def averaged_start(parents: list[Expert], domain: str, folder: Path) -> Expert:

@@ -22,7 +22,8 @@ from pathlib import Path
 from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, example, serve_until_stopped, train_worker
 from decentral.config import parse_recipe
 from decentral.metrics import format_table
-from decentral.experts.registry import Registry, RegistryError
+from decentral.experts.registry import CONFIG_FILE, Registry, RegistryError
+from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, absolute_source
 
 DEFAULT_REGISTRY = "runs/btm/experts"
 MERGE_HELP = """Merge experts as a recipe (merges/*.yaml) says: linear, posterior, task_arithmetic, ties, dare,
@@ -65,24 +66,21 @@ def cmd_seed(args) -> int:
 
 
 def cmd_branch(args) -> int:
-    from decentral.experts.branch import check_branchable
-
     registry = Registry(args.registry)
     parents = [registry.get(name) for name in args.parent]
-    for parent in parents:
-        check_branchable(parent)
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
     recipe = _recipe(args)
     first = parents[0]
-    if first.recipe:  # the model and the schedule follow the parent; protocol and swarm come from --protocol
+    if first.recipe:  # the schedule follows the parent; protocol and swarm come from --protocol
         inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")
-        recipe.model = inherited.model
         recipe.train = dataclasses.replace(inherited.train, steps=args.steps or inherited.train.steps,
                                            batch_size=args.batch_size or inherited.train.batch_size,
                                            device=args.device or inherited.train.device)
+    if first.is_hf:  # the model is the parent's: a Hugging Face one is built from the config.json in its folder
+        recipe.model_source = absolute_source(f"{HF_CONFIG_PREFIX}{first.folder / CONFIG_FILE}")
     else:
-        recipe.model = first.config()
+        recipe.model, recipe.model_source = first.config(), GPT_SOURCE
     args.out = args.out or f"runs/btm/{args.expert}"
     if len(parents) == 1:
         start = first.folder

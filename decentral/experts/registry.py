@@ -45,7 +45,7 @@ from torch import nn
 
 from decentral.checkpoint import TENSORS_FILE, CheckpointError, load_checkpoint
 from decentral.checkpoint import META_FILE as CHECKPOINT_META_FILE
-from decentral.models import GPT, GPT_SOURCE, GPTConfig, ModelError
+from decentral.models import GPT, GPT_SOURCE, HF_SOURCE, GPTConfig, ModelError
 
 FORMAT = 1
 MODEL_FILE = "model.safetensors"
@@ -53,7 +53,6 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 META_FILE = "expert.json"
 CONFIG_FILE = "config.json"  # of a Hugging Face model
 INDEX_FILE = "model.safetensors.index.json"  # of a Hugging Face model saved in shards
-HF_SOURCE = "hf"  # the `model` of a Hugging Face expert: {"source": "hf"}
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a file of a layout: no folders
 
@@ -337,6 +336,11 @@ def _copy_files(files: list[Path]):
     return write
 
 
+def checkpoint_layout(checkpoint: Path) -> list[Path]:
+    """The files of a Hugging Face model's save_pretrained layout in a `decentral train` checkpoint."""
+    return sorted(p for p in checkpoint.iterdir() if p.is_file() and p.name not in (TENSORS_FILE, CHECKPOINT_META_FILE))
+
+
 def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: str, domain: str | None,
                            with_optimizer: bool = False) -> Expert:
     """Write the model of a `decentral train` checkpoint as an expert folder, with its lineage (and its
@@ -352,9 +356,7 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
     if not (state or hf) or "recipe" not in meta:
         raise RegistryError(f"{checkpoint} is not a `decentral train` checkpoint (no model tensors or recipe)")
     if hf:
-        files = sorted(p for p in checkpoint.iterdir() if p.is_file() and p.name not in (TENSORS_FILE,
-                                                                                       CHECKPOINT_META_FILE))
-        write_model = _copy_files(files)
+        write_model = _copy_files(checkpoint_layout(checkpoint))
     else:
         data = model_bytes(state)
         write_model = lambda path: path.write_bytes(data)  # noqa: E731

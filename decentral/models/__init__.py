@@ -8,17 +8,20 @@ Importing this package does not import `transformers`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from decentral.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "GPT_SOURCE", "HF_CONFIG_PREFIX", "ModelError", "absolute_source", "build_model",
-           "check_source"]
+__all__ = ["GPT", "GPTConfig", "GPT_SOURCE", "HF_CONFIG_PREFIX", "HF_SOURCE", "ModelError", "absolute_source",
+           "build_model", "check_source", "describe_model", "gpt_description"]
 
 GPT_SOURCE = "gpt"
 HF_CONFIG_PREFIX = "hf:"
+HF_SOURCE = "hf"  # a Hugging Face model in descriptions and expert.json's `model`
 
 
 class ModelError(ValueError):
@@ -50,3 +53,15 @@ def build_model(source: str, gpt: GPTConfig, context: int) -> nn.Module:
     from decentral.models.hf import load_causal_lm
 
     return load_causal_lm(source, context)
+
+
+def gpt_description(config: dict[str, Any]) -> dict[str, Any]:
+    """The description (`describe_model`) of a reference GPT of `config` (GPTConfig's fields)."""
+    return {"source": GPT_SOURCE, **config}
+
+
+def describe_model(model: nn.Module) -> dict[str, Any]:
+    """What a model is, to compare with the model weights were trained in: `{"source": "gpt", GPTConfig's
+    fields}`, or for a Hugging Face model `{"source": "hf", its transformers config's fields}` (HFCausalLM.describe)."""
+    describe = getattr(model, "describe", None)
+    return describe() if describe else gpt_description(dataclasses.asdict(model.config))

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from decentral.data.tokenizer import ByteTokenizer
-from decentral.models import HF_CONFIG_PREFIX, ModelError
+from decentral.models import HF_CONFIG_PREFIX, HF_SOURCE, ModelError
 from decentral.models.gpt import next_token_loss
 
 CONFIG_FILE = "config.json"
+# config keys that say how or where a model was saved or read, not what it is
+NOT_DESCRIBED = ("transformers_version", "dtype", "torch_dtype", "architectures", "_name_or_path")
 
 
 def _transformers():
@@ -67,6 +70,11 @@ class HFCausalLM(nn.Module):
     def num_parameters(self) -> int:
         """Total number of parameters (tied ones once)."""
         return sum(p.numel() for p in self.parameters())
+
+    def describe(self) -> dict[str, Any]:
+        """`{"source": "hf", the config's fields but NOT_DESCRIBED}`: the same for the same model, whether it was
+        built from a config file or read from a save_pretrained folder."""
+        return {"source": HF_SOURCE, **{k: v for k, v in self.lm.config.to_dict().items() if k not in NOT_DESCRIBED}}
 
     def write_files(self, folder: Path) -> None:
         """Write the model into `folder` in save_pretrained's layout (what a checkpoint holds of it)."""
