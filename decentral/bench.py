@@ -31,7 +31,7 @@ import yaml
 
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.metrics import format_table, human_bytes, read_metrics
-from decentral.models import GPT
+from decentral.models import build_model
 from decentral.netlab import Host, NetLab
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
@@ -342,9 +342,10 @@ def run_bench(args: argparse.Namespace) -> int:
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
     tokens_per_step = base.train.batch_size * base.train.context
+    parameters = build_model(base.model_source, base.model, base.train.context).num_parameters()
     results = {
         "config": {"hosts": args.hosts, "bandwidth": bandwidth, "steps": args.steps, "methods": methods,
-                   "parameters": GPT(base.model).num_parameters(), "tokens_per_step": tokens_per_step,
+                   "parameters": parameters, "tokens_per_step": tokens_per_step,
                    "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}, "
                    f"{os.cpu_count()} cores", "python": platform.python_version()},
         "methods": {},

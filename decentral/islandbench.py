@@ -270,9 +270,9 @@ def compare_sync(points: list[dict]) -> None:
 def run_part_b(args: argparse.Namespace, out: Path, bandwidth: str | None) -> dict:
     base = load_recipe(Path(args.recipes) / "diloco.yaml")
     if args.numel is None:
-        from decentral.models import GPT
+        from decentral.models import build_model
 
-        numel = GPT(base.model).num_parameters()
+        numel = build_model(base.model_source, base.model, base.train.context).num_parameters()
     else:
         numel = args.numel
     ks = [int(k) for k in args.ks.split(",") if k.strip()]

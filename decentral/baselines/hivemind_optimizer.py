@@ -1,8 +1,9 @@
 """Baseline worker: `decentral train`'s training, synchronised by `hivemind.Optimizer` instead of our protocols.
 
-Everything but the synchronisation is the reference worker's (`decentral.worker`): the GPT of the recipe's
-`model` section, the same corpus, shard and batch seed per `--worker-index`, AdamW with the same
-hyper-parameters, the same per-step `inner_lr` schedule, gradient clipping and evaluation batches.
+Everything but the synchronisation is the reference worker's (`decentral.worker`): the recipe's model (the
+reference GPT or a Hugging Face model: decentral.models.build_model), the same corpus, shard and batch seed per
+`--worker-index`, AdamW with the same hyper-parameters, the same per-step `inner_lr` schedule, gradient clipping
+and evaluation batches.
 
 hivemind.Optimizer runs in its local-updates mode, its closest match to DiLoCo: each peer takes AdamW steps on
 its own gradients, and whenever the swarm has processed `batch_size * num_workers * every` samples (hivemind's
@@ -11,7 +12,7 @@ Unlike DiLoCo there is no outer optimizer: the average simply replaces the param
 lr 1 and no momentum). `make_optimizer` documents every setting.
 
 Writes `OUT/metrics.jsonl` with the reference worker's fields (see `train`) and `OUT/checkpoint` at the end.
-Exit status: 0 done, 1 failure (message on stderr), 2 bad recipe, 3 diverged, 130 interrupted.
+Exit status: 0 done, 1 failure (message on stderr), 2 bad recipe or model, 3 diverged, 130 interrupted.
 
     python -m decentral.baselines.hivemind_optimizer --protocol protocols/diloco.yaml --out runs/hm/w0 \\
         --name w0 --worker-index 0 --num-workers 4 [--join MADDR ...] [--maddr-file F] [--min-peers 4]
@@ -48,7 +49,7 @@ from decentral.data.batches import Batch, eval_batches, evaluate, train_batches
 from decentral.data.corpus import load_corpus
 from decentral.device import pick_device
 from decentral.metrics import MetricsLog
-from decentral.models import GPT
+from decentral.models import ModelError, build_model
 from decentral.worker import inner_lr
 
 DEFAULT_EVERY = 50  # local steps between averaging rounds when neither --every nor the recipe says
@@ -368,7 +369,7 @@ def run(recipe: Recipe, opts: BaselineOptions) -> dict[str, Any]:
     opts.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(opts.data)
     device = pick_device(t.device, opts.worker_index)
-    model = GPT(recipe.model).to(device)
+    model = build_model(recipe.model_source, recipe.model, t.context).to(device)
     batches = train_batches(corpus.train, batch_size=t.batch_size, context=t.context,
                             worker=opts.worker_index % opts.num_workers, num_workers=opts.num_workers,
                             seed=t.seed + opts.worker_index, device=device)
@@ -439,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"[{args.name}] interrupted", file=sys.stderr, flush=True)
         return 130
+    except ModelError as e:
+        print(f"hivemind baseline: {e}", file=sys.stderr, flush=True)
+        return 2
     except Exception as e:  # any failure, hivemind's included: one clear line and a non-zero status
         print(f"[{args.name}] hivemind baseline failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
