@@ -148,7 +148,7 @@ def cmd_swarm_start(args) -> int:
     keyed = f" --swarm-key {key_path}" if key_path else ""
     print(f"swarm {args.run!r} is up. Peers join with:")
     for maddr in peer.multiaddrs():
-        print(f"  decentral train --join {maddr} --run {args.run}{keyed} --protocol protocols/noloco.yaml")
+        print(f"  decentral train --join {maddr} --run {args.run}{keyed} --protocol noloco")
     serve_until_stopped()
     peer.shutdown()
     return 0
@@ -284,7 +284,7 @@ def described(text: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decentral", description=__doc__, **example(
-        "decentral demo", "decentral train --protocol noloco --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...",
+        "decentral demo", "decentral train --protocol noloco --join /ip4/203.0.113.5/tcp/31337/p2p/Qm...",
         before=EXIT_CODES))
     parser.add_argument("-v", "--verbose", action="store_true", help="log swarm internals")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="watch a running swarm: each peer's step, round, loss, tokens/s, "
                             "bytes/s and last heartbeat, without joining it as a member", **example(
-                                "decentral status --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --swarm-key "
+                                "decentral status --join /ip4/203.0.113.5/tcp/31337/p2p/Qm... --swarm-key "
                                 "swarm.key --once"))
     status.add_argument("--join", action="append", required=True, metavar="MADDR", help="multiaddr of any member")
     status.add_argument("--run", default="decentral", help="the run's name (default: decentral, the recipes')")
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                            **example("# the first member prints the --join address of the others",
                                      "decentral train --protocol noloco --swarm-key swarm.key --host 0.0.0.0 --port 31337",
                                      "decentral train --protocol noloco --swarm-key swarm.key --join "
-                                     "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... --data mytexts/"))
+                                     "/ip4/203.0.113.5/tcp/31337/p2p/Qm... --data mytexts/"))
     train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
     train.add_argument("--out", default="runs/train")
     train.add_argument("--init-from", metavar="DIR", help="start from this checkpoint or expert folder: its weights, "

@@ -226,7 +226,12 @@ def recipe_path(name_or_file: str) -> Path:
     """A `--protocol` argument as a file: a .yaml/.yml path as given, else the shipped recipe of that name
     (RecipeError if there is none)."""
     if name_or_file.endswith((".yaml", ".yml")):
-        return Path(name_or_file)
+        path = Path(name_or_file)
+        if not path.is_file() and path.parent.name == "protocols" and default_recipe_path(path.stem).is_file():
+            # protocols/noloco.yaml typed outside the repository: the shipped recipe is there by name
+            raise RecipeError(f"recipe {path} does not exist (relative to {Path.cwd()}); "
+                              f"the shipped one is --protocol {path.stem}")
+        return path
     path = default_recipe_path(name_or_file)
     if not path.is_file():
         shipped = sorted(p.stem for p in path.parent.glob("*.yaml") if p.stem in PROTOCOLS)

@@ -138,3 +138,12 @@ def test_a_status_card_reports_window_means_and_rates_and_never_publishes_by_its
     assert t.card["loss"] == 3.5 and t.card["tokens_per_s"] == 6 * 256 / WINDOW_S
     assert t.card["sent_per_s"] == 6000 / WINDOW_S and t.card["received_per_s"] == 3000 / WINDOW_S
     assert t.published == 0  # the next regular heartbeat carries the card
+
+
+def test_a_swarm_with_no_peer_publishing_yet_is_a_table_of_headers():
+    """`decentral status` joined through `decentral swarm start` before any trainer: no row, no crash."""
+    from decentral.swarm.monitor import format_table
+
+    lines = format_table("decentral", []).splitlines()
+    assert lines[0].startswith("run 'decentral': 0 peers alive") and lines[1].split()[0] == "PEER"
+    assert len(lines) == 2

@@ -290,13 +290,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _registry_argument(add)
 
     lister = command("list", "list the experts of the registry, or with --join those a swarm publishes",
-                     "decentral experts list --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...", cmd_list)
+                     "decentral experts list --join /ip4/203.0.113.5/tcp/31337/p2p/Qm...", cmd_list)
     publish = command("publish", "publish experts of the registry to a swarm and serve them until Ctrl-C",
                       "decentral experts publish code legal --host 0.0.0.0 --announce-host 203.0.113.5 --port 31337",
                       cmd_publish)
     publish.add_argument("names", nargs="*", help="experts to publish (default: all)")
     fetch = command("fetch", "download experts a swarm publishes into the registry, checked against their sha256",
-                    "decentral experts fetch code legal --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...", cmd_fetch)
+                    "decentral experts fetch code legal --join /ip4/203.0.113.5/tcp/31337/p2p/Qm...", cmd_fetch)
     fetch.add_argument("names", nargs="+")
     fetch.add_argument("--sha256", help="which version, when publishers disagree (a prefix is enough)")
     fetch.add_argument("--no-optimizer", action="store_true", help="skip the inner optimizer state")

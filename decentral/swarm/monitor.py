@@ -184,7 +184,7 @@ def format_table(run: str, rows: list[dict]) -> str:
               num(r["loss"], ".3f"), num(r["tokens_per_s"], ",.0f"), _bytes(r["sent_per_s"]),
               _bytes(r["received_per_s"]), "-" if r["last_seen_s"] is None else f"{r['last_seen_s']:.0f}s ago",
               r["addrs"][0] if r["addrs"] else "-"] for r in rows]
-    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(COLUMNS)]
+    widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(COLUMNS)]  # no rows: the headers
     alive = sum(r["state"] == "alive" for r in rows)
     out = [f"run {run!r}: {alive} peer{'s' * (alive != 1)} alive, {time.strftime('%H:%M:%S')}",
            "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
