@@ -56,6 +56,11 @@ class MergeRecipe:
 
 def load_merge_recipe(path: str | Path, registry: str | Path | None = None) -> MergeRecipe:
     """Read and check a recipe file; `registry` (the CLI's --registry) overrides the recipe's."""
+    path = Path(path)
+    shipped = Path(__file__).resolve().parent.parent.parent / "merges" / path.name
+    if not path.is_file() and path.parent.name == "merges" and shipped.is_file():
+        # merges/ties.yaml typed outside the repository: say where the shipped one is
+        raise MergeError(f"merge recipe {path} does not exist (relative to {Path.cwd()}); the shipped one is {shipped}")
     return parse_merge_recipe(read_yaml(path, "merge recipe", MergeError), str(path), registry=registry)
 
 
