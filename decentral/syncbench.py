@@ -28,7 +28,8 @@ METHODS = ("diloco", "noloco")
 
 def peer_main(argv: list[str]) -> int:
     """One peer: join, wait for everyone, time `rounds` syncs; write their durations as JSON."""
-    from decentral.swarm import SwarmTransport, group_of, round_groups
+    from decentral.swarm import SwarmTransport
+    from decentral.sync.pairing import group_of, round_groups
 
     p = argparse.ArgumentParser()
     p.add_argument("--method", choices=METHODS, required=True)
@@ -143,11 +144,19 @@ def _plot(results: dict, out_png: Path) -> None:
     fig.savefig(out_png)
 
 
+def _rounds(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}: at least 2 (the first sync warms up and is not counted)")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", default="2,4,8", help="comma-separated host counts")
     parser.add_argument("--bandwidth", default="20mbit")
     parser.add_argument("--numel", type=int, default=1_000_000, help="model size (floats) being synced")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=_rounds, default=4, help="syncs per point, at least 2: the first warms "
+                        "up and is not counted")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--out", default="runs/syncbench")
 

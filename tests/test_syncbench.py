@@ -1,0 +1,21 @@
+"""`decentral syncbench`: its peer's imports resolve (they broke once when pairing moved to decentral.sync)
+and a point needs a counted round besides the warm-up one."""
+
+import subprocess
+import sys
+
+import pytest
+
+from decentral.syncbench import peer_main
+
+
+def test_a_syncbench_peer_imports_what_it_uses():
+    with pytest.raises(SystemExit) as done:
+        peer_main(["--help"])  # the imports run before argparse answers --help
+    assert done.value.code == 0
+
+
+def test_one_round_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "decentral", "syncbench", "--rounds", "1"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "at least 2" in proc.stderr
