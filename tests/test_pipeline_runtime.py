@@ -243,9 +243,10 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
 
 
 def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus):
-    """The lead of a 2-stage run is killed after its checkpoint at iteration 4; `pipeline train --resume`
-    goes on from there with every node's weights and AdamW state: its iterations 5.. have the losses
-    the killed run logged for them (the same microbatches on the same state), and it ends at --steps."""
+    """The lead of a 2-stage run (its only head) is killed after its checkpoint at iteration 4: no head
+    can take over, so the other node says so in one line and exits 2. `pipeline train --resume` goes on
+    from there with every node's weights and AdamW state: its iterations 5.. have the losses the killed
+    run logged for them (the same microbatches on the same state), and it ends at --steps."""
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, train={"eval_every": 4})))
     recipe = load_pipeline_recipe(recipe_path)
@@ -260,6 +261,8 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
             assert time.monotonic() < deadline and run.procs[run.lead].poll() is None, run.log(run.lead)
             time.sleep(0.01)  # polling the lead's metrics
         run.kill(run.lead)
+        assert run.wait(60) == -9 and run.procs["a"].returncode == 2, run.log("a")
+        assert run.log("a").count("no head is left to take over") == 1
     killed = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert 6 <= len(killed) < 8, len(killed)  # it died between the checkpoints of iterations 4 and 8
     done = subprocess.run([sys.executable, "-m", "decentral.cli", "pipeline", "train", "--recipe", str(recipe_path),

@@ -31,8 +31,9 @@ with its stage; the first head leads. With --netlab, every node runs in its own 
 behind an uplink capped at that rate, with --latency-ms added to every message. Afterwards the
 model is put together from the nodes' checkpoints and evaluated whole and with --drop of its
 stages dropped (stage 0 kept). Writes OUT/<node>/ (stage checkpoints, logs), OUT/<lead>/metrics.jsonl
-(one record per iteration: loss, measured and simulated makespan), OUT/eval.json. Nodes checkpoint
-every train.eval_every iterations; --resume goes on from there (after a stop, or the lead's death).
+(one record per iteration: loss, measured and simulated makespan), OUT/eval.json. When the lead dies,
+another head takes over; nodes checkpoint every train.eval_every iterations, and --resume goes on
+from there (after a stop, or the death of a run's only head).
 
 example:
   decentral pipeline train --recipe protocols/skippipe.yaml --steps 300 --out runs/skippipe
@@ -118,7 +119,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "recipe's swarm.key_file, else an open swarm)")
     n.add_argument("--maddr-file", help="write our DHT multiaddrs here once up")
     n.add_argument("--lead", action="store_true", help="also coordinate the run (a stage-0 node)")
-    n.add_argument("--steps", type=int, help="iterations, for the lead (default: the recipe's train.steps)")
+    n.add_argument("--steps", type=int, help="iterations, for the lead and any head that may take over from it "
+                   "(default: the recipe's train.steps)")
     n.add_argument("--data", action="append", metavar="PATH",
                    help="training text, for heads (default: Python's stdlib)")
     n.add_argument("--wait", type=float, default=300.0, help="seconds the lead waits for the network's nodes")

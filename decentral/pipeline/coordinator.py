@@ -20,6 +20,14 @@ Each iteration:
    the network takes those times as its nodes' compute and the next iteration is re-planned: a
    network file's guesses (or a calibration on an idle machine) give way to what the nodes do.
 
+**Terms.** When the lead dies, another head takes over (decentral.pipeline.serve) with a Coordinator of
+the next `term`: `take_over` claims the term on every live node (they refuse the old one's commands
+from then on, decentral.pipeline.node), finishes the step the dead lead left half-sent (the nodes that
+had not stepped it step on the same microbatches: an iteration is stepped everywhere or nowhere) and
+says which iteration comes next; the one in flight runs again from its start, its microbatches
+numbered from `first_attempt(term)`. A coordinator whose command a node refuses for a newer term
+raises `Deposed`.
+
 Every iteration writes a record: loss (mean over the finished microbatches), the measured makespan
 (first `begin` received at a head to the last backward end, on the heads' clocks: one machine, or
 clocks in sync), the simulated one for the same paths (`predicted_ms`), wall time, and what was lost
@@ -49,6 +57,25 @@ from decentral.pipeline.simulator import Deadlock, simulate
 
 log = logging.getLogger(__name__)
 
+ATTEMPTS_PER_TERM = 1 << 20  # attempts of a microbatch one lead may make
+
+
+def first_attempt(term: int) -> int:
+    """The first attempt number of the microbatches of a lead of `term`."""
+    return term * ATTEMPTS_PER_TERM
+
+
+class Deposed(PipelineError):
+    """A node follows a newer lead."""
+
+
+def ping(links: Links, address: str) -> dict | None:
+    """The ping reply of the node at `address` ({} for a refusal, which is an answer); None when it is gone."""
+    try:
+        return decode_reply(links.probe(address, command_of("ping"), links.timeout_s))[2]
+    except Exception as e:
+        return None if is_gone(e) else {}
+
 
 @dataclass
 class _Microbatch:
@@ -68,15 +95,17 @@ class _Microbatch:
 class Coordinator:
     """Runs iterations (module docstring) for the nodes of `network` that `servers()` says are up.
 
-    `links` carries the commands; `address` is the lead node's own (nodes send reports there).
+    `links` carries the commands; `address` is the lead node's own (nodes send reports there); `term`:
+    the lead's (module docstring).
     `on_event(record)`, when given, sees every begin, death, re-launch and finished microbatch.
     """
 
     def __init__(self, network: Network, servers: Callable[[], dict[str, Server]], links: Links, address: str, *,
                  seed: int = 0, effort: float = 0.3, routing: str = "planned", probe_s: float = 1.0,
-                 stall_s: float = 600.0, step_timeout_s: float = 600.0, calibrate_at: int = 0,
+                 stall_s: float = 600.0, step_timeout_s: float = 600.0, calibrate_at: int = 0, term: int = 0,
                  on_event: Callable[[dict], None] | None = None):
         self.network, self.servers, self.links, self.address = network, servers, links, address
+        self.term = term
         self.seed, self.effort, self.routing = seed, effort, routing
         self.probe_s, self.stall_s, self.step_timeout_s = probe_s, stall_s, step_timeout_s
         self.calibrate_at = calibrate_at
@@ -139,7 +168,8 @@ class Coordinator:
         network = self._network_of(self._live)
         replanned = self._plan_for(network, iteration)
         self._current = network
-        state = {m: _Microbatch(self._route(path, iteration, m, 0)) for m, path in enumerate(self.plan.paths)}
+        base = first_attempt(self.term)
+        state = {m: _Microbatch(self._route(path, iteration, m, base), base) for m, path in enumerate(self.plan.paths)}
         predicted = self._simulated_ms(network, [s.route for s in state.values()])
         lost: list[str] = []
         self.on_event({"event": "begin", "iteration": iteration, "routes": [list(s.route) for s in state.values()],
@@ -147,17 +177,19 @@ class Coordinator:
         directory = {name: self._live[name].address for name in self.plan.nodes}
         launches: dict[str, list] = {}
         for m, s in state.items():
-            launches.setdefault(s.route[0], []).append([m, 0, list(s.route)])
+            launches.setdefault(s.route[0], []).append([m, s.attempt, list(s.route)])
         replies = self._command_all(self.plan.nodes, "begin", lambda name: {
             "iteration": iteration, "coordinator": self.address, "directory": directory,
             "launches": launches.get(name, [])})
         self._lose([name for name, reply in replies.items() if reply is None], iteration, state, lost)
         self._collect(iteration, state, lost)
         finished = {str(m): s.attempt for m, s in state.items() if s.done}
+        done = [s for s in state.values() if s.done]
+        loss = float(np.mean([s.loss for s in done])) if done else math.nan
         step_started = time.monotonic()
         live_nodes = [name for name in self.plan.nodes if name not in self.dead]
         replies = self._command_all(live_nodes, "step", lambda name: {"iteration": iteration, "finished": finished,
-                                                                       "save": save},
+                                                                       "loss": loss, "save": save},
                                     timeout_s=self.step_timeout_s)
         self._lose([name for name, reply in replies.items() if reply is None], iteration, {}, lost)
         compute = {name: reply["compute_ms"] for name, reply in replies.items() if reply and reply.get("compute_ms")}
@@ -165,11 +197,10 @@ class Coordinator:
         if iteration + 1 == self.calibrate_at and compute:
             self.network, self._calibrated = self.network.with_measured_compute(compute), True
             log.info("iteration %d: re-planning with the compute the nodes measured", iteration)
-        done = [s for s in state.values() if s.done]
         end = time.monotonic()
-        return {"iteration": iteration, "loss": float(np.mean([s.loss for s in done])) if done else math.nan,
+        return {"iteration": iteration, "loss": loss,
                 "microbatches": len(done), "dropped": sum(s.dropped for s in state.values()),
-                "relaunched": sum(s.attempt for s in state.values()), "dead": lost,
+                "relaunched": sum(s.attempt - base for s in state.values()), "dead": lost,
                 "replanned": replanned or bool(lost), "nodes": len(self.plan.nodes),
                 "makespan_ms": 1e3 * (max(s.end for s in done) - min(s.begun for s in done)) if done else math.nan,
                 "predicted_ms": predicted, "step_ms": 1e3 * (end - step_started), "wall_ms": 1e3 * (end - started),
@@ -246,8 +277,8 @@ class Coordinator:
     def _abort(self, iteration: int, s: _Microbatch, m: int) -> None:
         for name in s.route:
             if name not in self.dead:
-                self.links.post(self._live[name].address, CONTROL,
-                                command_of("abort", {"iteration": iteration, "keys": [[m, s.attempt]]}))
+                self.links.post(self._live[name].address, CONTROL, command_of(
+                    "abort", {"term": self.term, "iteration": iteration, "keys": [[m, s.attempt]]}))
 
     def _lose(self, names: Iterable[str], iteration: int, state: dict[int, _Microbatch], lost: list[str]) -> None:
         """Mark `names` dead, re-plan without them, abort and re-launch the open microbatches they were on."""
@@ -271,7 +302,7 @@ class Coordinator:
                 s.route = self._route(self.plan.paths[m], iteration, m, s.attempt)
                 self.on_event({"event": "relaunch", "iteration": iteration, "microbatch": m, "attempt": s.attempt,
                                "route": list(s.route)})
-                launch = {"iteration": iteration, "launches": [[m, s.attempt, list(s.route)]]}
+                launch = {"term": self.term, "iteration": iteration, "launches": [[m, s.attempt, list(s.route)]]}
                 self.links.post(self._live[s.route[0]].address, CONTROL, command_of("launch", launch),
                                 self._gone_reporter(s.route[0], iteration))
 
@@ -282,24 +313,23 @@ class Coordinator:
         return done
 
     def _probe(self, state: dict[int, _Microbatch]) -> list[str]:
-        """The nodes on open microbatches' paths that do not answer a ping."""
+        """The nodes on open microbatches' paths that do not answer a ping; Deposed when one follows a
+        newer lead (its reports go there: we were only slow)."""
         names = sorted({n for s in state.values() if s.open for n in s.route if n not in self.dead})
-
-        def answers(name: str) -> bool:
-            try:
-                self.links.probe(self._live[name].address, command_of("ping"), self.links.timeout_s)
-                return True
-            except Exception as e:
-                return not is_gone(e)
-
         with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
-            return [name for name, ok in zip(names, pool.map(answers, names)) if not ok]
+            replies = dict(zip(names, pool.map(lambda name: ping(self.links, self._live[name].address), names)))
+        newer = [name for name, reply in replies.items() if reply and reply.get("term", 0) > self.term]
+        if newer:
+            raise Deposed(f"another head leads now: {newer[0]} follows term {replies[newer[0]]['term']}")
+        return [name for name, reply in replies.items() if reply is None]
 
     def _command_all(self, names: Iterable[str], kind: str, body: Callable[[str], dict],
                      timeout_s: float | None = None) -> dict[str, dict | None]:
-        """Send `kind` to every node of `names` at once; their reply bodies, None for those gone."""
+        """Send `kind` (with our term) to every node of `names` at once; their reply bodies, None for those
+        gone. Deposed when one follows a newer lead."""
         names = list(names)
         replies: dict[str, dict | None] = {}
+        newer: list[str] = []
         finished = threading.Condition()
 
         def done_for(name: str):
@@ -311,20 +341,47 @@ class Coordinator:
                         replies[name] = None if is_gone(error) else {}
                     else:
                         ok, message, reply_body, _ = decode_reply(reply)
-                        if not ok:
+                        if not ok and reply_body.get("term", -1) > self.term:
+                            newer.append(message)
+                        elif not ok:
                             log.warning("%s: %s", name, message)
-                        replies[name] = reply_body
+                        replies[name] = reply_body if ok else {}
                     finished.notify_all()
             return done
 
         for name in names:
-            self.links.post(self._live[name].address, CONTROL, command_of(kind, body(name)), done_for(name), timeout_s)
+            self.links.post(self._live[name].address, CONTROL, command_of(kind, {**body(name), "term": self.term}),
+                            done_for(name), timeout_s)
         with finished:
             finished.wait_for(lambda: len(replies) == len(names))
+        if newer:
+            raise Deposed(f"another head leads now: {newer[0]}")
         return replies
 
-    def stop_all(self) -> None:
-        """Tell every other live node to leave."""
+    def take_over(self, gone: str | None) -> tuple[int, dict | None]:
+        """Lead from now on, as a lead of `self.term` after the one at address `gone` (None: any) died
+        (module docstring). Returns the iteration to run next and the last step the nodes took (its
+        command: iteration, finished, loss), None before the first."""
+        self.dead.update({name: server.incarnation for name, server in self.servers().items()
+                          if server.address == gone})
         self._live = self.live_servers()
+        states = {name: reply for name, reply in self._command_all(self._live, "takeover", lambda name: {}).items()
+                  if reply and "done" in reply}
+        self.dead.update({name: self._live[name].incarnation for name in self._live if name not in states})
+        if not states:
+            raise PipelineError("no stage server answers")
+        done = max(state["done"] for state in states.values())
+        last = next((state["last_step"] for state in states.values()
+                     if state["done"] == done and (state["last_step"] or {}).get("iteration") == done - 1), None)
+        behind = [name for name, state in states.items() if state["open"] == done - 1 and state["done"] < done]
+        if last is not None and behind:
+            log.warning("the lead died stepping iteration %d; %s step it now", done - 1, ", ".join(behind))
+            self._command_all(behind, "step", lambda name: {**last, "save": False}, timeout_s=self.step_timeout_s)
+        return done, last
+
+    def stop_all(self) -> None:
+        """Tell every other node announced to leave (those found dead too: a lead we took over from may
+        only have been slow)."""
+        self._live = self.servers()
         self._command_all([name for name, server in self._live.items() if server.address != self.address], "stop",
                           lambda name: {}, timeout_s=10.0)

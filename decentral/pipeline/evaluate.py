@@ -1,11 +1,12 @@
 """A trained pipeline's model, whole and with stages dropped at inference (SkipPipe §5.3; ALGORITHMS.md §5).
 
 The model is put together from the stage checkpoints a run's nodes wrote (RUN/<node>/stage), one node
-per stage (the first by name where a stage has replicas). Dropping a share `drop` of the stages keeps
-stage 0 (embedding, first blocks, head) and `stages - round(drop * stages) - 1` of the others, in
-increasing order: every such subset is scored when there are at most `MAX_SUBSETS`, else `draws`
-random ones. Reported: the validation loss and perplexity of the whole model, the mean over subsets
-of the perplexity with stages dropped, and their ratio.
+per stage (where a stage has replicas, the one that stepped most, then the first by name: one that
+died, such as a lead another head took over from, left an older checkpoint). Dropping a share `drop`
+of the stages keeps stage 0 (embedding, first blocks, head) and `stages - round(drop * stages) - 1`
+of the others, in increasing order: every such subset is scored when there are at most
+`MAX_SUBSETS`, else `draws` random ones. Reported: the validation loss and perplexity of the whole
+model, the mean over subsets of the perplexity with stages dropped, and their ratio.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ MAX_SUBSETS = 20
 def load_run(run: str | Path) -> tuple[nn.Module, PipelineRecipe]:
     """The whole model of a run folder, and its recipe (PipelineError when a stage has no checkpoint)."""
     run = Path(run)
-    found: dict[int, tuple[str, dict]] = {}
+    found: dict[int, tuple[int, dict]] = {}  # stage -> (iterations stepped, model tensors)
     recipe = None
     for folder in sorted(p.parent for p in run.glob("*/stage/meta.json")):
         tensors, meta = load_checkpoint(folder)
         recipe = recipe or parse_pipeline_recipe(meta["recipe"], str(folder))
-        found.setdefault(int(meta["stage"]), (meta["name"], {k[len("model."):]: v for k, v in tensors.items()
-                                                                  if k.startswith("model.")}))
+        stage, stepped = int(meta["stage"]), int(meta.get("iteration", 0))
+        if stage not in found or stepped > found[stage][0]:
+            found[stage] = (stepped, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     if recipe is None:
         raise PipelineError(f"{run} holds no stage checkpoints (<node>/stage); is it a `decentral pipeline train` run?")
     missing = sorted(set(range(recipe.pipeline.stages)) - set(found))

@@ -3,7 +3,8 @@ loopback or each in its own netlab host (a network namespace behind a tc-capped 
 
 The allocation (which node serves which stage) is planned once, from the network, and written into
 OUT/network.json with every node pinned to its stage; the nodes read that file. The first node
-starts the swarm's DHT, the others join it; the first head leads (runs the coordinator).
+starts the swarm's DHT, the others join it; the first head leads (runs the coordinator) and, when
+it dies, another head takes over (decentral.pipeline.serve).
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ class LocalPipeline:
         self.recipe, self.network, self.out, self.steps, self.lab = Path(recipe), network, Path(out), steps, lab
         self.node_args, self.env = list(node_args or []), env
         self.procs: dict[str, subprocess.Popen] = {}
-        heads = [node.name for node in network.nodes if node.stage == 0]
-        if not heads:
+        self.heads = [node.name for node in network.nodes if node.stage == 0]
+        if not self.heads:
             raise PipelineError("the network pins no node to stage 0")
-        self.lead = heads[0]
+        self.lead = self.heads[0]  # the first; after its death, the head that took over
 
     def log(self, name: str) -> str:
         path = self.out / f"{name}.log"
@@ -82,7 +83,9 @@ class LocalPipeline:
             (self.out / f"{name}.maddrs").unlink(missing_ok=True)  # an earlier run's (a resumed run's folder)
             cmd += ["--maddr-file", str(self.out / f"{name}.maddrs")]
         if name == self.lead:
-            cmd += ["--lead"] + (["--steps", str(self.steps)] if self.steps else [])
+            cmd += ["--lead"]
+        if name in self.heads and self.steps:  # any head may take over
+            cmd += ["--steps", str(self.steps)]
         with open(self.out / f"{name}.log", "a") as log:
             if host is not None:  # its environment: ours, `env`, and the lab's DECENTRAL_* variables
                 self.procs[name] = host.popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -112,14 +115,18 @@ class LocalPipeline:
 
     def wait(self, timeout_s: float, tick: Callable[[], None] | None = None) -> int:
         """Wait for the lead to end the run, then for the others to leave; returns the lead's exit code.
-        `tick` is called about every TICK_S seconds meanwhile (it moves a progress bar)."""
-        lead = self.procs[self.lead]
+        When the lead dies and heads are left, the one with the lowest name takes over (as the nodes
+        choose it) and ends the run. `tick` is called about every TICK_S seconds meanwhile (it moves a
+        progress bar)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             try:
-                code = lead.wait(timeout=max(0.0, min(left, TICK_S) if tick else left))
-                break
+                code = self.procs[self.lead].wait(timeout=max(0.0, min(left, TICK_S)))
+                left_heads = sorted(name for name in self.heads if self.procs[name].poll() is None)
+                if code == 0 or not left_heads:
+                    break
+                self.lead = left_heads[0]
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     raise PipelineError(f"the run did not end within {timeout_s:.0f}s; see {self.out}/*.log") from None
@@ -134,11 +141,8 @@ class LocalPipeline:
         return code
 
     def iterations_done(self) -> int:
-        """The last iteration the lead recorded in its metrics (0 before its first)."""
-        from decentral.metrics import read_metrics
-
-        path = self.out / self.lead / "metrics.jsonl"
-        records = read_metrics(path) if path.exists() else []
+        """The last iteration the leads recorded in their metrics (0 before the first)."""
+        records = run_metrics(self.out)
         return records[-1]["step"] if records else 0
 
     def close(self) -> None:
@@ -161,6 +165,20 @@ class LocalPipeline:
         self.close()
 
 
+def run_metrics(out: str | Path) -> list[dict]:
+    """The records of a run's iterations, by step, from every lead's OUT/<node>/metrics.jsonl (a head
+    that took over begins with a `recovered` record of the last step, which the dead lead may have
+    written too: then the lead's is kept)."""
+    from decentral.metrics import read_metrics
+
+    found: dict[int, dict] = {}
+    for path in sorted(Path(out).glob("*/metrics.jsonl")):
+        for record in read_metrics(path):
+            if record["step"] not in found or found[record["step"]].get("recovered"):
+                found[record["step"]] = record
+    return [found[step] for step in sorted(found)]
+
+
 def node_network(recipe, path: str | Path | None = None) -> Network:
     """The network a run plans over: the file at `path` (else the recipe's pipeline.network, else the
     recipe's loopback network), shaped as the recipe says (stages, skip, microbatches, activation size)."""
@@ -173,13 +191,12 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
               drop: float = 0.5, timeout_s: float = 3600.0, evaluate: bool = True, resume: bool = False) -> dict:
     """`decentral pipeline train`: plan the allocation, run every node as a process (on netlab hosts
     when `netlab` is a rate), wait for the end, evaluate (unless told not to). Returns {"evaluation"
-    (None when not evaluated), "metrics" (the lead's records), "lead"}.
+    (None when not evaluated), "metrics" (`run_metrics`), "lead" (the one that ended the run)}.
 
     The nodes share a swarm key made for the run (OUT/swarm.key). `resume`: every node goes on from its
     checkpoint in OUT, with the allocation of OUT/network.json. PipelineError when the run fails."""
     from tqdm import tqdm
 
-    from decentral.metrics import read_metrics
     from decentral.pipeline.evaluate import evaluate_run
     from decentral.pipeline.recipe import load_pipeline_recipe
     from decentral.swarm.admission import SwarmKey
@@ -211,11 +228,12 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
             with tqdm(total=steps or recipe.recipe.train.steps, desc="pipeline train", unit="it", disable=None) as bar:
                 code = run.wait(timeout_s, None if bar.disable else lambda: bar.update(run.iterations_done() - bar.n))
             if code != 0:
-                raise PipelineError(f"the lead ({run.lead}) exited with {code}:\n{run.log(run.lead)[-3000:]}\n"
-                                    f"the nodes' last checkpoints are in {out}: `--resume` goes on from them")
+                raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
+                                    f"(its log: {out / (run.lead + '.log')}); the nodes' last checkpoints are in "
+                                    f"{out}: `--resume` goes on from them")
             lead = run.lead
     finally:
         if lab is not None:
             lab.close()
     return {"evaluation": evaluate_run(out, drop=drop, data=data) if evaluate else None, "lead": lead,
-            "metrics": read_metrics(out / lead / "metrics.jsonl")}
+            "metrics": run_metrics(out)}

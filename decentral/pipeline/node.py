@@ -17,13 +17,21 @@ simulator calls compute_ms, and its factors), so a plan's costs can be checked a
 
 With a swarm key, every call must be signed with it (decentral.pipeline.auth), else UNAUTHENTICATED.
 
-Control commands (Control RPC; JSON bodies):
-  begin    {iteration, coordinator, directory: {name: address}, launches: [[microbatch, attempt, route]]}
-  launch   {iteration, launches}                 start more microbatches (heads; after a re-plan)
-  abort    {iteration, keys: [[microbatch, attempt]]}  forget them: queued work, activations, gradients
-  step     {iteration, finished: {microbatch: attempt}, save}  step once on the finished microbatches
-  stop, ping, weights (replies with this stage's weights as safetensors)
-  report   {kind: done | failed, ...}            for the coordinator, which runs inside the lead node
+Every lead has a term (0 for the first, one more for each head that took over after a lead died).
+The lead's commands carry it: a node refuses those of a term older than the newest it has seen (so a
+lead that was only slow cannot step anyone after it was replaced) and, on seeing a newer one, drops
+the unfinished work of older terms (the microbatches of a term are numbered from
+`first_attempt(term)`, so none is mistaken for another). A node steps each iteration at most once.
+
+Control commands (Control RPC; JSON bodies; * carry the lead's `term`):
+  begin*    {iteration, coordinator, directory: {name: address}, launches: [[microbatch, attempt, route]]}
+  launch*   {iteration, launches}                 start more microbatches (heads; after a re-plan)
+  abort*    {iteration, keys: [[microbatch, attempt]]}  forget them: queued work, activations, gradients
+  step*     {iteration, finished: {microbatch: attempt}, loss, save}  step once on the finished microbatches
+  takeover* {}   follow the new term; replies with {done: iterations stepped, open: the iteration begun
+            and not stepped (or null), last_step: the last step command (or null)}
+  stop*, ping (replies with name, stage, iteration, term), weights (this stage's weights as safetensors)
+  report    {kind: done | failed, ...}            for the coordinator, which runs inside the lead node
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from safetensors.torch import save as save_tensors
 
 from decentral.checkpoint import load_checkpoint, load_training_state, save_checkpoint, training_state
 from decentral.pipeline.auth import CallKey
+from decentral.pipeline.coordinator import first_attempt
 from decentral.pipeline.frames import (ACTIVATIONS, GRADIENTS, FrameError, command_of, decode_command, decode_frame,
                                        decode_reply, frame_of, frame_tensor, reply_of)
 from decentral.pipeline.links import CONTROL, SEND, SERVICE, Links, channel_options, is_gone
@@ -142,6 +151,8 @@ class StageNode:
         self.stopped = threading.Event()
         self.last_command = time.monotonic()
         self.iterations_done = 0
+        self.term = 0  # the newest lead's term seen (module docstring)
+        self._last_step: dict | None = None  # the last step command applied: what a new lead needs
         self._cond = threading.Condition()
         self._iteration = -1  # the iteration begun; work of later ones waits for its begin
         self._open = False  # whether it has not stepped yet (work of a stepped iteration is dropped)
@@ -208,7 +219,7 @@ class StageNode:
         except FrameError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
         handler = {"begin": self._begin, "launch": self._launch, "abort": self._abort, "step": self._step_command,
-                   "stop": self._stop, "ping": self._ping, "weights": self._weights,
+                   "takeover": self._takeover, "stop": self._stop, "ping": self._ping, "weights": self._weights,
                    "report": self._report_in}.get(kind)
         if handler is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: unknown command {kind!r}")
@@ -218,9 +229,41 @@ class StageNode:
         except (KeyError, TypeError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: bad {kind} command: {e!r}")
 
+    def _follow(self, body: dict) -> str | None:
+        """Under `_cond`: take the command's term when newer (dropping older terms' unfinished work);
+        why it is refused when older."""
+        term = int(body.get("term", 0))
+        if term < self.term:
+            return f"{self.name} follows the lead of term {self.term}, not of term {term}"
+        if term > self.term:
+            self.term = term
+            self._ready = [task for task in self._ready if not self._stale(task.key)]
+            for key in [key for key, flight in self._resident.items() if flight is not None and self._stale(key)]:
+                del self._resident[key]  # a running forward frees its own slot (`_keep`)
+            self._cond.notify_all()
+        return None
+
+    def _stale(self, key: Key) -> bool:
+        """Work of an older term's microbatch (never a step's)."""
+        return 0 <= key[2] < first_attempt(self.term)
+
+    def _refused(self, why: str) -> bytes:
+        return reply_of(False, why, body={"term": self.term})
+
+    def _takeover(self, body: dict) -> bytes:
+        with self._cond:
+            refusal = self._follow(body)
+            if refusal:
+                return self._refused(refusal)
+            return reply_of(body={"done": self.iterations_done, "open": self._iteration if self._open else None,
+                                  "last_step": self._last_step})
+
     def _begin(self, body: dict) -> bytes:
         iteration = int(body["iteration"])
         with self._cond:
+            refusal = self._follow(body)
+            if refusal:
+                return self._refused(refusal)
             if iteration < self._iteration:
                 return reply_of(False, f"{self.name} is at iteration {self._iteration} already")
             self._iteration, self._begun, self._open = iteration, time.monotonic(), True
@@ -233,6 +276,9 @@ class StageNode:
 
     def _launch(self, body: dict) -> bytes:
         with self._cond:
+            refusal = self._follow(body)
+            if refusal:
+                return self._refused(refusal)
             self._queue_launches(int(body["iteration"]), body["launches"])
             self._cond.notify_all()
         return reply_of()
@@ -251,6 +297,9 @@ class StageNode:
         iteration = int(body["iteration"])
         keys = {(iteration, int(m), int(a)) for m, a in body["keys"]}
         with self._cond:
+            refusal = self._follow(body)
+            if refusal:
+                return self._refused(refusal)
             self._aborted |= keys
             self._ready = [task for task in self._ready if task.key not in keys]
             for key in keys:
@@ -268,14 +317,26 @@ class StageNode:
         task.finished.wait()
         if task.result is None:
             return reply_of(False, f"{self.name}: the step failed (see its log)")
+        if "refused" in task.result:
+            return self._refused(task.result["refused"])
         return reply_of(body=task.result)
 
+    def lead_address(self) -> str:
+        """Where the last `begin` came from: the lead we follow ('' before any)."""
+        with self._cond:
+            return self._coordinator
+
     def _stop(self, body: dict) -> bytes:
+        with self._cond:
+            refusal = self._follow(body)
+        if refusal:
+            return self._refused(refusal)
         self.stopped.set()
         return reply_of()
 
     def _ping(self, body: dict) -> bytes:
-        return reply_of(body={"name": self.name, "stage": self.stage.index, "iteration": self._iteration})
+        return reply_of(body={"name": self.name, "stage": self.stage.index, "iteration": self._iteration,
+                              "term": self.term})
 
     def _weights(self, body: dict) -> bytes:
         with self._cond:  # not in the middle of a step
@@ -291,8 +352,9 @@ class StageNode:
     # ----- compute -----
     def _queue(self, task: _Task) -> None:
         with self._cond:
-            if task.key in self._aborted or (task.kind != STEP and not self._current_or_later(task.key[0])):
-                return  # a microbatch aborted after a re-plan, or one of an iteration that is over
+            if task.key in self._aborted or self._stale(task.key) or (task.kind != STEP and
+                                                                      not self._current_or_later(task.key[0])):
+                return  # a microbatch aborted after a re-plan or by a new lead, or of an iteration that is over
             self._seq += 1
             task.seq = self._seq
             self._ready.append(task)
@@ -346,7 +408,7 @@ class StageNode:
     def _keep(self, task: _Task, flight: _Flight) -> bool:
         """Make `flight` resident, unless its microbatch was aborted while it ran (then free its slot)."""
         with self._cond:
-            if task.key in self._aborted or task.key[0] != self._iteration or not self._open:
+            if task.key in self._aborted or self._stale(task.key) or task.key[0] != self._iteration or not self._open:
                 self._resident.pop(task.key, None)
                 self._cond.notify_all()
                 return False
@@ -418,6 +480,16 @@ class StageNode:
         finished = {int(m): int(a) for m, a in body["finished"].items()}
         train = self.recipe.recipe.train
         with self._cond:
+            refusal = self._follow(body)
+            if refusal is None and iteration < self.iterations_done:
+                refusal = f"{self.name} has stepped iteration {iteration} already"
+            if refusal:
+                task.result = {"refused": refusal}
+                task.finished.set()
+                return
+            # the commit point: a new lead asking after this (takeover) learns this step was taken
+            self.iterations_done = iteration + 1
+            self._last_step = {"iteration": iteration, "finished": body["finished"], "loss": body.get("loss")}
             keys = [k for k in self._pending if k[0] == iteration and finished.get(k[1]) == k[2]]
             for i, param in enumerate(self.params):
                 parts = [self._pending[k][i] for k in keys if self._pending[k][i] is not None]
@@ -434,7 +506,6 @@ class StageNode:
             group["lr"] = inner_lr(iteration, self.recipe.recipe)
         self.optimizer.step()  # once per iteration; a replica protocol's hooks run here
         self.optimizer.zero_grad(set_to_none=True)
-        self.iterations_done = iteration + 1
         spent = self._compute
         times = {FORWARD: spent.get(START, []) + spent.get(FORWARD, []), LOSS: spent.get(LOSS, []),
                  BACKWARD: spent.get(BACKWARD, []) + spent.get(FINISH, [])}

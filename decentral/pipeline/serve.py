@@ -13,9 +13,17 @@ The lead node (a head; `--lead`) also runs the coordinator: it waits for the net
 writes its stage's checkpoint (weights, AdamW, replica protocol) to OUT/stage every
 `train.eval_every` iterations and at the end. With `resume`, each node starts from its checkpoint
 and the lead from the iteration of its own, keeping the records up to it: microbatches and the LR
-depend only on the iteration, so a resumed run trains on what the first would have. That is how a
-run goes on after its lead died (the lead's death ends a run: the others leave after `idle_s`).
-A node other than the lead leaves when told to, or when no command came for `idle_s` seconds.
+depend only on the iteration, so a resumed run trains on what the first would have.
+
+Every other node probes the lead (the address its last `begin` came from) every second. When the
+lead is gone (a refused or timed-out ping), the successor is the head (stage 0) with the lowest name
+that is announced in the DHT and answers a ping: every node finds the same one, with no election.
+The successor takes over (Coordinator.take_over: a new term) and leads from the iteration the nodes
+last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
+record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no
+head is left, every node says so in one line and exits 2: the stage checkpoints stay, for `resume`.
+A lead that finds the nodes following a newer term (it was only slow) stands by as a head. A node
+leaves when told to, or when no command came for `idle_s` seconds.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch
 from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, read_metrics
 from decentral.pipeline.auth import CallKey
-from decentral.pipeline.coordinator import Coordinator
+from decentral.pipeline.coordinator import Coordinator, Deposed, ping
 from decentral.pipeline.discovery import Announcer, ServerView, lookup_servers, new_server
 from decentral.pipeline.network import Network, PipelineError
 from decentral.pipeline.node import StageNode
@@ -58,7 +66,7 @@ class NodeOptions:
     join: Sequence[str] = ()
     swarm_key: SwarmKey | None = None
     lead: bool = False
-    steps: int | None = None  # iterations (the lead); default train.steps
+    steps: int | None = None  # iterations (heads: the lead, or a head taking over); default train.steps
     data: Sequence[str] | None = None  # training text (heads); None = the Python standard library
     maddr_file: Path | None = None  # where to write our DHT multiaddrs, for others to --join
     resume: bool = False  # start from OUT/stage (and the lead from its iteration)
@@ -108,13 +116,9 @@ def run_node(opts: NodeOptions) -> int:
         announcer = Announcer(peer, new_server(opts.name, address, index))
         closers.insert(0, announcer.close)
         opts.print_fn(f"[{opts.name}] stage {index} at {address}")
-        if opts.lead:
-            return _lead(node, peer, address, opts, closers)
-        while not node.stopped.wait(1.0):
-            if time.monotonic() - node.last_command > opts.idle_s:
-                opts.print_fn(f"[{opts.name}] no command for {opts.idle_s:.0f}s; leaving")
-                return 1
-        return 0
+        if index == 0:
+            _keep_records_until(opts.out / "metrics.jsonl", node.iterations_done)
+        return _serve(node, peer, address, opts, closers)
     finally:
         for close in closers:
             try:
@@ -144,15 +148,62 @@ def _protocol_maker(opts: NodeOptions, peer: SwarmPeer, index: int):
     return make
 
 
-def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, closers: list) -> int:
+def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, closers: list) -> int:
+    """Lead (with `--lead`), else follow the lead and take over from it when it is gone and we are its
+    successor (module docstring); the exit code."""
+    views: list[ServerView] = []
+
+    def view() -> ServerView:
+        if not views:
+            views.append(ServerView(peer))
+            closers.insert(0, views[0].close)
+        return views[0]
+
+    lead, gone = opts.lead, None
+    while True:
+        if lead:
+            try:
+                return _lead(node, view(), address, opts, closers, gone)
+            except Deposed as e:
+                opts.print_fn(f"[{opts.name}] stands by: {e}")
+                node.coordinator, lead = None, False
+        if node.stopped.wait(1.0):
+            return 0
+        if time.monotonic() - node.last_command > opts.idle_s:
+            opts.print_fn(f"[{opts.name}] no command for {opts.idle_s:.0f}s; leaving")
+            return 1
+        gone = _lead_gone(node)
+        if gone is None:
+            continue
+        successor = _successor(node, view(), gone)
+        if successor is None:
+            opts.print_fn(f"[{opts.name}] the lead ({gone}) is gone and no head is left to take over; leaving "
+                          f"(checkpoint: {opts.out / 'stage'}, iteration {node.iterations_done})")
+            return 2
+        lead = successor == opts.name
+
+
+def _lead_gone(node: StageNode) -> str | None:
+    """The address of the lead we follow when it no longer answers; None while it does (or before any)."""
+    lead = node.lead_address()
+    return lead if lead and ping(node.links, lead) is None else None
+
+
+def _successor(node: StageNode, view: ServerView, gone: str) -> str | None:
+    """The head with the lowest name that is announced, is not at `gone` and answers; None when none does."""
+    heads = sorted((s.name, s.address) for s in view.get().values() if s.stage == 0 and s.address != gone)
+    return next((name for name, address in heads if ping(node.links, address) is not None), None)
+
+
+def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, closers: list,
+          gone: str | None = None) -> int:
+    """Coordinate the run to `--steps`: from the start (or the resumed checkpoint), or, when the lead at
+    address `gone` died, from where it left off. Deposed when another head leads."""
     recipe = opts.recipe
     train, config = recipe.recipe.train, recipe.pipeline
-    view = ServerView(peer)
-    closers.insert(0, view.close)
     first = node.iterations_done  # 0, or the resumed checkpoint's
-    _keep_records_until(opts.out / "metrics.jsonl", first)
     metrics = MetricsLog(opts.out / "metrics.jsonl")
-    events = open(opts.out / "events.jsonl", "a" if first else "w", encoding="utf-8")
+    events = open(opts.out / "events.jsonl", "a" if first or gone else "w", encoding="utf-8")
     closers.extend([metrics.close, events.close])
 
     def on_event(record: dict) -> None:
@@ -160,13 +211,24 @@ def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, clo
         events.flush()
 
     coordinator = Coordinator(opts.network, view.get, node.links, address, seed=train.seed, effort=config.effort,
-                              routing=config.routing, calibrate_at=config.calibrate_at, on_event=on_event)
+                              routing=config.routing, calibrate_at=config.calibrate_at,
+                              term=node.term + 1 if gone else node.term, on_event=on_event)
     node.coordinator = coordinator
-    live = coordinator.wait_for_servers(opts.wait_s)
-    opts.print_fn(f"[{opts.name}] leading {len(live)} nodes: " + ", ".join(
-        f"{name} (stage {server.stage})" for name, server in sorted(live.items())))
+    if gone:
+        first, stepped = coordinator.take_over(gone)
+        on_event({"event": "takeover", "term": coordinator.term, "iteration": first, "gone": gone})
+        if stepped is not None:
+            metrics.write(worker=opts.name, step=first, loss=stepped["loss"], microbatches=len(stepped["finished"]),
+                          recovered=True)
+        opts.print_fn(f"[{opts.name}] the lead ({gone}) is gone; leading from iteration {first + 1} "
+                      f"(term {coordinator.term})")
+    else:
+        live = coordinator.wait_for_servers(opts.wait_s)
+        opts.print_fn(f"[{opts.name}] leading {len(live)} nodes: " + ", ".join(
+            f"{name} (stage {server.stage})" for name, server in sorted(live.items())))
     steps = opts.steps or train.steps
     start = time.perf_counter()
+    deposed = False
     try:
         for iteration in range(first, steps):
             last = iteration + 1 == steps
@@ -176,8 +238,12 @@ def _lead(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, clo
                              "sync_wait_s": max((s["wait_s"] for s in record["sync"]), default=None)})
             if last or iteration % train.eval_every == 0 or record["dead"] or record["replanned"]:
                 opts.print_fn(_progress(opts.name, record))
+    except Deposed:
+        deposed = True
+        raise
     finally:
-        coordinator.stop_all()
+        if not deposed:
+            coordinator.stop_all()
     return 0
 
 

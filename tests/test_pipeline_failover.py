@@ -1,0 +1,152 @@
+"""Lead failover in the SkipPipe runtime: when the lead dies, another head takes over, the iteration in
+flight runs again, no node steps an iteration twice or skips one, and a replaced lead is refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+import yaml
+
+from decentral.checkpoint import load_checkpoint
+from decentral.data.corpus import load_corpus
+from decentral.pipeline.coordinator import Coordinator, Deposed
+from decentral.pipeline.evaluate import load_run
+from decentral.pipeline.launch import LocalPipeline, run_metrics
+from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
+from decentral.swarm.admission import SwarmKey
+from test_pipeline_runtime import InProcessPipeline, pinned_network, tiny_recipe
+
+
+def test_a_new_lead_finishes_the_step_its_predecessor_left_half_sent_and_the_old_lead_is_refused(small_corpus):
+    """The lead steps iteration 1 on h but not on a (it died sending the step); a coordinator of the next
+    term takes over: a steps iteration 1 on the same microbatches, the old coordinator's next command is
+    refused (Deposed) before any node steps, and after iteration 2 every weight and AdamW state equals
+    a run without the failure (same microbatches, each iteration stepped once everywhere)."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    tokens = load_corpus([small_corpus]).train
+    reference = InProcessPipeline(recipe, {"h": 0, "a": 1}, tokens)
+    failing = InProcessPipeline(recipe, {"h": 0, "a": 1}, tokens)
+    try:
+        for i in range(3):
+            reference.coordinator.run_iteration(i)
+        old = failing.coordinator
+        old.run_iteration(0)
+        send = old._command_all
+
+        def dies_while_stepping(names, kind, body, timeout_s=None):
+            return send([n for n in names if kind != "step" or n != "a"], kind, body, timeout_s)
+
+        old._command_all = dies_while_stepping
+        old.run_iteration(1)
+        h, a = failing.nodes["h"], failing.nodes["a"]
+        assert (h.iterations_done, a.iterations_done) == (2, 1)
+        new = Coordinator(old.network, lambda: dict(failing.servers), h.links, h.address,
+                          seed=recipe.recipe.train.seed, term=1)
+        h.coordinator = new
+        first, last = new.take_over(None)
+        assert first == 2 and last["iteration"] == 1 and sorted(last["finished"]) == ["0", "1"]
+        assert (h.iterations_done, a.iterations_done, h.term, a.term) == (2, 2, 1, 1)
+        old._command_all = send
+        with pytest.raises(Deposed, match="follows the lead of term 1"):
+            old.run_iteration(2)
+        assert (h.iterations_done, a.iterations_done) == (2, 2)
+        record = new.run_iteration(2)
+        assert record["microbatches"] == 2 and record["relaunched"] == 0
+        for name in ("h", "a"):
+            ours, theirs = failing.nodes[name], reference.nodes[name]
+            expected = theirs.stage.global_state_dict()
+            assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in ours.stage.global_state_dict().items())
+            steps = {int(s["step"]) for s in ours.optimizer.state_dict()["state"].values()}
+            assert steps == {3}, (name, steps)
+    finally:
+        reference.close()
+        failing.close()
+
+
+def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path, small_corpus):
+    """Three `decentral pipeline node` processes (heads h0, h1; a serves stage 1) with a swarm key; the
+    lead h0 is SIGKILLed mid-run. h1 (the live head with the lowest name) takes over and runs to
+    --steps: every iteration is in the metrics once (h0's, then h1's from the last step the nodes took),
+    each with every microbatch, the loss keeps falling, a's AdamW stepped exactly --steps times, and
+    every process but the killed one ends with 0."""
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 4, train={"eval_every": 4})))
+    recipe = load_pipeline_recipe(recipe_path)
+    network = pinned_network(recipe, {"h0": 0, "h1": 0, "a": 1})
+    SwarmKey.generate(tmp_path / "swarm.key")
+    out, steps = tmp_path / "run", 14
+    with LocalPipeline(recipe_path, network, out, steps=steps,
+                       node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
+                       env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
+        run.start()
+        assert run.lead == "h0"
+        metrics = out / "h0" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not metrics.exists() or metrics.read_text().count("\n") < 4:
+            assert time.monotonic() < deadline and run.procs["h0"].poll() is None, run.log("h0")
+            time.sleep(0.01)  # polling the lead's metrics
+        run.kill("h0")
+        assert run.wait(120) == 0, run.log("h1")
+        assert run.lead == "h1"
+        assert {name: proc.returncode for name, proc in run.procs.items()} == {"h0": -9, "h1": 0, "a": 0}
+    before = [json.loads(line) for line in metrics.read_text().splitlines()]
+    after = [json.loads(line) for line in (out / "h1" / "metrics.jsonl").read_text().splitlines()]
+    took_over = after[0]
+    assert took_over["recovered"] and took_over["step"] in (len(before), len(before) + 1)  # the last step taken
+    assert [r["step"] for r in after] == list(range(took_over["step"], steps + 1))
+    records = run_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["microbatches"] == 4 for r in records)
+    assert sum(r["loss"] for r in records[-2:]) / 2 < records[0]["loss"] - 0.3
+    assert "the lead (127.0.0.1:" in run.log("h1") and "leading from iteration" in run.log("h1")
+    takeover = [json.loads(line) for line in (out / "h1" / "events.jsonl").read_text().splitlines()
+                if '"takeover"' in line]
+    assert [(e["term"], e["iteration"]) for e in takeover] == [(1, took_over["step"])]
+    for name in ("h1", "a"):
+        tensors, meta = load_checkpoint(out / name / "stage")
+        assert meta["iteration"] == steps
+    tensors, _ = load_checkpoint(out / "a" / "stage")
+    assert {int(v) for k, v in tensors.items() if k.startswith("inner.") and k.endswith(".step")} == {steps}
+    model, _ = load_run(out)  # stage 0 from h1, which trained to the end, not from the killed h0
+    head, _ = load_checkpoint(out / "h1" / "stage")
+    ours = model.state_dict()
+    assert all(torch.equal(ours[k[len("model."):]], v) for k, v in head.items() if k.startswith("model."))
+
+
+def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corpus):
+    """The lead h0 is frozen (SIGSTOP) mid-iteration: after the link timeout the others count it gone and
+    h1 takes over. Thawed (SIGCONT), h0 finds the nodes following term 1 and stands by without stepping
+    anyone: every iteration is stepped once (a's AdamW steps == --steps) and h1 stops h0 at the end."""
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"link_timeout": 4.0})))
+    recipe = load_pipeline_recipe(recipe_path)
+    network = pinned_network(recipe, {"h0": 0, "h1": 0, "a": 1})
+    out, steps = tmp_path / "run", 24
+    with LocalPipeline(recipe_path, network, out, steps=steps, node_args=["--data", str(small_corpus)],
+                       env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
+        run.start()
+
+        def wait_for_records(path, count):
+            deadline = time.monotonic() + 120
+            while not path.exists() or path.read_text().count("\n") < count:
+                assert time.monotonic() < deadline and run.procs["h1"].poll() is None, run.log("h1")
+                time.sleep(0.01)  # polling a lead's metrics
+
+        wait_for_records(out / "h0" / "metrics.jsonl", 3)
+        run.procs["h0"].send_signal(signal.SIGSTOP)
+        wait_for_records(out / "h1" / "metrics.jsonl", 2)
+        run.procs["h0"].send_signal(signal.SIGCONT)
+        assert run.wait(120) == 0, run.log("h1")
+        assert {name: proc.returncode for name, proc in run.procs.items()} == {"h0": 0, "h1": 0, "a": 0}
+    assert "stands by: another head leads now" in run.log("h0"), run.log("h0")
+    took_over = json.loads((out / "h1" / "metrics.jsonl").read_text().splitlines()[0])["step"]
+    assert max(json.loads(line)["step"] for line in (out / "h0" / "metrics.jsonl").read_text().splitlines()) \
+        <= took_over
+    assert [r["step"] for r in run_metrics(out)] == list(range(1, steps + 1))
+    tensors, meta = load_checkpoint(out / "a" / "stage")
+    assert meta["iteration"] == steps
+    assert {int(v) for k, v in tensors.items() if k.startswith("inner.") and k.endswith(".step")} == {steps}
