@@ -56,7 +56,7 @@ class HFRecorder(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:
-            self.recorder.barrier.wait(timeout=30)
+            self.recorder.barrier.wait(timeout=120)
 
 
 class LightningRecorder(lightning.Callback):
@@ -68,13 +68,13 @@ class LightningRecorder(lightning.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
-            self.recorder.barrier.wait(timeout=30)
+            self.recorder.barrier.wait(timeout=120)
 
 
 def run_peers(train, count: int = 2) -> tuple[list, list[Recorder]]:
     """`train(index, transport, recorder)` for `count` peers of one loopback hub, each in its own thread:
     (their results, their recorders)."""
-    hub, barrier = LoopbackHub(timeout_s=20.0), threading.Barrier(count)
+    hub, barrier = LoopbackHub(timeout_s=60.0), threading.Barrier(count)
     transports = [hub.transport() for _ in range(count)]
     recorders = [Recorder(barrier) for _ in range(count)]
     try:
