@@ -123,10 +123,9 @@ def test_one_microbatch_through_the_grpc_pipeline_is_the_hf_models_math(tmp_path
     does: loss, one AdamW step per stage; `pipeline eval`'s model is put together from the stage checkpoints."""
     from decentral.data.corpus import load_corpus
     from decentral.pipeline.evaluate import load_run
-    from decentral.pipeline.node import StageNode, microbatch
+    from decentral.pipeline.node import StageNode
     from decentral.pipeline.recipe import parse_pipeline_recipe
-    from decentral.worker import inner_lr
-    from test_pipeline_runtime import TRAIN, InProcessPipeline, tiny_recipe
+    from test_pipeline_runtime import TRAIN, InProcessPipeline, first_iteration_by_hand, tiny_recipe
 
     class HFPipeline(InProcessPipeline):
         def make(self, name: str, stage: int) -> StageNode:
@@ -146,15 +145,8 @@ def test_one_microbatch_through_the_grpc_pipeline_is_the_hf_models_math(tmp_path
     finally:
         pipeline.close()
     model = llama(source, recipe.recipe.train.seed)
-    x, y = microbatch(tokens, 0, 0, TRAIN["batch_size"], TRAIN["context"], recipe.recipe.train.seed)
-    loss = partial_loss(model, 4, order, x, y)
-    assert len(order) == 3 and record["loss"] == pytest.approx(loss.item(), rel=1e-6)
-    loss.backward()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=inner_lr(0, recipe.recipe),
-                                  weight_decay=recipe.recipe.train.weight_decay, betas=(0.9, 0.95))
-    for stage in cut(model, 4):
-        torch.nn.utils.clip_grad_norm_([p for p in stage.parameters() if p.grad is not None], 1.0)
-    optimizer.step()
+    loss = first_iteration_by_hand(model, order, tokens, recipe)
+    assert len(order) == 3 and record["loss"] == pytest.approx(loss, rel=1e-6)
     expected = model.state_dict()
     for node in pipeline.nodes.values():
         assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in node.stage.global_state_dict().items())
