@@ -394,13 +394,18 @@ class NetLab:
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
+        # Never Popen.wait() here: close() also runs from the signal handler, which may have interrupted a
+        # wait() on one of these processes in the main thread, whose lock a second wait() would block on forever
+        # (Ctrl-C on `netlab -- CMD` hung so). poll() and waitid(WNOWAIT) never block.
         deadline = time.monotonic() + _KILL_GRACE_S
+        while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the terminated processes exiting
         for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not _exited(proc):
                 proc.kill()
-                proc.wait()
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)  # SIGKILL is not refused: this takes milliseconds
         if self.mode == "netns":
             cleanup_stale(self.name)
 
@@ -409,6 +414,16 @@ class NetLab:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether `proc` has exited, without blocking and without reaping it behind a wait() in progress."""
+    if proc.poll() is not None:
+        return True
+    try:  # poll() says "running" while another frame holds the Popen's wait lock: ask the kernel, reaping nothing
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

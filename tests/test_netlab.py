@@ -215,3 +215,33 @@ def test_a_signal_the_process_ignores_stays_ignored(lab_name):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert leftovers(lab_name) == []
+
+
+@pytest.mark.parametrize("mode", ["loopback", pytest.param("netns", marks=needs_netns)])
+def test_ctrl_c_while_the_hosts_run_a_command_ends_the_lab(lab_name, mode):
+    """Ctrl-C on `decentral netlab -- CMD` lands while the main thread waits for a host's process: the
+    teardown must not wait on that process again (it hung forever on the Popen's wait lock)."""
+    script = textwrap.dedent(f"""
+        import signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+        from decentral.cli import main
+        sys.argv = ["decentral", "netlab", "--hosts", "2", "--name", {lab_name!r}, "--mode", {mode!r}, "--",
+                    sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+        sys.exit(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = 0
+    while started < 2:  # the hosts' list first, then each host's command says it runs
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        started += line.strip().endswith("started")
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"netlab did not exit within 30 s of Ctrl-C; stderr:\n{err}")
+    assert proc.returncode == 130, err
+    if mode == "netns":
+        assert leftovers(lab_name) == []
