@@ -271,7 +271,7 @@ class NetLab:
         self.mode = mode
         self.app_shaping = mode == "loopback" and self.rate_bps is not None
         self.hosts: list[Host] = []
-        self._closed = False
+        self._closed = self._signalled = False
         self._prev_handlers: dict[int, object] = {}
         if mode == "netns":
             try:
@@ -374,6 +374,7 @@ class NetLab:
 
     def _on_signal(self, signum: int, frame) -> None:
         previous = self._prev_handlers.get(signum, signal.SIG_DFL)
+        self._signalled = True  # the signal that closes the lab is handed on below; a second one is dropped
         self.close()
         if callable(previous):
             previous(signum, frame)  # default SIGINT handler: raises KeyboardInterrupt
@@ -387,9 +388,21 @@ class NetLab:
             return
         self._closed = True
         atexit.unregister(self.close)
-        for sig, handler in self._prev_handlers.items():
-            if signal.getsignal(sig) == self._on_signal:
-                signal.signal(sig, handler)
+        # A second Ctrl-C (or a SIGINT sent to the child and then its group, as `timeout` does) must not
+        # cut the teardown short and leave namespaces behind: hold such signals until it is done.
+        held: list[int] = []
+        ours = [sig for sig in self._prev_handlers if signal.getsignal(sig) == self._on_signal]
+        for sig in ours:
+            signal.signal(sig, lambda signum, frame: held.append(signum))
+        try:
+            self._teardown()
+        finally:
+            for sig in ours:
+                signal.signal(sig, self._prev_handlers[sig])
+            if held and not self._signalled:  # a signal during an ordinary close: deliver it now
+                signal.raise_signal(held[0])
+
+    def _teardown(self) -> None:
         procs = [proc for host in self.hosts for proc in host._procs]
         for proc in procs:
             if proc.poll() is None:
