@@ -73,13 +73,29 @@ class LightningRecorder(lightning.Callback):
 
 def run_peers(train, count: int = 2) -> tuple[list, list[Recorder]]:
     """`train(index, transport, recorder)` for `count` peers of one loopback hub, each in its own thread:
-    (their results, their recorders)."""
+    (their results, their recorders). A peer that raises lets the others go at once (the start barrier broken,
+    its averages rolled back), and the first error raised is the one raised, not what it made of the others'."""
     hub, barrier = LoopbackHub(timeout_s=60.0), threading.Barrier(count)
     transports = [hub.transport() for _ in range(count)]
     recorders = [Recorder(barrier) for _ in range(count)]
+
+    failed = []  # in the order the peers raised
+
+    def peer(index, transport, recorder):
+        try:
+            return train(index, transport, recorder)
+        except BaseException as e:
+            failed.append(e)
+            barrier.abort()
+            transport.close()
+            raise
+
     try:
         with ThreadPoolExecutor(count) as pool:
-            return list(pool.map(train, range(count), transports, recorders)), recorders
+            futures = [pool.submit(peer, *args) for args in zip(range(count), transports, recorders)]
+        if failed:
+            raise failed[0]
+        return [f.result() for f in futures], recorders
     finally:
         for t in transports:
             t.close()
@@ -117,7 +133,20 @@ def llama_loss(model, tokens) -> float:
         return model(input_ids=x, labels=x).loss.item()
 
 
-def test_a_trainer_callback_averages_the_replicas_every_h_optimizer_steps_and_the_loss_falls(tokens, tmp_path):
+@pytest.fixture
+def accelerate_state_per_thread(monkeypatch):
+    """accelerate keeps its state once per process (PartialState, AcceleratorState, GradientState share one dict
+    each), and two Trainers in two threads share it: one's TrainingArguments wipe the other's AcceleratorState
+    (AttributeError before the start barrier), and one's first micro-batch sets `sync_gradients` False while the
+    other steps, so the other's AcceleratedOptimizer skips that real step (the peers' rounds no longer meet).
+    Each thread gets its own, as each peer in its own process has: accelerate's thread-local state for XLA."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState, ThreadLocalSharedDict
+    for state in (PartialState, AcceleratorState, GradientState):
+        monkeypatch.setattr(state, "_shared_state", ThreadLocalSharedDict())
+
+
+def test_a_trainer_callback_averages_the_replicas_every_h_optimizer_steps_and_the_loss_falls(
+        tokens, tmp_path, accelerate_state_per_thread):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CONTEXT)
