@@ -126,7 +126,7 @@ def test_a_stage_server_answers_bad_frames_with_invalid_argument():
             links.call(node.address, SEND, huge)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         ok, _, body, _ = decode_reply(links.call(node.address, CONTROL, command_of("ping")))
-        assert ok and body == {"name": "n1", "stage": 1, "iteration": -1}
+        assert ok and body == {"name": "n1", "stage": 1, "iteration": -1, "term": 0}
     finally:
         links.close()
         node.close()
