@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 
 SMOOTH_WINDOW = 10  # inner steps averaged for the plotted training loss
 FINAL_LOSS_WINDOW = 10  # last training losses averaged for the summary's final loss
@@ -123,6 +122,8 @@ def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]
 
 def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Path:
     """Save a PNG with training loss (lightly smoothed) and validation loss per worker, vs step and vs wall time."""
+    from matplotlib.figure import Figure  # here, not at import: every worker imports this module, few plot
+
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     by_step, by_time = fig.subplots(1, 2)
     for index, (worker, rows) in enumerate(_by_worker(records).items()):
