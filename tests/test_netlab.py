@@ -16,6 +16,17 @@ from decentral import netlab
 from decentral.netlab import NetLab, NetLabError, cleanup_stale, measure_throughput, parse_rate
 
 
+def signalled(proc: subprocess.Popen, sig: int) -> tuple[str, str]:
+    """Send `sig` to `proc` and return its (stdout, stderr) once it exits; fail if it has not within 30 s."""
+    proc.send_signal(sig)
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"no exit within 30 s of signal {sig!r}; stdout {out!r}, stderr:\n{err}")
+
+
 def leftovers(prefix: str) -> list[str]:
     """Namespaces and links in the root namespace whose lab_name starts with `prefix`."""
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
@@ -176,13 +187,7 @@ def test_signal_tears_down(lab_name, sig):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "up"
     assert len(leftovers(lab_name)) == 5
-    proc.send_signal(sig)
-    try:
-        out, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the lab did not exit within 30 s of signal {sig!r}; stdout {out!r}, stderr:\n{err}")
+    out, err = signalled(proc, sig)
     if sig == signal.SIGINT:
         assert proc.returncode == 0 and "interrupted" in out, err
     else:
@@ -235,13 +240,7 @@ def test_ctrl_c_while_the_hosts_run_a_command_ends_the_lab(lab_name, mode):
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         started += line.strip().endswith("started")
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"netlab did not exit within 30 s of Ctrl-C; stderr:\n{err}")
+    out, err = signalled(proc, signal.SIGINT)
     assert proc.returncode == 130, err
     if mode == "netns":
         assert leftovers(lab_name) == []
