@@ -141,7 +141,8 @@ def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corp
         wait_for_records(out / "h1" / "metrics.jsonl", 2)
         run.procs["h0"].send_signal(signal.SIGCONT)
         assert run.wait(120) == 0, run.log("h1")
-        assert {name: proc.returncode for name, proc in run.procs.items()} == {"h0": 0, "h1": 0, "a": 0}
+        assert {name: proc.returncode for name, proc in run.procs.items()} == {"h0": 0, "h1": 0, "a": 0}, \
+            "\n".join(f"--- {name}\n{run.log(name)}" for name in run.procs)
     assert "stands by: another head leads now" in run.log("h0"), run.log("h0")
     took_over = json.loads((out / "h1" / "metrics.jsonl").read_text().splitlines()[0])["step"]
     assert max(json.loads(line)["step"] for line in (out / "h0" / "metrics.jsonl").read_text().splitlines()) \

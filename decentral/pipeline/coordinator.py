@@ -115,6 +115,7 @@ class Coordinator:
         self.dead: dict[str, str] = {}  # name -> the incarnation found dead (a restart comes back with another)
         self._reports: queue.Queue = queue.Queue()
         self._live: dict[str, Server] = {}
+        self._seen: dict[str, Server] = {}  # every server announced while we lead: `stop_all` reaches them all
         self._current: Network | None = None
 
     def on_report(self, body: dict) -> None:
@@ -126,6 +127,7 @@ class Coordinator:
         """Servers up now that the network names, less those found dead (unless restarted since)."""
         found = {}
         for name, server in self.servers().items():
+            self._seen[name] = server
             if self.dead.get(name) == server.incarnation or name not in {n.name for n in self.network.nodes}:
                 continue
             found[name] = server
@@ -380,8 +382,8 @@ class Coordinator:
         return done, last
 
     def stop_all(self) -> None:
-        """Tell every other node announced to leave (those found dead too: a lead we took over from may
-        only have been slow)."""
-        self._live = self.servers()
+        """Tell every other node announced now or at any time we led to leave (those found dead too: a
+        lead we took over from may only have been slow; a node whose DHT record lapsed is still told)."""
+        self._live = {**self._seen, **self.servers()}
         self._command_all([name for name, server in self._live.items() if server.address != self.address], "stop",
                           lambda name: {}, timeout_s=10.0)
