@@ -17,6 +17,7 @@ from decentral.pipeline.coordinator import Coordinator, Deposed
 from decentral.pipeline.evaluate import load_run
 from decentral.pipeline.launch import LocalPipeline, run_metrics
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
+from decentral.pipeline.serve import NodeOptions, _serve
 from decentral.swarm.admission import SwarmKey
 from test_pipeline_runtime import InProcessPipeline, pinned_network, tiny_recipe
 
@@ -65,6 +66,27 @@ def test_a_new_lead_finishes_the_step_its_predecessor_left_half_sent_and_the_old
     finally:
         reference.close()
         failing.close()
+
+
+def test_a_node_that_stepped_the_last_iteration_leaves_as_done_when_its_lead_is_gone(tmp_path, small_corpus):
+    """The lead's stop does not reach a node (its lead ended the run and left): a node that stepped the
+    run's last iteration finds its lead gone and leaves with 0, without looking for a successor (a node
+    that did not would look for one, and with no head left exit 2)."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a": 1}, load_corpus([small_corpus]).train)
+    try:
+        a = pipeline.nodes["a"]
+        pipeline.coordinator.run_iteration(0)
+        assert not a.ended
+        pipeline.coordinator.run_iteration(1, last=True)
+        assert a.ended and a.iterations_done == 2
+        pipeline.nodes["h"].close()
+        said: list[str] = []
+        opts = NodeOptions("a", recipe, pipeline.coordinator.network, tmp_path, print_fn=said.append)
+        assert _serve(a, None, a.address, opts, []) == 0  # no DHT peer: a successor search would fail
+        assert said == ["[a] the run ended at iteration 2; its lead is gone; leaving"]
+    finally:
+        pipeline.close()
 
 
 def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path, small_corpus):

@@ -161,8 +161,9 @@ class Coordinator:
         return replace(network, nodes=tuple(replace(node, stage=live[node.name].stage) for node in network.nodes))
 
     # ----- one iteration -----
-    def run_iteration(self, iteration: int, save: bool = False) -> dict:
-        """Run `iteration` (module docstring) and return its record; `save` asks the nodes for checkpoints."""
+    def run_iteration(self, iteration: int, save: bool = False, last: bool = False) -> dict:
+        """Run `iteration` (module docstring) and return its record; `save` asks the nodes for checkpoints,
+        `last` tells them it is the run's last (a node that loses its lead after it leaves as done)."""
         started = time.monotonic()
         self._live = self.live_servers()
         # a node found dead that is up again (a new incarnation: restarted) is one of the live ones again
@@ -191,7 +192,7 @@ class Coordinator:
         step_started = time.monotonic()
         live_nodes = [name for name in self.plan.nodes if name not in self.dead]
         replies = self._command_all(live_nodes, "step", lambda name: {"iteration": iteration, "finished": finished,
-                                                                       "loss": loss, "save": save},
+                                                                       "loss": loss, "save": save, "last": last},
                                     timeout_s=self.step_timeout_s)
         self._lose([name for name, reply in replies.items() if reply is None], iteration, {}, lost)
         compute = {name: reply["compute_ms"] for name, reply in replies.items() if reply and reply.get("compute_ms")}

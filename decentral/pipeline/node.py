@@ -27,7 +27,8 @@ Control commands (Control RPC; JSON bodies; * carry the lead's `term`):
   begin*    {iteration, coordinator, directory: {name: address}, launches: [[microbatch, attempt, route]]}
   launch*   {iteration, launches}                 start more microbatches (heads; after a re-plan)
   abort*    {iteration, keys: [[microbatch, attempt]]}  forget them: queued work, activations, gradients
-  step*     {iteration, finished: {microbatch: attempt}, loss, save}  step once on the finished microbatches
+  step*     {iteration, finished: {microbatch: attempt}, loss, save, last}  step once on the finished
+            microbatches (`last`: the run's last iteration)
   takeover* {}   follow the new term; replies with {done: iterations stepped, open: the iteration begun
             and not stepped (or null), last_step: the last step command (or null)}
   stop*, ping (replies with name, stage, iteration, term), weights (this stage's weights as safetensors)
@@ -153,6 +154,7 @@ class StageNode:
         self.iterations_done = 0
         self.term = 0  # the newest lead's term seen (module docstring)
         self._last_step: dict | None = None  # the last step command applied: what a new lead needs
+        self.ended = False  # it stepped the run's last iteration: a lead gone now has ended the run
         self._cond = threading.Condition()
         self._iteration = -1  # the iteration begun; work of later ones waits for its begin
         self._open = False  # whether it has not stepped yet (work of a stepped iteration is dropped)
@@ -490,6 +492,7 @@ class StageNode:
             # the commit point: a new lead asking after this (takeover) learns this step was taken
             self.iterations_done = iteration + 1
             self._last_step = {"iteration": iteration, "finished": body["finished"], "loss": body.get("loss")}
+            self.ended = bool(body.get("last", False))
             keys = [k for k in self._pending if k[0] == iteration and finished.get(k[1]) == k[2]]
             for i, param in enumerate(self.params):
                 parts = [self._pending[k][i] for k in keys if self._pending[k][i] is not None]

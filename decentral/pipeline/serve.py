@@ -21,7 +21,8 @@ that is announced in the DHT and answers a ping: every node finds the same one, 
 The successor takes over (Coordinator.take_over: a new term) and leads from the iteration the nodes
 last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
 record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no
-head is left, every node says so in one line and exits 2: the stage checkpoints stay, for `resume`.
+head is left, every node says so in one line and exits 2: the stage checkpoints stay, for `resume`
+(a node that stepped the run's last iteration and then finds its lead gone leaves as done, exit 0).
 A lead that finds the nodes following a newer term (it was only slow) stands by as a head. A node
 leaves when told to, or when no command came for `idle_s` seconds.
 """
@@ -175,6 +176,9 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
         gone = _lead_gone(node)
         if gone is None:
             continue
+        if node.ended:  # the lead's stop did not reach us
+            opts.print_fn(f"[{opts.name}] the run ended at iteration {node.iterations_done}; its lead is gone; leaving")
+            return 0
         successor = _successor(node, view(), gone)
         if successor is None:
             opts.print_fn(f"[{opts.name}] the lead ({gone}) is gone and no head is left to take over; leaving "
@@ -232,7 +236,8 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
     try:
         for iteration in range(first, steps):
             last = iteration + 1 == steps
-            record = coordinator.run_iteration(iteration, save=last or (iteration + 1) % train.eval_every == 0)
+            record = coordinator.run_iteration(iteration, save=last or (iteration + 1) % train.eval_every == 0,
+                                               last=last)
             metrics.write(worker=opts.name, step=iteration + 1, wall_s=time.perf_counter() - start,
                           **{**record, "dead": ",".join(record["dead"]), "sync": None,
                              "sync_wait_s": max((s["wait_s"] for s in record["sync"]), default=None)})
