@@ -18,10 +18,10 @@
 
 Hugging Face experts (decentral.experts.registry: save_pretrained's layout) merge the same way, their
 weights read from model.safetensors or through the shards' index. Their config.json files must agree
-but for `SAVED_AS` (`transformers_version`, `dtype`: how a model was saved); the output holds the
-first input's config.json, its `dtype` the output's, and its other files (generation_config.json),
-and one model.safetensors, so `from_pretrained` opens it. Hugging Face and reference-GPT inputs
-together are an error.
+but for decentral.models.hf.SAVED_AS (`transformers_version`, `dtype`: how a model was saved); the
+output holds the first input's config.json, its `dtype` the output's, and its other files
+(generation_config.json), and one model.safetensors, so `from_pretrained` opens it. Hugging Face and
+reference-GPT inputs together are an error.
 
 The output dtype of a tensor is the recipe's `dtype`, else the dtype the inputs store it in (float32
 where they disagree). The expert's name is `out_dir`'s folder name, which must be a valid expert
@@ -52,10 +52,10 @@ from decentral.merge.recipe import OUTPUT_DTYPES, MergeRecipe, ModelRef, load_me
 from decentral.merge.tensors import (
     DTYPES, FLOAT_CODES, SafetensorsReader, SafetensorsWriter, ShardedReader, write_order,
 )
+from decentral.models.hf import SAVED_AS
 
 EMBEDDING_HINTS = ("head", "embed", "wte", "tok")  # names of output heads and token embeddings
 MAX_LISTED = 10  # problems listed in one error message
-SAVED_AS = ("transformers_version", "dtype", "torch_dtype")  # config.json keys saying how a model was saved
 
 
 @dataclass

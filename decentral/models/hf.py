@@ -26,8 +26,11 @@ from decentral.models import HF_CONFIG_PREFIX, HF_SOURCE, ModelError
 from decentral.models.gpt import next_token_loss
 
 CONFIG_FILE = "config.json"
-# config keys that say how or where a model was saved or read, not what it is
-NOT_DESCRIBED = ("transformers_version", "dtype", "torch_dtype", "architectures", "_name_or_path")
+SAVED_AS = ("transformers_version", "dtype", "torch_dtype")  # config.json keys saying how a model was saved
+# config keys left out of a model's description: SAVED_AS, and where it was read from (`_name_or_path`) or what
+# class saved it (`architectures`, absent from a config written by hand), so a model built from a config and
+# the same model read back from its save_pretrained folder describe themselves alike
+NOT_DESCRIBED = (*SAVED_AS, "architectures", "_name_or_path")
 
 
 def _transformers():
