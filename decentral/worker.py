@@ -90,7 +90,7 @@ def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: 
     """OUT/checkpoint: the training state, and a model with files of its own (`write_files`: a Hugging Face
     model's save_pretrained layout) in them beside it instead of in the training state."""
     model = protocol.model
-    files = getattr(model, "write_files", None)
+    files = model.write_files  # None for the reference GPT
     tensors, meta = training_state({} if files else model.state_dict(), protocol.optimizer, protocol.state_dict())
     tokens = lineage["start_tokens"] + (protocol.step - lineage["start_step"]) * recipe.train.batch_size * recipe.train.context
     meta.update(recipe=recipe.to_dict(), lineage={**lineage, "tokens": tokens})
@@ -101,7 +101,7 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
     """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage.
     In an island every rank takes its leader's checkpoint (a rank killed between two saves holds an older
     one, and the island's replicas must be identical)."""
-    read = getattr(protocol.model, "read_files", None)  # the inverse of _save's `write_files`
+    read = protocol.model.read_files  # the inverse of _save's `write_files`; None for the reference GPT
     files = (lambda folder: {f"model.{k}": v for k, v in read(folder).items()}) if read else None
     path = opts.out / "checkpoint"
     state = load_checkpoint(path, files) if not opts.island_mode or opts.rank == 0 else None

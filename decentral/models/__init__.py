@@ -2,7 +2,10 @@
 
 A recipe's `model.source` says which: `gpt` (the reference GPT, shaped by the other model keys),
 `hf:CONFIG.json` (a `transformers` model built from that config, offline) or a folder written by
-`save_pretrained` (its weights). Both kinds train through `forward(x, y) -> (logits, loss)`.
+`save_pretrained` (its weights). Both kinds train through `forward(x, y) -> (logits, loss)` and say
+whether they keep their weights in files of their own: `write_files(folder)` and `read_files(folder)`
+(a state dict) for a Hugging Face model's save_pretrained layout, both None for the reference GPT,
+whose state dict a checkpoint keeps.
 Importing this package does not import `transformers`.
 """
 

@@ -112,6 +112,9 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 class GPT(nn.Module):
     """Decoder-only transformer: `embed` -> `blocks` -> `head`. Initialisation depends only on torch's RNG state."""
 
+    # no files of its own: a checkpoint keeps its state dict (decentral.models.hf.HFCausalLM writes its own layout)
+    write_files = read_files = None
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
