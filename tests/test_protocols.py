@@ -332,7 +332,11 @@ def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_a
     """Peers 0 and 1 fixed the members of epoch 0 before peer 2's announcement reached them (forced
     here: their view of round 0 is {0, 1}); peer 2, sure of all three, is left out of every average of
     the epoch. At the epoch's end it takes their weights and optimizer state, and from then on all
-    three hold bit-identical state after every epoch."""
+    three hold bit-identical state after every epoch.
+
+    Peers 0 and 1 never wait for peer 2 in epoch 0, so none trains before all three have joined: a peer 2
+    whose start() came after they had ended the epoch (its thread scheduled late; CI saw it once) joined at
+    epoch 1 as a newcomer, with their state, never left out of anything, and gave no report of epoch 1."""
     transports = make_swarm(3)
     every, steps = 4, 16
     data = torch.Generator().manual_seed(5)
@@ -349,10 +353,13 @@ def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_a
     for p in made[:2]:
         members = p._members
         p._members = lambda round, members=members: early if round == 0 else members(round)
+    started = threading.Barrier(len(made))
 
     def train(ddp):
         reports = {}
         with ddp:
+            joined = (ddp.step, ddp.round)
+            started.wait(timeout=60)
             while ddp.step < steps:
                 x, y = batches[ddp.step]
                 torch.nn.functional.mse_loss(ddp.model(x), y).backward()
@@ -361,9 +368,10 @@ def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_a
                 report = ddp.pop_report()
                 if report is not None:
                     reports[ddp.round] = report
-        return reports
+        return joined, reports
 
-    reports = run_in_threads([lambda p=p: train(p) for p in made], timeout=120)
+    joined, reports = zip(*run_in_threads([lambda p=p: train(p) for p in made], timeout=120))
+    assert joined == ((0, 0),) * 3  # each joined at epoch 0 (nobody had trained yet)
     assert reports[2][1].repaired and not reports[0][1].repaired and not reports[1][1].repaired
     for round in range(1, steps // every + 1):
         assert len({r[round].digest for r in reports}) == 1, round
