@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,9 @@ from decentral.transport import SoloTransport, Transport
 
 
 IDENTITY_FILE = "identity.key"  # in OUT: a restarted worker keeps its peer id
+# torch's RNG belongs to the process: workers in threads of one process (`bench sweep`, tests) seed it
+# and build their models one at a time, so every worker starts from the recipe seed's weights
+_SEEDED_BUILD = threading.Lock()
 
 
 @dataclass
@@ -179,7 +183,6 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     our island failed: the island left the swarm)."""
     torch.set_num_threads(1)
     t = recipe.train
-    torch.manual_seed(t.seed)
     if opts.island_mode and opts.rank > 0:
         opts = dataclasses.replace(opts, out=opts.out / f"rank{opts.rank}", name=f"{opts.name}.rank{opts.rank}",
                                    tensorboard=opts.tensorboard and opts.tensorboard / f"rank{opts.rank}")
@@ -193,7 +196,9 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     domains = load_domains(opts.domains) if opts.domains else None
     corpus = None if domains else load_corpus(opts.data)
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
-    model = build_model(recipe.model_source, recipe.model, t.context).to(device)
+    with _SEEDED_BUILD:
+        torch.manual_seed(t.seed)
+        model = build_model(recipe.model_source, recipe.model, t.context).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     lineage = {"parent": None, "start_step": 0, "start_tokens": 0}
     if start is not None:
