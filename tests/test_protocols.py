@@ -381,15 +381,15 @@ def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_a
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_co2_steps_on_the_round_befores_average_with_the_penalty_and_a_clip_that_clips(make_peers, adaptive):
-    lr, mu, penalty, clip = 0.8, 0.5, 2.0, 0.04
+    lr, mu, penalty, clip, mix = 0.8, 0.5, 2.0, 0.04, 0.3
     protocols = make_protocols(make_peers(3), CO2, every=10, outer_lr=lr, outer_momentum=mu, penalty=penalty,
-                               staleness_adaptive=adaptive, clip=clip)
+                               staleness_adaptive=adaptive, clip=clip, mix=mix)
     phi, momentum, clipped = protocols[0].slow.clone(), torch.zeros_like(protocols[0].slow), False
     stale = anchor = None  # the average in flight, and the φ it was measured from
     gen = torch.Generator().manual_seed(6)
     own_grads = [torch.zeros_like(phi)] * 3  # each one's progress φ does not hold yet
     for round in range(4):
-        starts = [phi - own for own in own_grads]
+        starts = [phi - mix * own for own in own_grads]
         fasts = [start + 0.1 * torch.randn(phi.numel(), generator=gen) for start in starts]
         reports = outer_round(protocols, fasts)
         assert all(r.complete for r in reports)
@@ -404,10 +404,10 @@ def test_co2_steps_on_the_round_befores_average_with_the_penalty_and_a_clip_that
         else:
             anchor = phi
         stale = launched
-        for p, own in zip(protocols, own_grads):  # the next round starts from φ plus our own progress in flight
+        for p, own in zip(protocols, own_grads):  # the next round starts from φ plus a share of our progress in flight
             torch.testing.assert_close(p.slow, phi, rtol=0, atol=1e-6)
             torch.testing.assert_close(p.momentum, momentum, rtol=0, atol=1e-6)
-            torch.testing.assert_close(flat(p.model), phi - own, rtol=0, atol=1e-6)
+            torch.testing.assert_close(flat(p.model), phi - mix * own, rtol=0, atol=1e-6)
         assert len({r.digest for r in reports}) == 1
     assert clipped and momentum.abs().max() <= clip
     run_in_threads([p.finish for p in protocols])  # the last average, still in flight, is applied at the end
@@ -416,6 +416,15 @@ def test_co2_steps_on_the_round_befores_average_with_the_penalty_and_a_clip_that
     for p in protocols:
         torch.testing.assert_close(p.slow, phi - lr * momentum, rtol=0, atol=1e-6)
         assert torch.equal(flat(p.model), p.slow)
+
+
+def test_co2_refuses_settings_outside_their_range(make_loopback):
+    (transport,) = make_loopback(1)
+    model = tiny_model(0)
+    for setting, why in (({"mix": 1.5}, r"mix \(α, the share of our own progress in flight"),
+                         ({"penalty": 0.0}, "penalty"), ({"clip": -1.0}, "clip")):
+        with pytest.raises(ValueError, match=why):
+            CO2(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, **setting)
 
 
 def test_a_co2_average_runs_in_the_background_while_the_next_round_trains(make_loopback):

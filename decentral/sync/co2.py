@@ -8,27 +8,28 @@ step at the end of round t+1 uses it, one round stale (ALGORITHMS.md §4). At th
     m      ← μ·m + ḡ^{t−1} / p_t                staleness gap penalty p_t
     m      ← clamp(m, −c, c)                    outer momentum clipping, element-wise
     φ_{t+1} = φ_t − lr·m
-    θ_i    ← s_i = φ_{t+1} − g_i^t              the next round starts from φ plus our own progress in flight
+    θ_i    ← s_i = φ_{t+1} − α·g_i^t            the next round starts from φ plus a share α (`mix`) of our
+                                                own progress in flight
 The penalty is constant by default (p_t = `penalty`, the reference code's, 1.0); `staleness_adaptive`
 scales it by how far φ moved since the point ḡ^{t−1} was measured from, relative to ḡ^{t−1}'s size:
 p_t = penalty · (1 + ‖φ_t − φ_{t−1}‖ / ‖ḡ^{t−1}‖). The reference code's clip discards its result (never
 clips); this one clips. `clip=None` turns it off.
 
-Where the next round starts: the reference code (SlowMo's) sets θ ← φ_{t+1}, which lacks round t's
-progress (still in flight), so every round trains from a point one round behind. That is a delayed
+Where the next round starts: the reference code (SlowMo's) sets θ ← φ_{t+1} (α = 0), which lacks round
+t's progress (still in flight), so every round trains from a point one round behind. That is a delayed
 outer step, and with H=50 it oscillated here (4 peers of one LoopbackHub, protocols/co2.yaml, an ad-hoc
-script not kept: validation loss 2.43 at step 150, 3.83 at 250; DiLoCo 2.09). Starting from φ_{t+1} plus our own part of the average in flight
-keeps our own progress undelayed; only the others' arrives a round late. φ and m stay identical on
-every replica; θ_i differs by each one's own progress, as it does within a DiLoCo round.
-Whatever a round starts from, φ counts every round's average exactly once; the start only decides where
-the next round's gradients are taken. Four starts φ_{t+1} − e, e standing in for the average in flight,
-measured 2026-11-25 (4 workers of one LoopbackHub, protocols/co2.yaml, 400 steps, one run each, the
-others by an ad-hoc patch): e = our own part 2.026 (this rule); e = (own + (k−1)·the last average)/k
-(the "eager" proxy of Kale et al. 2025) 2.255; e = 0 (the reference's) 2.367, with outer lr 0.7 / 0.5
-2.182 / 2.191; e = the last average 2.527; DiLoCo with momentum 0 1.991, no communication 2.061. What no
-rule removes: a round's start trades our own progress of the round before for the average of it, after a
-whole round was trained on top of it; in long runs that costs more than averaging gains (README, known
-limits).
+script not kept: validation loss 2.43 at step 150, 3.83 at 250; DiLoCo 2.09). Starting from φ_{t+1} plus
+all of our own part in flight (α = 1) keeps our own progress undelayed, but the replicas' starts then
+differ by each one's own last round, and that difference does not shrink: at the next boundary each swaps
+its own round for the average after a whole round was trained on top of it, and in directions where a
+round converges, θ_i lands as far from the others as its start was. In a 1000-step run the models at
+the boundaries zig-zagged between validation loss 2.0 and 2.45 for most of it, and the run ended worse
+than no communication. A share 0 < α < 1 keeps that share of our own progress undelayed and shrinks the
+replicas' differences by α every round, as Streaming DiLoCo's mixing of local and global weights does.
+The default α = 0.75 ended 5% below α = 1 at 1000 steps and below no communication, and slightly below
+α = 1 at 400; 0.25 and 0.5 did worse than 0.75 (BENCHMARKS.md "CO2's start"). φ and m stay identical on
+every replica. Whatever a round starts from, φ counts every round's average exactly once; the start only
+decides where the next round's gradients are taken.
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
 round's, so nothing trained is lost. With a codec that sends a small part of each tensor (top-k), what
@@ -75,14 +76,18 @@ class CO2(OuterProtocol):
         penalty: float = 1.0,
         staleness_adaptive: bool = False,
         clip: float | None = 1.0,
+        mix: float = 0.75,
     ):
         super().__init__(model, optimizer, transport, every=every)
         if not penalty > 0:
             raise ValueError(f"penalty (the staleness gap penalty's divisor) must be > 0, got {penalty}")
         if clip is not None and not clip > 0:
             raise ValueError(f"clip (the outer momentum's element-wise bound) must be > 0 or None, got {clip}")
+        if not 0 <= mix <= 1:
+            raise ValueError(f"mix (α, the share of our own progress in flight a round starts with) must be in "
+                             f"[0, 1], got {mix}")
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
-        self.penalty, self.staleness_adaptive, self.clip = penalty, staleness_adaptive, clip
+        self.penalty, self.staleness_adaptive, self.clip, self.mix = penalty, staleness_adaptive, clip, mix
         self.momentum = torch.zeros_like(self.slow)
         self.in_flight: InFlight | None = None
         self._unsent: torch.Tensor | None = None  # our part of an average that did not commit
@@ -96,10 +101,10 @@ class CO2(OuterProtocol):
         return copies + (["φ it was measured from"] if self.staleness_adaptive else [])
 
     def round_start_weights(self) -> torch.Tensor:
-        """φ plus our own progress that φ does not hold yet (in flight, or to go out again, or the error
-        feedback's residual)."""
-        start = self.slow
-        for part in (self.in_flight.sent if self.in_flight else None, self._unsent, self.residual):
+        """φ plus our own progress that φ does not hold yet: the share `mix` of our part in flight, and all
+        of what goes out again (an average that did not commit, the error feedback's residual)."""
+        start = self.slow if self.in_flight is None else self.slow - self.mix * self.in_flight.sent
+        for part in (self._unsent, self.residual):
             if part is not None:
                 start = start - part
         return start
