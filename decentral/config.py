@@ -217,9 +217,12 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(read_yaml(path), str(path))
 
 
+SHIPPED = Path(__file__).resolve().parent.parent  # the repository: protocols/ and merges/ hold its recipes
+
+
 def default_recipe_path(protocol: str) -> Path:
     """protocols/<name>.yaml shipped with the repository."""
-    return Path(__file__).resolve().parent.parent / "protocols" / f"{protocol}.yaml"
+    return SHIPPED / "protocols" / f"{protocol}.yaml"
 
 
 def recipe_path(name_or_file: str) -> Path:

@@ -404,21 +404,16 @@ class NetLab:
 
     def _teardown(self) -> None:
         procs = [proc for host in self.hosts for proc in host._procs]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
         # Never Popen.wait() here: close() also runs from the signal handler, which may have interrupted a
         # wait() on one of these processes in the main thread, whose lock a second wait() would block on forever
         # (Ctrl-C on `netlab -- CMD` hung so). poll() and waitid(WNOWAIT) never block.
-        deadline = time.monotonic() + _KILL_GRACE_S
-        while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the terminated processes exiting
-        for proc in procs:
-            if not _exited(proc):
-                proc.kill()
-        deadline = time.monotonic() + _KILL_GRACE_S
-        while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)  # SIGKILL is not refused: this takes milliseconds
+        for stop in (subprocess.Popen.terminate, subprocess.Popen.kill):
+            for proc in procs:
+                if not _exited(proc):
+                    stop(proc)
+            deadline = time.monotonic() + _KILL_GRACE_S
+            while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the signalled processes exiting (after SIGKILL: milliseconds)
         if self.mode == "netns":
             cleanup_stale(self.name)
 

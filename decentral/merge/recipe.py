@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 
-from decentral.config import read_yaml
+from decentral.config import SHIPPED, read_yaml
 from decentral.experts.registry import RegistryError, check_name
 from decentral.merge.base import MergeError, MergeMethod
 
@@ -57,7 +57,7 @@ class MergeRecipe:
 def load_merge_recipe(path: str | Path, registry: str | Path | None = None) -> MergeRecipe:
     """Read and check a recipe file; `registry` (the CLI's --registry) overrides the recipe's."""
     path = Path(path)
-    shipped = Path(__file__).resolve().parent.parent.parent / "merges" / path.name
+    shipped = SHIPPED / "merges" / path.name
     if not path.is_file() and path.parent.name == "merges" and shipped.is_file():
         # merges/ties.yaml typed outside the repository: say where the shipped one is
         raise MergeError(f"merge recipe {path} does not exist (relative to {Path.cwd()}); the shipped one is {shipped}")
