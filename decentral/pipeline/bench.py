@@ -87,12 +87,14 @@ def add_arguments(parser) -> None:
     runtime: decentral.pipeline.trainbench)."""
     from decentral.cli import example
     from decentral.pipeline import trainbench
+    from decentral.pipeline.recipe import SHIPPED_RECIPE
 
     suites = parser.add_subparsers(dest="pipeline_suite", title="the runtime's benchmarks")
     convergence = suites.add_parser("convergence", help="skip vs no skip at equal iterations; half the stages "
                                     "dropped at inference", description=trainbench.__doc__, **example(
                                         "decentral bench pipeline convergence --steps 300 --out runs/bench-skippipe"))
-    convergence.add_argument("--recipe", default="protocols/skippipe.yaml")
+    convergence.add_argument("--recipe", default=SHIPPED_RECIPE,
+                             help="a SkipPipe recipe (default: the shipped protocols/skippipe.yaml)")
     convergence.add_argument("--steps", type=int, help="iterations (default: the recipe's)")
     convergence.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.33], help="the first is the baseline")
     convergence.add_argument("--drop", type=float, default=0.5)
@@ -104,7 +106,8 @@ def add_arguments(parser) -> None:
     timing = suites.add_parser("timing", help="the runtime's iteration time on netlab hosts against the simulator's",
                                description=trainbench.__doc__, **example(
                                    "decentral bench pipeline timing --nodes 4 --stages 2 --out runs/bench-skippipe-timing"))
-    timing.add_argument("--recipe", default="protocols/skippipe.yaml", help="model and microbatch shape")
+    timing.add_argument("--recipe", default=SHIPPED_RECIPE,
+                        help="model and microbatch shape (default: the shipped protocols/skippipe.yaml)")
     timing.add_argument("--bandwidth", default="20mbit", help="every host's uplink cap")
     timing.add_argument("--latency-ms", type=float, default=20.0)
     timing.add_argument("--nodes", type=int, default=8)

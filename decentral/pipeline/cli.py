@@ -23,6 +23,7 @@ from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.constraints import path_length
 from decentral.pipeline.network import load_network
 from decentral.pipeline.planner import Plan, plan
+from decentral.pipeline.recipe import SHIPPED_RECIPE
 
 
 TRAIN_HELP = """Train the reference GPT with SkipPipe: one `decentral pipeline node` process per node of the
@@ -36,7 +37,7 @@ another head takes over; nodes checkpoint every train.eval_every iterations, and
 from there (after a stop, or the death of a run's only head).
 
 example:
-  decentral pipeline train --recipe protocols/skippipe.yaml --steps 300 --out runs/skippipe
+  decentral pipeline train --steps 300 --out runs/skippipe
 """
 
 EVAL_HELP = """Evaluate a `decentral pipeline train` run: validation loss and perplexity of the whole model and,
@@ -77,7 +78,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
 
     t = commands.add_parser("train", help="train the reference GPT with SkipPipe on local processes; evaluate it",
                             **described(TRAIN_HELP))
-    t.add_argument("--recipe", default="protocols/skippipe.yaml", help="a SkipPipe recipe (default: %(default)s)")
+    t.add_argument("--recipe", default=SHIPPED_RECIPE,
+                   help="a SkipPipe recipe (default: the shipped protocols/skippipe.yaml)")
     t.add_argument("--network", metavar="NETWORK.json", help="the nodes and links to plan for (default: the "
                    "recipe's pipeline.network, else pipeline.nodes equal nodes)")
     t.add_argument("--steps", type=int, help="iterations (default: the recipe's train.steps)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from decentral.config import Recipe, RecipeError, parse_recipe, read_yaml, typed_section
+from decentral.config import Recipe, RecipeError, default_recipe_path, parse_recipe, read_yaml, typed_section
 from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX
 from decentral.pipeline.frames import DTYPES
 from decentral.pipeline.network import DEFAULT_MEMORY, Network, Node, parse_network
@@ -88,6 +88,9 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
     if recipe.model_source == GPT_SOURCE and recipe.train.context > recipe.model.context:
         raise RecipeError(f"{where}: train.context {recipe.train.context} exceeds model.context {recipe.model.context}")
     return PipelineRecipe(config, recipe)
+
+
+SHIPPED_RECIPE = default_recipe_path("skippipe")  # what a command that takes --recipe uses without one
 
 
 def load_pipeline_recipe(path: str | Path) -> PipelineRecipe:

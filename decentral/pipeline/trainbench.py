@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from decentral.pipeline.recipe import load_pipeline_recipe
+from decentral.pipeline.recipe import SHIPPED_RECIPE, load_pipeline_recipe
 
 CONVERGENCE_TARGETS = {"skip_vs_full_val_loss": 0.03, "skip_model_half_ppl": 0.10}
 TIMING_TARGET = 0.15
 
 
-def convergence_bench(out: str | Path = "runs/bench-skippipe", recipe: str | Path = "protocols/skippipe.yaml",
+def convergence_bench(out: str | Path = "runs/bench-skippipe", recipe: str | Path = SHIPPED_RECIPE,
                       steps: int | None = None, skips: tuple[float, ...] = (0.0, 0.33), drop: float = 0.5,
                       data=None, netlab: str | None = None) -> list[dict]:
     """Train the recipe at each skip ratio for `steps` iterations, evaluate, print the table (module docstring)."""
@@ -144,7 +144,7 @@ def timing_network(recipe, costs: dict, nodes: int, rate_mbps: float, latency_ms
     return data
 
 
-def timing_bench(out: str | Path = "runs/bench-skippipe-timing", recipe: str | Path = "protocols/skippipe.yaml",
+def timing_bench(out: str | Path = "runs/bench-skippipe-timing", recipe: str | Path = SHIPPED_RECIPE,
                  bandwidth: str = "20mbit", latency_ms: float = 20.0, nodes: int = 8, stages: int = 4,
                  skips: tuple[float, ...] = (0.0, 0.25), microbatches: int = 8, iterations: int = 6, warmup: int = 2,
                  data=None) -> list[dict]:
