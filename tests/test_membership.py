@@ -1,6 +1,12 @@
 """Membership over a real DHT: all peers derive the same round members; leaving and dying both drop a peer."""
 
+import os
+import signal
+import threading
 import time
+
+from conftest import wait_until
+from decentral.swarm import SwarmPeer
 
 
 def test_every_peer_sees_the_same_members_for_a_round(make_swarm):
@@ -33,3 +39,18 @@ def test_a_silent_peer_expires_after_the_sync_timeout(make_swarm):
     while peers[1].peer_id in peers[0].membership.alive():
         assert time.monotonic() < deadline, "a peer without heartbeats never expired"
         time.sleep(0.1)  # polling the DHT for the expiry
+
+
+def test_a_peer_whose_dht_process_died_still_shuts_down():
+    """A DHT call on a DHT process that died (killed, or by the OOM killer) never returns and holds the
+    peer's DHT lock; shutting the peer down must not wait for it (a pipeline node hung so at its exit)."""
+    peer = SwarmPeer(f"t{time.monotonic_ns()}")
+    os.kill(peer.dht.pid, signal.SIGKILL)
+    peer.dht.join(10)
+    stuck = threading.Thread(target=peer.lookup, args=("servers",), daemon=True)
+    stuck.start()
+    wait_until(lambda: peer._dht_lock.locked(), 10, "the lookup holding the DHT lock")
+    closing = threading.Thread(target=peer.shutdown, daemon=True)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive() and stuck.is_alive()

@@ -252,7 +252,12 @@ class SwarmPeer:
             log.debug("p2p replica shutdown: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        with self._dht_lock:
+        # a DHT call on a DHT process that died never returns and keeps holding the lock: shut down without it
+        held = self._dht_lock.acquire(timeout=10)
+        try:
             self.dht.shutdown()
+        finally:
+            if held:
+                self._dht_lock.release()
         if self._identity_dir:
             shutil.rmtree(self._identity_dir, ignore_errors=True)
