@@ -39,7 +39,7 @@ from decentral.experts.registry import RegistryError
 from decentral.hierarchy import IslandError
 from decentral.metrics import MetricsLog, TensorBoardSink
 from decentral.models import build_model, describe_model
-from decentral.swarm import SwarmTransport
+from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.monitor import StatusCard
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol, SyncReport
@@ -346,6 +346,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         _save(protocol, opts, recipe, lineage)
     except DivergedError as e:
         opts.print_fn(f"[{opts.name}] stopped: {e}; the last good checkpoint is in {opts.out / 'checkpoint'}")
+        raise
+    except SwarmError:  # the caller reports the error itself
+        opts.print_fn(f"[{opts.name}] stopped at step {protocol.step}; its last checkpoint is in "
+                      f"{opts.out / 'checkpoint'} (--resume goes on from it)")
         raise
     except KeyboardInterrupt:
         _save(protocol, opts, recipe, lineage)

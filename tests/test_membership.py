@@ -5,8 +5,9 @@ import signal
 import threading
 import time
 
+import pytest
 from conftest import wait_until
-from decentral.swarm import SwarmPeer
+from decentral.swarm import SwarmError, SwarmPeer
 
 
 def test_every_peer_sees_the_same_members_for_a_round(make_swarm):
@@ -41,16 +42,28 @@ def test_a_silent_peer_expires_after_the_sync_timeout(make_swarm):
         time.sleep(0.1)  # polling the DHT for the expiry
 
 
-def test_a_peer_whose_dht_process_died_still_shuts_down():
-    """A DHT call on a DHT process that died (killed, or by the OOM killer) never returns and holds the
-    peer's DHT lock; shutting the peer down must not wait for it (a pipeline node hung so at its exit)."""
+def test_a_peer_whose_dht_process_died_says_so_and_shuts_down():
+    """A DHT call on a DHT process that died (killed, or by the OOM killer) would never return: a lookup
+    under way when it dies, and any after, raise SwarmError, and the peer still shuts down."""
     peer = SwarmPeer(f"t{time.monotonic_ns()}")
+    failures = []
+
+    def look_up_until_it_fails():
+        try:
+            while True:
+                peer.lookup("servers")
+        except SwarmError as e:
+            failures.append(e)
+
+    looking = threading.Thread(target=look_up_until_it_fails, daemon=True)
+    looking.start()
+    wait_until(lambda: peer._dht_lock.locked(), 10, "a lookup under way")
     os.kill(peer.dht.pid, signal.SIGKILL)
-    peer.dht.join(10)
-    stuck = threading.Thread(target=peer.lookup, args=("servers",), daemon=True)
-    stuck.start()
-    wait_until(lambda: peer._dht_lock.locked(), 10, "the lookup holding the DHT lock")
+    looking.join(30)
+    assert not looking.is_alive() and "DHT process" in str(failures[0])
+    with pytest.raises(SwarmError, match="cannot reach the swarm"):
+        peer.publish("peers", peer.peer_id, {}, ttl=5)
     closing = threading.Thread(target=peer.shutdown, daemon=True)
     closing.start()
     closing.join(60)
-    assert not closing.is_alive() and stuck.is_alive()
+    assert not closing.is_alive()

@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from hivemind.dht import DHT
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
 from decentral.swarm.admission import TOKEN_BYTES, SignedRecords, SwarmKey, ensure_identity
@@ -72,6 +73,7 @@ class NotServing(Exception):
 
 
 ADMIT_TIMEOUT_S = 10.0  # an incoming stream must present its swarm-key token within this time
+DHT_CHECK_S = 1.0  # how often a waiting DHT call looks whether the DHT process is still alive
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
 IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life's daemon to let go of its id
 
@@ -168,21 +170,35 @@ class SwarmPeer:
         return self._loop
 
     # ----- addresses and records -----
-    def multiaddrs(self) -> list[str]:
+    def _dht_call(self, send: Callable[[], MPFuture]) -> Any:
+        """The result of the DHT call that `send` starts (under the DHT lock). SwarmError when the DHT
+        process is dead or dies during the call: its answer would never come, and the caller would hang."""
         with self._dht_lock:
-            return [str(m) for m in self.dht.get_visible_maddrs()]
+            self._check_dht()
+            future = send()
+            while True:
+                try:
+                    return future.result(timeout=DHT_CHECK_S)
+                except TimeoutError:
+                    self._check_dht()
+
+    def _check_dht(self) -> None:
+        if not self.dht.is_alive():
+            raise SwarmError(f"this peer's DHT process (pid {self.dht.pid}) is gone (exit code {self.dht.exitcode}): "
+                             "the peer cannot reach the swarm any more")
+
+    def multiaddrs(self) -> list[str]:
+        maddrs = self._dht_call(lambda: self.dht.run_coroutine(DHT._get_visible_maddrs, return_future=True))
+        return [str(m) for m in maddrs]
 
     def publish(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
         """Store `value` under `run/key` for `ttl` seconds, one entry per `subkey`."""
-        with self._dht_lock:
-            return bool(
-                self.dht.store(f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey)
-            )
+        return bool(self._dht_call(lambda: self.dht.store(
+            f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)))
 
     def lookup(self, key: str) -> dict[str, Any]:
         """All unexpired entries under `run/key`, as {subkey: value}."""
-        with self._dht_lock:
-            found = self.dht.get(f"{self.run}/{key}", latest=True)
+        found = self._dht_call(lambda: self.dht.get(f"{self.run}/{key}", latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return {}
         return {str(sub): item.value for sub, item in found.value.items()}
@@ -252,7 +268,8 @@ class SwarmPeer:
             log.debug("p2p replica shutdown: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        # a DHT call on a DHT process that died never returns and keeps holding the lock: shut down without it
+        # a call in flight lets go of the lock within DHT_CHECK_S of its DHT process dying; one that is alive
+        # but stuck (its loop blocked) may hold it for good: shut down without it then
         held = self._dht_lock.acquire(timeout=10)
         try:
             self.dht.shutdown()
