@@ -54,7 +54,7 @@ class SwarmConfig:
     codec: str = "float32"  # how averages travel: float32, float16, bfloat16, int8, int4, topk[:DENSITY]
     max_norm_ratio: float = 2.0  # parts are clipped to this multiple of their chunk's lower-median norm
     aggregation: str = "mean"  # or "trimmed": each coordinate without its extremes, in groups of 3+
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = 10.0  # between regular heartbeats (decentral.swarm.membership.HEARTBEAT_S says why)
     key_file: str = ""  # swarm key (decentral swarm keygen): only peers holding it take part; "" = an open swarm
 
 

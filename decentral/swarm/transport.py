@@ -16,11 +16,13 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.transport import AverageResult
-from decentral.swarm.membership import Membership
+from decentral.swarm.membership import HEARTBEAT_S, Membership
 from decentral.swarm.peer import SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
 
 log = logging.getLogger(__name__)
+
+PEER_POLL_S = 1.0  # how often `wait_for_peers` looks again
 
 
 class SwarmTransport:
@@ -49,7 +51,7 @@ class SwarmTransport:
         codec: str = "float32",
         max_norm_ratio: float = 2.0,
         aggregation: str = "mean",
-        heartbeat_s: float = 2.0,
+        heartbeat_s: float = HEARTBEAT_S,
         lookahead: int = 2,
         identity_path: str | None = None,
         swarm_key: SwarmKey | None = None,
@@ -128,7 +130,7 @@ class SwarmTransport:
         while len(self.membership.members(round)) < count:
             if time.monotonic() > deadline:
                 raise SwarmError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
-            time.sleep(self.membership.heartbeat_s / 2)  # peers announce rounds when they are ready to train
+            time.sleep(PEER_POLL_S)  # peers announce rounds when they are ready to train
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         self.state.offer(meta, tensors, digest)
