@@ -27,7 +27,8 @@ the boundaries zig-zagged between validation loss 2.0 and 2.45 for most of it, a
 than no communication. A share 0 < α < 1 keeps that share of our own progress undelayed and shrinks the
 replicas' differences by α every round, as Streaming DiLoCo's mixing of local and global weights does.
 The default α = 0.75 ended 5% below α = 1 at 1000 steps and below no communication, and slightly below
-α = 1 at 400; 0.25 and 0.5 did worse than 0.75 (BENCHMARKS.md "CO2's start"). φ and m stay identical on
+α = 1 at 400; 0.25 and 0.5 did worse than 0.75 (BENCHMARKS.md "CO2's start"); protocols/co2.yaml takes
+α = 0.9 with outer lr 1.3, slightly ahead at 300 to 1000 steps ("CO2's outer lr and mix"). φ and m stay identical on
 every replica. Whatever a round starts from, φ counts every round's average exactly once; the start only
 decides where the next round's gradients are taken.
 
