@@ -45,7 +45,9 @@ def test_two_islands_of_two_ranks_train_as_two_identical_members(workers, mode):
         # from the majority a round later; every later round is complete
         rounds = syncs(records)
         assert [r["round"] for r in rounds] == [1, 2, 3, 4], key
-        assert all(r["group_size"] == 2 and r["complete"] for r in rounds[1:]), (key, rounds)
+        assert all(r["group_size"] == 2 and r["complete"] for r in rounds[1:]), "\n".join(
+            [f"{key}: (round, group size, complete) {[(r['round'], r['group_size'], r['complete']) for r in rounds]}",
+             w.log(0), w.log(1)])
     for rnd in range(1, 4):  # the four ranks hold bit-identical outer state after every later round
         assert len({syncs(records)[rnd]["digest"] for records in runs.values()}) == 1, rnd
     for island in range(2):

@@ -22,7 +22,7 @@ from decentral.swarm.state import Snapshot, StateExchange
 
 log = logging.getLogger(__name__)
 
-PEER_POLL_S = 1.0  # how often `wait_for_peers` looks again
+PEER_POLL_S = 1.0  # the longest `wait_for_peers` waits between looks (half a heartbeat when that is shorter)
 
 
 class SwarmTransport:
@@ -130,7 +130,7 @@ class SwarmTransport:
         while len(self.membership.members(round)) < count:
             if time.monotonic() > deadline:
                 raise SwarmError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
-            time.sleep(PEER_POLL_S)  # peers announce rounds when they are ready to train
+            time.sleep(min(self.membership.heartbeat_s / 2, PEER_POLL_S))  # peers announce rounds when ready to train
 
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         self.state.offer(meta, tensors, digest)
