@@ -12,8 +12,7 @@ Two kinds of DHT records under the run's key:
   once rather than with the next beat.
 - `round/<r>`: a peer announces that it will take part in round r `lookahead` rounds ahead, so that
   by the time anyone reaches round r all live participants have long since announced it. Every peer
-  then derives the same member list for r without a barrier. A round is announced once (again only
-  when half its `round_ttl_s` has passed), although every boundary asks for the next `lookahead`.
+  then derives the same member list for r without a barrier.
 
 A peer restarted under the same id (its key file) stays listed for the rounds its killed process had
 announced: every peer keeps deriving the same list, and the averaging itself leaves it out at once
@@ -55,7 +54,6 @@ class Membership:
         self._card: dict = {}  # fixed fields every heartbeat carries besides the progress (see `set_card`)
         self._news = threading.Event()  # a digest or announcement to publish before the next regular beat
         self._announcing: set[int] = set()  # rounds to announce with the next beat
-        self._announced: dict[int, float] = {}  # round -> when we last published our announcement of it
         self._view: tuple[float, dict[str, dict]] | None = None  # (when looked up, what `alive` found then)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -107,7 +105,7 @@ class Membership:
             try:
                 self._beat()
                 for round in rounds:
-                    self._publish_round(round)
+                    self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
                 self.alive()  # a fresh view for `alive(max_age_s)`, looked up off the training thread
             except Exception as e:  # a missed beat is not fatal; the next one may go through
                 with self._lock:
@@ -144,27 +142,11 @@ class Membership:
         publishes it, at once, so the caller (the training thread, at a round boundary) never waits on the
         DHT."""
         if wait:
-            self._publish_round(round)
-            return
-        if self._fresh(round):
+            self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
             return
         with self._lock:
             self._announcing.add(round)
         self._news.set()
-
-    def _fresh(self, round: int) -> bool:
-        """Whether our announcement of `round` is out and has more than half its time to live left (peers
-        re-announce the rounds ahead at every boundary: only the new one goes out again, 10 KiB each)."""
-        return time.monotonic() - self._announced.get(round, -self.round_ttl_s) < self.round_ttl_s / 2
-
-    def _publish_round(self, round: int) -> None:
-        if self._fresh(round):
-            return
-        if not self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s):
-            return  # stored nowhere: the next boundary announces it again
-        with self._lock:
-            self._announced = {r: t for r, t in self._announced.items() if r >= round - 8}
-            self._announced[round] = time.monotonic()
 
     def members(self, round: int) -> list[str]:
         """Sorted ids of the live peers that announced `round` (this peer included if it did)."""
