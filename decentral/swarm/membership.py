@@ -28,18 +28,13 @@ import time
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
+from decentral.config import HEARTBEAT_S
 from decentral.swarm.peer import SwarmPeer
 from decentral.transport import with_digest
 
 log = logging.getLogger(__name__)
 
 CARD_BYTES = 2048  # the most a peer's `set_card` fields may take (packed): a heartbeat stays small
-# Between regular heartbeats. What must travel at once does not wait for one (round announcements,
-# state digests), a dead peer is noticed by its refused streams, and a record outlives the sync timeout
-# whatever the beat, so a beat only refreshes progress (step, the status card). It costs: a signed
-# record stored at every node and the `peers` records looked up, 28 KiB on the wire with 4 peers,
-# growing with the swarm (14 KiB/s a peer at a 2 s beat, idle, measured on loopback).
-HEARTBEAT_S = 10.0
 
 
 class Membership:

@@ -15,8 +15,9 @@ import torch
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
+from decentral.config import HEARTBEAT_S
 from decentral.transport import AverageResult
-from decentral.swarm.membership import HEARTBEAT_S, Membership
+from decentral.swarm.membership import Membership
 from decentral.swarm.peer import SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
 
