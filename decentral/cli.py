@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pipeline_parser(sub)
 
-    from decentral import bench, btmbench, islandbench, netlab, overheadbench, soakbench, sweepbench, syncbench
+    from decentral import bench, btmbench, dhtbench, islandbench, netlab, overheadbench, soakbench, sweepbench, syncbench
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
                                   "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
@@ -386,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("pipeline", pipeline_bench, "SkipPipe planner vs full pipeline and network-blind skipping (simulated)",
              "--seeds 0 --out runs/bench-pipeline"),
             ("overhead", overheadbench, "the library's per-inner-step cost against a plain torch loop (no network)",
-             "--protocols diloco,noloco --steps 300 --out runs/overhead")):
+             "--protocols diloco,noloco --steps 300 --out runs/overhead"),
+            ("dht", dhtbench, "bytes on the wire of the swarm's own DHT records: per call, and idle per heartbeat period",
+             "--peers 4 --heartbeats 2,6,10 --out runs/bench-dht")):
         module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
                                                **example(f"decentral bench {name} {command}")))
 
