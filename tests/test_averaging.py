@@ -4,9 +4,11 @@ import time
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from conftest import run_in_threads, wait_until
-from decentral.swarm import check_part
+from decentral.swarm import check_part, wire
+from decentral.swarm.wire import LinkShaper
 from decentral.swarm.averaging import check_owner_result, clip, norm_bound
 
 
@@ -136,6 +138,28 @@ def timed_average(finished: dict, name: str, peer, x, group, tag):
     result = peer.average(x, sorted(group), tag)
     finished[name] = time.monotonic()
     return result
+
+
+def test_a_connection_reset_between_live_members_costs_a_resend_not_the_round(make_swarm, monkeypatch):
+    """The connection between A and B closes while A's part is on its way (both processes alive, as a
+    reset under load does): the closed stream is not taken for B's death; A sends again on a fresh one,
+    and both commit the exact mean."""
+    monkeypatch.setattr(wire, "LINK", LinkShaper(rate_bps=10e6))  # a 2 MB part takes 1.6 s on the way
+    a, b = make_swarm(2, timeout=30.0)
+    group = sorted([a.peer_id, b.peer_id])
+    xs = [torch.randn(1_000_000), torch.randn(1_000_000)]
+
+    def reset_once_a_push_is_under_way():
+        wait_until(lambda: b.bytes_received > 0, 20, "A's push to B under way")
+        a.peer.call(a.peer._p2p._client.disconnect(PeerID.from_base58(b.peer_id))).result(timeout=10)
+        return True
+
+    ra, rb, reset = run_in_threads([lambda: a.average(xs[0], group, "reset"), lambda: b.average(xs[1], group, "reset"),
+                                reset_once_a_push_is_under_way])
+    assert reset
+    assert ra.complete and rb.complete and not ra.absent and not rb.absent
+    for r in (ra, rb):
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
 
 
 def test_a_closed_peer_costs_at_most_the_timeout_and_the_survivors_end_alike(make_swarm):

@@ -34,9 +34,10 @@ Nothing received is trusted:
 
 A peer that is dead or late costs at most the round's timeout, and a peer whose process is gone
 costs next to nothing: a push to it, or a probe (`ping`, every `probe_s` while we wait for it),
-ends at once with the stream closed or the connection refused, and we stop waiting for it (a probe
-that merely times out proves nothing on a congested link, so only a closed stream or a refused
-connection counts). The same for a member that says it takes no part in the average: a restarted
+finds its address refusing the connection, and we stop waiting for it. A stream that closes
+unanswered is asked again on a fresh one first (a connection between two live processes can reset;
+the fresh dial to a dead one is refused at once), and only a second closed stream counts; a probe
+that merely times out proves nothing on a congested link. The same for a member that says it takes no part in the average: a restarted
 process whose first round is later, one that serves no averaging yet, one that has finished this
 average already, or one that averages it over a member list without us ("left out"). When the
 average did not commit, it is redone once without every member that was absent, averaged over
@@ -86,8 +87,12 @@ _NOTHING = (b"", 0)  # the encoding of an empty tensor in every codec: notices a
 
 
 class _Unreachable(Exception):
-    """The peer's end of a stream closed without a word, or its address refused the connection: its
-    process is gone."""
+    """The peer's address refused the connection: its process is gone."""
+
+
+class _StreamLost(Exception):
+    """A stream to the peer closed without an answer. Its process may be gone, or only the connection
+    between us reset (seen under load, between two live processes): a fresh stream tells which."""
 
 
 def view_fingerprint(group: list[str]) -> str:
@@ -283,53 +288,63 @@ class GroupAverager:
     # ----- sending -----
     async def _push(self, target: str, tag: str, encoded: tuple[bytes, int], deadline: float, view: str = "",
                     meta: dict | None = None, round: int | None = None) -> bool:
-        """Deliver a tensor (`encoded`: its encoding in our codec and its element count) to `target`; False when it did not arrive. When `target` refuses it, takes no
-        part in `round`, or its end closes (its process is gone), it will send us nothing for this average
-        either: that is noted as a notice under `tag`'s average, so nobody waits for it; a closed end or a
-        refused connection also marks it gone for later averages, taking no part in the round for this one."""
+        """Deliver a tensor (`encoded`: its encoding in our codec and its element count) to `target`; False when
+        it did not arrive. When `target` refuses it, takes no part in `round`, or is gone, it will send us
+        nothing for this average either: that is noted as a notice under `tag`'s average, so nobody waits
+        for it. Gone means its address refuses the connection; a stream that closes unanswered is tried once
+        more on a fresh one first, since a connection can be reset between two live processes (the fresh
+        dial is refused at once when the process is gone)."""
         loop = asyncio.get_running_loop()
         average = tag.rpartition("/")[0]  # tag is `average/phase`
+        header = {"tag": tag, "wire": self.codec.name, "view": view, "numel": encoded[1],
+                  "meta": meta or {}, **({} if round is None else {"round": round})}
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
                 try:
-                    reader, writer = await self.peer.open_stream(target, "push")
-                except ConnectionRefusedError as e:
-                    raise _Unreachable(repr(e)) from e
-                except NotServing as e:
-                    log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], e)
-                    await self._silent(target, average)
-                    return False
-                try:
-                    header = {"tag": tag, "wire": self.codec.name, "view": view, "numel": encoded[1],
-                              "meta": meta or {}, **({} if round is None else {"round": round})}
-                    await write_message(writer, header, encoded[0], self.peer.stats)
-                    answer = await read_frame(reader, self.peer.stats, 1)
-                    if answer == _NOT_IN_ROUND:
-                        log.info("push %s to %s: it takes no part in this average (restarted, or done with it); "
-                                 "not waiting for it", tag, target[-8:])
-                        await self._silent(target, average)
-                        return False
-                    if answer == _LEFT_OUT:
-                        log.info("push %s to %s: it averages without us; not waiting for it", tag, target[-8:])
-                        await self._silent(target, average, left_out=True)
-                        return False
-                    if answer == _REFUSED:
-                        log.info("push %s to %s: refused; not waiting for it", tag, target[-8:])
-                        await self._silent(target, average)
-                        return False
-                    if answer != _ACK:
-                        raise _Unreachable("no acknowledgement")
-                    return True
-                except (asyncio.IncompleteReadError, ConnectionError) as e:
-                    raise _Unreachable(repr(e)) from e
-                finally:
-                    writer.close()
-        except _Unreachable as e:
-            log.info("push %s to %s: its end closed (%s); not waiting for it", tag, target[-8:], e)
+                    answer = await self._deliver(target, header, encoded[0])
+                except _StreamLost as e:
+                    log.info("push %s to %s: the stream closed unanswered (%s); trying a fresh one", tag, target[-8:], e)
+                    answer = await self._deliver(target, header, encoded[0])
+        except NotServing as e:
+            log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], e)
             await self._silent(target, average)
-        except Exception as e:  # unreachable or too slow: the round goes on without it
+            return False
+        except (_Unreachable, _StreamLost) as e:
+            log.info("push %s to %s: gone (%s); not waiting for it", tag, target[-8:], e)
+            await self._silent(target, average)
+            return False
+        except Exception as e:  # too slow, or a failure we cannot read: the round goes on without it
             log.info("push %s to %s failed: %r", tag, target[-8:], e)
+            return False
+        if answer == _ACK:
+            return True
+        if answer == _LEFT_OUT:
+            log.info("push %s to %s: it averages without us; not waiting for it", tag, target[-8:])
+            await self._silent(target, average, left_out=True)
+        else:
+            log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], "it takes no part in this average "
+                     "(restarted, or done with it)" if answer == _NOT_IN_ROUND else "refused")
+            await self._silent(target, average)
         return False
+
+    async def _deliver(self, target: str, header: dict, payload: bytes) -> bytes:
+        """Send one message to `target`'s push handler on a stream of its own and return its one-byte
+        answer. _Unreachable when its address refuses the connection; _StreamLost when the stream closes
+        without an answer (or with one we do not know)."""
+        try:
+            reader, writer = await self.peer.open_stream(target, "push")
+        except ConnectionRefusedError as e:
+            raise _Unreachable(repr(e)) from e
+        try:
+            await write_message(writer, header, payload, self.peer.stats)
+            answer = await read_frame(reader, self.peer.stats, 1)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise _StreamLost(repr(e)) from e
+        finally:
+            writer.close()
+        if answer not in (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT):
+            raise _StreamLost(f"an unknown answer {answer!r}")
+        return answer
 
     async def _silent(self, peer: str, tag: str, **why: bool) -> None:
         """`peer` will send nothing more for average `tag`: nobody waits for it there. Without `why` it is
@@ -345,14 +360,21 @@ class GroupAverager:
         us) is no longer waited for, but is not absent: a redo counts on it."""
         request = json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode()
 
+        async def ask(peer: str) -> bytes:
+            reader, writer = await self.peer.open_stream(peer, "ping")
+            try:
+                await write_frame(writer, request, self.peer.stats)
+                return await read_frame(reader, self.peer.stats, 1)
+            finally:
+                writer.close()
+
         async def ping(peer: str) -> None:
             try:
-                reader, writer = await self.peer.open_stream(peer, "ping")
                 try:
-                    await write_frame(writer, request, self.peer.stats)
-                    answer = await read_frame(reader, self.peer.stats, 1)
-                finally:
-                    writer.close()
+                    answer = await ask(peer)
+                except (asyncio.IncompleteReadError, ConnectionResetError) as e:  # gone, or the connection reset
+                    log.debug("ping %s: the stream closed unanswered (%r); asking on a fresh one", peer[-8:], e)
+                    answer = await ask(peer)
                 if answer == _NOT_IN_ROUND:
                     await self._silent(peer, tag)
                 elif answer == _DONE:  # not gone: a redo of this average may count on it
