@@ -128,6 +128,10 @@ def test_a_topk_swarm_average_is_exactly_the_mean_of_what_it_counted_of_each_mem
     assert all(r.complete and torch.equal(r.tensor, results[0].tensor) for r in results)
     counted = torch.stack([r.sent for r in results]).mean(0)
     torch.testing.assert_close(results[0].tensor, counted, rtol=0, atol=1e-6)
+    dropped = results[0].tensor == 0
+    for r, x in zip(results, inputs):  # what the owners' re-encoding dropped stays with its sender, nobody else
+        assert not bool(r.sent[dropped].any())
+        assert bool(((x - r.sent)[dropped] == x[dropped]).all())
     nonzero = int((results[0].tensor != 0).sum())
     assert nonzero <= 0.05 * 9000 + 3  # the owners re-encoded their means at the same density
     sent = [len(make_codec("topk:0.05").encode(x)) for x in inputs]

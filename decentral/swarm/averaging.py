@@ -5,9 +5,12 @@ which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyo
 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce, in the swarm's codec
 (decentral.swarm.codec): each chunk is encoded on its own, every part decoded and averaged in float32,
 and the owner's average encoded again, so every member holds what the owner's encoding decodes to.
-With a codec that drops most of a tensor (`error_feedback`), the owner counts its own part as
-`fold_owner_error` says, so what the average counted of each member (`AverageResult.sent`) has the
-result as its exact mean and the sender's error feedback keeps everything the codecs lost. Every member counts once: weights
+With a codec that drops most of a tensor (`error_feedback`), the owner's re-encoding drops entries of
+the average too: every member counts its part only where the result kept a value (`kept`), so what the
+re-encoding dropped of a member's part stays in that member's own error feedback, and the owner counts
+its own part as `fold_owner_error` says, so that it also carries the rounding of the values kept. What
+the average counted of each member (`AverageResult.sent`) has the result as its exact mean, and the
+error feedback keeps everything the codecs lost, each member its own. Every member counts once: weights
 are the protocol's to fix, not a sender's to claim. Phase 3 (commit): members swap a digest of every
 chunk they hold; the average stands only if we hold every chunk averaged over the whole group and
 every member that answered holds exactly our result, else it is rolled back (our input comes back
@@ -148,6 +151,12 @@ def chunk_digest(chunk: torch.Tensor, norms: list[float]) -> str:
     digest = hashlib.sha256(chunk.contiguous().view(torch.uint8).numpy().tobytes())
     digest.update(repr([round(float(n), 6) for n in norms]).encode())
     return digest.hexdigest()[:24]
+
+
+def kept(result: torch.Tensor) -> torch.Tensor:
+    """1 where a sparse codec's re-encoded average kept a value, 0 where it dropped one: what every
+    member holds, so every member derives the same mask."""
+    return (result != 0).float()
 
 
 def aggregate(parts: list[torch.Tensor], how: str) -> torch.Tensor:
@@ -492,10 +501,10 @@ class GroupAverager:
             mean_mine = aggregate(list(parts.values()), self.aggregation)
             encoded_mine = (self.codec.encode(mean_mine), mean_mine.numel())
             averaged_mine = self.codec.decode(*encoded_mine)  # what every member holds of our chunk
-            counted = list(own)  # our input as the average counted it
-            counted[mine] = parts[me]
-            if self.codec.error_feedback and self.aggregation == "mean":
-                counted[mine] = fold_owner_error(parts[me], mean_mine, averaged_mine, len(parts))
+            sparse = self.codec.error_feedback and self.aggregation == "mean"
+            counted = list(own)  # our input as the average counted it (for a sparse codec: after phase 2)
+            counted[mine] = (fold_owner_error(parts[me] * kept(averaged_mine), mean_mine * kept(averaged_mine),
+                                              averaged_mine, len(parts)) if sparse else parts[me])
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
@@ -518,6 +527,8 @@ class GroupAverager:
                 if accept(sender, reason):
                     result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
                     counts[j] = sum(n > 0 for n in norms[j])
+                    if sparse:
+                        counted[j] = own[j] * kept(result[j])
 
             # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
             # every member that answered holds exactly what we hold.
