@@ -14,7 +14,7 @@ from pathlib import Path
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
 
-from decentral.config import RecipeError, load_recipe, recipe_path
+from decentral.config import RecipeError, load_recipe, parse_settings, recipe_path
 from decentral.models import ModelError, absolute_source, check_source
 
 
@@ -27,7 +27,7 @@ MODEL_HELP = ("gpt (the reference GPT the recipe's model section shapes), hf:CON
 
 
 def _recipe(args):
-    recipe = load_recipe(recipe_path(args.protocol))
+    recipe = load_recipe(recipe_path(args.protocol), parse_settings(getattr(args, "set", None) or []))
     if getattr(args, "steps", None):
         recipe.train.steps = args.steps
     if getattr(args, "batch_size", None):
@@ -215,8 +215,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+SET_HELP = ("change one setting of the recipe (repeatable): SECTION.NAME=VALUE (swarm.codec=int8, train.lr=1e-3) "
+            "or a protocol setting NAME=VALUE (outer_lr=0.7)")
+
+
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """What every command that runs a training worker takes, besides --protocol, --out and the start point."""
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     p.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
     p.add_argument("--domain", action="append", metavar="NAME[=PATH]", help=DOMAIN_HELP)
     p.add_argument("--steps", type=positive_int, help="inner steps: the LR schedule's length (default: the recipe's)")
@@ -293,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                           **example("decentral demo --protocol diloco --workers 2 --steps 200 --out runs/demo-diloco"))
     demo.add_argument("--workers", type=positive_int, default=4)
     demo.add_argument("--protocol", default="noloco", help="co2, ddp, diloco, noloco, streaming, or a recipe file")
+    demo.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     demo.add_argument("--steps", type=positive_int, help="inner steps per worker (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--timeout", type=float, help="seconds one average may take")

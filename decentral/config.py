@@ -14,6 +14,7 @@ Unknown keys are errors that name the key and list the allowed ones.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
@@ -220,9 +221,52 @@ def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = 
         raise error(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe file; raises RecipeError with the file name on any problem."""
-    return parse_recipe(read_yaml(path), str(path))
+def load_recipe(path: str | Path, settings: dict[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe file, with `settings` ({KEY: value}, `with_settings`) applied; raises
+    RecipeError with the file name (and the settings) on any problem."""
+    data = read_yaml(path)
+    if not settings:
+        return parse_recipe(data, str(path))
+    if data is not None and not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a mapping at the top level")
+    shown = ", ".join(f"{k}={v}" for k, v in settings.items())
+    return parse_recipe(with_settings(data or {}, settings), f"{path} with --set {shown}")
+
+
+def setting_value(text: str) -> Any:
+    """A setting's value as given on the command line: a YAML scalar (0.7, true, int8), with the numbers
+    YAML 1.1 leaves as strings (1e-3) read as numbers."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_settings(items: Sequence[str]) -> dict[str, Any]:
+    """{KEY: value} from `--set KEY=VALUE` arguments; RecipeError on a malformed one."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. swarm.codec=int8 or outer_lr=0.7")
+        settings[key.strip()] = setting_value(value.strip())
+    return settings
+
+
+def with_settings(data: dict, settings: dict[str, Any]) -> dict:
+    """A copy of recipe mapping `data` with `settings` applied: KEY is SECTION.NAME (swarm.codec, train.lr)
+    or a protocol setting's NAME (outer_lr)."""
+    recipe = copy.deepcopy(data)
+    for key, value in settings.items():
+        section, _, name = key.rpartition(".")
+        section = section or "protocol"
+        if not isinstance(recipe.get(section) or {}, dict):
+            raise RecipeError(f"--set {key}: the recipe's {section} section is not a mapping")
+        recipe[section] = {**(recipe.get(section) or {}), name: value}
+    return recipe
 
 
 SHIPPED = Path(__file__).resolve().parent.parent  # the repository: protocols/ and merges/ hold its recipes

@@ -16,7 +16,6 @@ curve, worker 0), and prints a table sorted by final loss.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as dt
 import itertools
 import json
@@ -28,9 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-import yaml
-
-from decentral.config import RecipeError, parse_recipe, read_yaml, recipe_path
+from decentral.config import RecipeError, parse_recipe, read_yaml, recipe_path, setting_value, with_settings
 from decentral.loopback import LoopbackHub
 from decentral.metrics import format_table, read_metrics
 from decentral.worker import WorkerOptions, run_worker
@@ -45,35 +42,15 @@ def parse_grid(settings: list[str]) -> dict[str, list]:
             raise RecipeError(f"--set {item!r}: expected KEY=VALUE[,VALUE...], e.g. outer_lr=0.7,1.0")
         if key.count(".") > 1 or (key.count(".") == 1 and not key.startswith("train.")):
             raise RecipeError(f"--set {item!r}: KEY is a protocol setting (outer_lr) or train.NAME (train.lr)")
-        grid[key.strip()] = [_value(v.strip()) for v in values.split(",")]
+        grid[key.strip()] = [setting_value(v.strip()) for v in values.split(",")]
     return grid
-
-
-def _value(text: str):
-    """A YAML scalar, with numbers YAML 1.1 leaves as strings (1e-3) read as numbers."""
-    value = yaml.safe_load(text)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def point_recipe(base: dict, settings: dict) -> dict:
-    """`base` (a recipe's mapping) with `settings` ({KEY: value}) applied."""
-    recipe = copy.deepcopy(base)
-    for key, value in settings.items():
-        section, _, name = key.rpartition(".")
-        recipe.setdefault(section or "protocol", {})[name] = value
-    return recipe
 
 
 def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[str] | None, label: str) -> dict:
     """Train `workers` workers of one recipe in threads of this process, joined by one LoopbackHub (none
     for `local`); their final validation losses, worker 0's curve, the wall time, and the error if one
     raised (a diverged point is a result, not a crash)."""
-    recipe = point_recipe(recipe, {"train.steps": steps})
+    recipe = with_settings(recipe, {"train.steps": steps})
     parsed = parse_recipe(recipe, label)  # RecipeError names the point
     hub = None if parsed.protocol == "local" else LoopbackHub(timeout_s=max(60.0, parsed.swarm.timeout))
     results: dict[int, dict] = {}
@@ -148,7 +125,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         grid = parse_grid(args.set)
         points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         for settings in points:  # every point is a valid recipe before anything trains
-            parse_recipe(point_recipe(base, settings), f"{path} with {settings}")
+            parse_recipe(with_settings(base, settings), f"{path} with {settings}")
     except RecipeError as e:
         print(f"bench sweep: {e}", file=sys.stderr)
         return 2
@@ -166,7 +143,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                "points": []}
     for k, (label, settings, recipe) in enumerate(labelled, 1):
         print(f"sweep: [{k}/{len(labelled)}] {label} ...", flush=True)
-        point = train_point(point_recipe(recipe, settings), args.steps, args.workers, out / f"point{k}",
+        point = train_point(with_settings(recipe, settings), args.steps, args.workers, out / f"point{k}",
                             args.data, label)
         results["points"].append({"label": label, "settings": settings, **point})
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -5,7 +5,7 @@ import inspect
 import pytest
 
 from decentral.cli import main
-from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
+from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe, parse_settings
 from decentral.sync import DiLoCo, NoLoCo
 
 
@@ -80,3 +80,23 @@ def test_cli_reports_a_bad_recipe_file_without_a_traceback(tmp_path, capsys):
     assert "not valid YAML" in err and str(bad) in err
     assert main(["train", "--protocol", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_set_changes_one_setting_of_a_recipe_and_names_itself_in_errors(tmp_path, capsys):
+    path = default_recipe_path("diloco")
+    recipe = load_recipe(path, parse_settings(["swarm.codec=int8", "outer_lr=0.7", "train.lr=1e-3", "nesterov=false",
+                                               "island.size=2"]))
+    assert recipe.swarm.codec == "int8" and recipe.train.lr == 1e-3 and recipe.island.size == 2
+    assert recipe.protocol_args["outer_lr"] == 0.7 and recipe.protocol_args["nesterov"] is False
+    shipped = load_recipe(path)
+    assert recipe.protocol_args["every"] == shipped.protocol_args["every"]  # the rest as the recipe says
+    assert recipe.train.steps == shipped.train.steps and recipe.model == shipped.model
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("protocol: {name: diloco}\nswarm:\n")  # a section left empty, or none at all
+    assert load_recipe(bare, {"swarm.codec": "int4", "train.steps": 7}).swarm.codec == "int4"
+    for bad in ("swarm.codec", "=1", "outer_lr="):
+        with pytest.raises(RecipeError, match="expected KEY=VALUE"):
+            parse_settings([bad])
+    assert main(["train", "--protocol", "diloco", "--set", "swarm.codecc=int8", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "with --set swarm.codecc=int8: swarm: unknown key(s) ['codecc']" in err and len(err.splitlines()) == 1

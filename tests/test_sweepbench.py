@@ -8,16 +8,16 @@ import sys
 import pytest
 
 from conftest import write_recipe
-from decentral.config import RecipeError
+from decentral.config import RecipeError, with_settings
 from decentral.metrics import read_metrics
-from decentral.sweepbench import parse_grid, point_recipe
+from decentral.sweepbench import parse_grid
 
 
 def test_the_grid_is_the_product_of_the_settings_and_a_malformed_one_is_refused():
     grid = parse_grid(["outer_lr=0.7,1.0", "train.lr=1e-3", "nesterov=true,false"])
     assert grid == {"outer_lr": [0.7, 1.0], "train.lr": [1e-3], "nesterov": [True, False]}
-    recipe = point_recipe({"protocol": {"name": "diloco", "outer_lr": 0.5}, "train": {"steps": 9}},
-                          {"outer_lr": 1.0, "train.lr": 1e-3})
+    recipe = with_settings({"protocol": {"name": "diloco", "outer_lr": 0.5}, "train": {"steps": 9}},
+                           {"outer_lr": 1.0, "train.lr": 1e-3})
     assert recipe == {"protocol": {"name": "diloco", "outer_lr": 1.0}, "train": {"steps": 9, "lr": 1e-3}}
     for bad in ("outer_lr", "outer_lr=", "model.n_layer=2", "a.b.c=1"):
         with pytest.raises(RecipeError, match="--set"):
