@@ -180,7 +180,7 @@ def cmd_plan(args) -> int:
     with tqdm(total=2, desc="planning", unit="plan", disable=None, leave=False) as bar:  # on a terminal only
         start = time.perf_counter()
         planned = plan(network, seed=args.seed, effort=args.effort)
-        planning_s = time.perf_counter() - start
+        planning_s = round(time.perf_counter() - start, 3)  # as the record keeps it: printed from the same value
         bar.set_description("planning the full pipeline", refresh=False)
         bar.update()
         full = full_pipeline(network, seed=args.seed, effort=args.effort)
