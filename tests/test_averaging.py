@@ -78,7 +78,7 @@ def test_a_peer_left_out_of_the_others_view_does_not_wait_for_them(make_swarm, f
     """A averages over {A, B}; B, whose view left A out, averages over {B, C} with C up but silent.
     B answers A's push with a notice, so A stops waiting for B (whoever started first) while B waits
     out C, and A learns that B left it out (not that B is gone)."""
-    timeout = 8.0
+    timeout = 6.0
     a, b, c = make_swarm(3, timeout=timeout)
     xs = [torch.randn(64), torch.randn(64)]
     finished = {}
