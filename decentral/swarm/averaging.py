@@ -65,7 +65,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 import torch
 
@@ -84,6 +84,8 @@ _REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, o
 _NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (an earlier process of its peer id did)
 _LEFT_OUT = b"\x03"  # we average (or averaged) the push's average over a member list without the sender
 _DONE = b"\x04"  # (to a probe) we are done with this average and send nothing more for it; alive all the same
+_PUSH_ANSWERS = (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT)
+_PING_ANSWERS = (_ACK, _NOT_IN_ROUND, _DONE)
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
@@ -301,20 +303,15 @@ class GroupAverager:
         """Deliver a tensor (`encoded`: its encoding in our codec and its element count) to `target`; False when
         it did not arrive. When `target` refuses it, takes no part in `round`, or is gone, it will send us
         nothing for this average either: that is noted as a notice under `tag`'s average, so nobody waits
-        for it. Gone means its address refuses the connection; a stream that closes unanswered is tried once
-        more on a fresh one first, since a connection can be reset between two live processes (the fresh
-        dial is refused at once when the process is gone)."""
+        for it. Gone means its address refuses the connection, or a fresh stream closed unanswered too (`_ask`)."""
         loop = asyncio.get_running_loop()
         average = tag.rpartition("/")[0]  # tag is `average/phase`
         header = {"tag": tag, "wire": self.codec.name, "view": view, "numel": encoded[1],
                   "meta": meta or {}, **({} if round is None else {"round": round})}
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.001)):
-                try:
-                    answer = await self._deliver(target, header, encoded[0])
-                except _StreamLost as e:
-                    log.info("push %s to %s: the stream closed unanswered (%s); trying a fresh one", tag, target[-8:], e)
-                    answer = await self._deliver(target, header, encoded[0])
+                answer = await self._ask(target, "push", lambda w: write_message(w, header, encoded[0], self.peer.stats),
+                                         _PUSH_ANSWERS)
         except NotServing as e:
             log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], e)
             await self._silent(target, average)
@@ -337,24 +334,31 @@ class GroupAverager:
             await self._silent(target, average)
         return False
 
-    async def _deliver(self, target: str, header: dict, payload: bytes) -> bytes:
-        """Send one message to `target`'s push handler on a stream of its own and return its one-byte
-        answer. _Unreachable when its address refuses the connection; _StreamLost when the stream closes
-        without an answer (or with one we do not know)."""
-        try:
-            reader, writer = await self.peer.open_stream(target, "push")
-        except ConnectionRefusedError as e:
-            raise _Unreachable(repr(e)) from e
-        try:
-            await write_message(writer, header, payload, self.peer.stats)
-            answer = await read_frame(reader, self.peer.stats, 1)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            raise _StreamLost(repr(e)) from e
-        finally:
-            writer.close()
-        if answer not in (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT):
-            raise _StreamLost(f"an unknown answer {answer!r}")
-        return answer
+    async def _ask(self, target: str, name: str, send: Callable[[asyncio.StreamWriter], Awaitable[None]],
+                   answers: tuple[bytes, ...]) -> bytes:
+        """Open a stream to `target`'s handler `name`, `send` our message on it and return its one-byte
+        answer (one of `answers`). A stream that closes unanswered (or answers something else) is asked
+        again on a fresh one: a connection between two live processes can reset, and a fresh dial to a
+        dead one is refused at once. _Unreachable when its address refuses the connection; _StreamLost
+        when the fresh stream closes unanswered too; NotServing when it has no handler `name`."""
+        for attempt in (1, 2):
+            try:
+                reader, writer = await self.peer.open_stream(target, name)
+            except ConnectionRefusedError as e:
+                raise _Unreachable(repr(e)) from e
+            try:
+                await send(writer)
+                answer = await read_frame(reader, self.peer.stats, 1)
+                if answer in answers:
+                    return answer
+                lost = _StreamLost(f"an unknown answer {answer!r}")
+            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                lost = _StreamLost(repr(e))
+            finally:
+                writer.close()
+            if attempt == 1:
+                log.info("%s to %s: the stream closed unanswered (%s); asking on a fresh one", name, target[-8:], lost)
+        raise lost
 
     async def _silent(self, peer: str, tag: str, **why: bool) -> None:
         """`peer` will send nothing more for average `tag`: nobody waits for it there. Without `why` it is
@@ -370,26 +374,15 @@ class GroupAverager:
         us) is no longer waited for, but is not absent: a redo counts on it."""
         request = json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode()
 
-        async def ask(peer: str) -> bytes:
-            reader, writer = await self.peer.open_stream(peer, "ping")
-            try:
-                await write_frame(writer, request, self.peer.stats)
-                return await read_frame(reader, self.peer.stats, 1)
-            finally:
-                writer.close()
-
         async def ping(peer: str) -> None:
             try:
-                try:
-                    answer = await ask(peer)
-                except (asyncio.IncompleteReadError, ConnectionResetError) as e:  # gone, or the connection reset
-                    log.debug("ping %s: the stream closed unanswered (%r); asking on a fresh one", peer[-8:], e)
-                    answer = await ask(peer)
+                answer = await self._ask(peer, "ping", lambda w: write_frame(w, request, self.peer.stats),
+                                         _PING_ANSWERS)
                 if answer == _NOT_IN_ROUND:
                     await self._silent(peer, tag)
                 elif answer == _DONE:  # not gone: a redo of this average may count on it
                     await self._silent(peer, tag, done=True)
-            except (NotServing, asyncio.IncompleteReadError, ConnectionError):
+            except (NotServing, _Unreachable, _StreamLost, ConnectionError):
                 await self._silent(peer, tag)
             except Exception as e:  # a timeout proves nothing on a congested link
                 log.debug("ping %s: %r", peer[-8:], e)
@@ -504,8 +497,11 @@ class GroupAverager:
             averaged_mine = self.codec.decode(*encoded_mine)  # what every member holds of our chunk
             sparse = self.codec.error_feedback and self.aggregation == "mean"
             counted = list(own)  # our input as the average counted it (for a sparse codec: after phase 2)
-            counted[mine] = (fold_owner_error(parts[me] * kept(averaged_mine), mean_mine * kept(averaged_mine),
-                                              averaged_mine, len(parts)) if sparse else parts[me])
+            if sparse:
+                mask = kept(averaged_mine)
+                counted[mine] = fold_owner_error(parts[me] * mask, mean_mine * mask, averaged_mine, len(parts))
+            else:
+                counted[mine] = parts[me]
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
