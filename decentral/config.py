@@ -245,15 +245,17 @@ def setting_value(text: str) -> Any:
     return value
 
 
+def split_setting(item: str, expected: str = "KEY=VALUE, e.g. swarm.codec=int8 or outer_lr=0.7") -> tuple[str, str]:
+    """(KEY, VALUE) of a `--set KEY=VALUE` argument, stripped; RecipeError saying what was `expected`."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise RecipeError(f"--set {item!r}: expected {expected}")
+    return key.strip(), value.strip()
+
+
 def parse_settings(items: Sequence[str]) -> dict[str, Any]:
     """{KEY: value} from `--set KEY=VALUE` arguments; RecipeError on a malformed one."""
-    settings = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. swarm.codec=int8 or outer_lr=0.7")
-        settings[key.strip()] = setting_value(value.strip())
-    return settings
+    return {key: setting_value(value) for key, value in map(split_setting, items)}
 
 
 def with_settings(data: dict, settings: dict[str, Any]) -> dict:

@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from decentral.config import RecipeError, parse_recipe, read_yaml, recipe_path, setting_value, with_settings
+from decentral.config import (RecipeError, parse_recipe, read_yaml, recipe_path, setting_value, split_setting,
+                              with_settings)
 from decentral.loopback import LoopbackHub
 from decentral.metrics import format_table, read_metrics
 from decentral.worker import WorkerOptions, run_worker
@@ -37,12 +38,10 @@ def parse_grid(settings: list[str]) -> dict[str, list]:
     """{KEY: [values]} from `--set KEY=V1,V2` arguments; RecipeError on a malformed one."""
     grid: dict[str, list] = {}
     for item in settings:
-        key, sep, values = item.partition("=")
-        if not sep or not key.strip() or not values.strip():
-            raise RecipeError(f"--set {item!r}: expected KEY=VALUE[,VALUE...], e.g. outer_lr=0.7,1.0")
+        key, values = split_setting(item, "KEY=VALUE[,VALUE...], e.g. outer_lr=0.7,1.0")
         if key.count(".") > 1 or (key.count(".") == 1 and not key.startswith("train.")):
             raise RecipeError(f"--set {item!r}: KEY is a protocol setting (outer_lr) or train.NAME (train.lr)")
-        grid[key.strip()] = [setting_value(v.strip()) for v in values.split(",")]
+        grid[key] = [setting_value(v.strip()) for v in values.split(",")]
     return grid
 
 
