@@ -116,6 +116,7 @@ class LoopbackTransport:
                         peers.discard(self.peer_id)
             for r in range(round, round + LOOKAHEAD + 1):
                 self.hub._announced.setdefault(r, set()).add(self.peer_id)
+            self.hub._cond.notify_all()
 
     def members(self, round: int) -> list[str]:
         with self.hub._cond:
@@ -146,9 +147,10 @@ class LoopbackTransport:
         return self.hub.start_average(self.peer_id, tensor, group, tag)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
-        """Every open transport of the hub takes part in every round."""
+        """Until `count` open transports announced `round`: a peer that has not joined yet would otherwise
+        find us trained past the start and skip the steps we did (a sweep's worker once joined at round 1)."""
         with self.hub._cond:
-            if not self.hub._cond.wait_for(lambda: len(self.hub._open) >= count, timeout_s):
+            if not self.hub._cond.wait_for(lambda: len(self.members(round)) >= count, timeout_s):
                 raise TimeoutError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
 
     def multiaddrs(self) -> list[str]:

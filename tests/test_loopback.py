@@ -2,6 +2,7 @@
 
 import threading
 
+import pytest
 import torch
 
 from decentral.loopback import LoopbackHub
@@ -52,9 +53,12 @@ def test_members_progress_and_state_are_what_the_peers_announced():
     assert donor == a.peer_id and meta["donor_step"] == 7 and torch.equal(tensors["slow"], state["slow"])
     a.set_progress(5, 1)
     assert b.fetch_state(have=state) is None  # the same state, and the donor has not trained since
-    waiter = threading.Thread(target=a.wait_for_peers, args=(3, 5.0))
+    c = hub.transport()  # open, but it has not announced a round yet: not a peer to train with
+    with pytest.raises(TimeoutError, match="fewer than 3"):
+        a.wait_for_peers(3, 0.1, round=2)
+    waiter = threading.Thread(target=a.wait_for_peers, args=(3, 5.0, 2))
     waiter.start()
-    hub.transport()
+    c.join_rounds(0)  # announces rounds 0 to 2
     waiter.join(timeout=5)
     assert not waiter.is_alive()
 
