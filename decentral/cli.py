@@ -133,7 +133,8 @@ def cmd_train(args) -> int:
             raise RecipeError(f"island.size is {recipe.island.size} but the launcher started {launched.world_size} "
                               "ranks (WORLD_SIZE)")
         overrides = dict(island="env://", island_mode=recipe.island.mode, rank=launched.rank,
-                         world_size=launched.world_size, local_rank=launched.local_rank)
+                         world_size=launched.world_size, local_rank=launched.local_rank,
+                         local_world_size=launched.local_world_size)
     if recipe.protocol != "local" and not args.island and (launched is None or launched.rank == 0):
         swarm_key(recipe.swarm.key_file)  # a bad key file fails here, before any training; no key: the notice
     return train_worker(recipe, args, **overrides)

@@ -31,6 +31,7 @@ class Rank:
     rank: int
     world_size: int
     local_rank: int  # which GPU of this machine (LOCAL_RANK; the rank when it is not set)
+    local_world_size: int  # ranks of the island on this machine (LOCAL_WORLD_SIZE; WORLD_SIZE when not set)
 
 
 def rank_from_env(environ: Mapping[str, str] = os.environ) -> Rank | None:
@@ -44,11 +45,12 @@ def rank_from_env(environ: Mapping[str, str] = os.environ) -> Rank | None:
     try:
         rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
         local_rank = int(environ.get("LOCAL_RANK", rank))
+        local_world_size = int(environ.get("LOCAL_WORLD_SIZE", world_size))
     except ValueError as e:
-        raise LaunchError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {e}") from None
+        raise LaunchError(f"RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers: {e}") from None
     if not 0 <= rank < world_size:
         raise LaunchError(f"RANK {rank} is not in [0, WORLD_SIZE={world_size})")
-    return Rank(rank, world_size, local_rank)
+    return Rank(rank, world_size, local_rank, local_world_size)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,7 +76,7 @@ def spawn_ranks(argv: Sequence[str], size: int, print_fn=print) -> int:
     procs = []
     for rank in range(size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, "-m", "decentral", *argv], env=env,
                                       preexec_fn=_terminate_with_parent))
 

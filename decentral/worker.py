@@ -33,7 +33,7 @@ from decentral.config import Recipe
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
 from decentral.data.domains import balanced_eval_batches, load_domains
-from decentral.device import pick_device
+from decentral.device import island_backend, pick_device
 from decentral.experts.branch import StartPoint, load_start_point, model_differences
 from decentral.experts.registry import RegistryError
 from decentral.hierarchy import IslandError
@@ -69,6 +69,7 @@ class WorkerOptions:
     rank: int = 0
     world_size: int = 1
     local_rank: int | None = None  # our rank on this machine (which GPU); None: `rank`
+    local_world_size: int | None = None  # ranks of our island on this machine; None: `world_size`
     domains: Sequence[str] | None = None  # NAME or NAME=PATH (decentral.data.domains): balanced batches
     init_from: Path | None = None  # a checkpoint or expert folder to start from (ignored when resuming)
     stop_at: int | None = None  # stop at this inner step; the LR schedule still spans train.steps
@@ -137,7 +138,7 @@ def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.opti
 
 def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:
     """`opts.transport` when given; no network for `local`; a torch.distributed island when `opts.island`
-    is set (recipe island.backend; auto: NCCL when we train on a GPU, gloo otherwise), joined to the
+    is set (recipe island.backend, see `island_backend`), joined to the
     swarm as one member when `opts.island_mode` is; else the swarm."""
     s = recipe.swarm
     if opts.transport is not None:
@@ -148,7 +149,7 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
         return _swarm_connection(recipe, opts, s.run, opts.join, opts.port)
     from decentral.island import IslandTransport
 
-    backend = recipe.island.backend if recipe.island.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+    backend = island_backend(recipe.island.backend, device, opts.local_world_size or opts.world_size)
     island = IslandTransport(opts.island, opts.rank, opts.world_size, backend=backend, timeout=s.timeout)
     if opts.island_mode is None:
         return island

@@ -5,6 +5,7 @@ covers the CPU path, and on a GPU machine every worker test runs on the GPU, sin
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from conftest import TINY_MODEL, TINY_TRAIN, free_port
 from decentral.cli import main as cli_main
 from decentral.config import parse_recipe
 from decentral.data import eval_batches
-from decentral.device import DeviceError, pick_device
+from decentral.device import DeviceError, island_backend, pick_device
+from decentral.loopback import LoopbackHub
 from decentral.models import GPT, GPTConfig
-from decentral.sync import DiLoCo
+from decentral.sync import PROTOCOLS, DiLoCo
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,6 +38,13 @@ def test_malformed_or_unsupported_device_names_are_clear_errors(spec):
 def test_asking_for_cuda_without_a_gpu_says_so():
     with pytest.raises(DeviceError, match="no GPU"):
         pick_device("cuda")
+
+
+def test_an_island_on_the_cpu_uses_gloo_and_nccl_there_is_a_clear_error():
+    cpu = torch.device("cpu")
+    assert island_backend("auto", cpu, 2) == "gloo" and island_backend("gloo", cpu, 2) == "gloo"
+    with pytest.raises(DeviceError, match="island.backend nccl needs a GPU per rank.*on the CPU"):
+        island_backend("nccl", cpu, 1)
 
 
 def test_train_with_a_bad_device_exits_2_and_names_it(tmp_path, small_corpus, capsys):
@@ -101,3 +110,53 @@ def test_a_worker_trains_on_the_gpu_inside_an_nccl_island(tmp_path, small_corpus
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert summary["step"] == 40 and summary["round"] == 4
     assert vals[-1] < vals[0] - 0.5, vals
+
+
+@needs_cuda
+def test_an_island_uses_nccl_when_each_rank_has_its_own_gpu_and_gloo_when_they_share_one():
+    count, gpu = torch.cuda.device_count(), torch.device("cuda", 0)
+    assert island_backend("auto", gpu, count) == "nccl"
+    assert island_backend("auto", gpu, count + 1) == "gloo"  # NCCL would refuse: "Duplicate GPU detected"
+    with pytest.raises(DeviceError, match=f"{count + 1} ranks on this machine's {count} GPU"):
+        island_backend("nccl", gpu, count + 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name, args", [("diloco", {"every": 3}), ("co2", {"every": 3}),
+                                        ("streaming", {"every": 6, "fragments": 2})])
+def test_outer_state_on_the_gpu_steps_bit_for_bit_as_on_the_cpu(name, args):
+    """Two replicas train on the GPU, one keeping its outer state there and one on the CPU: after every
+    round they hold the same state, digest for digest (and so can trade states), and the first's is on the GPU."""
+    hub = LoopbackHub(timeout_s=30.0)
+    torch.manual_seed(0)
+    models = [GPT(GPTConfig(**TINY_MODEL)).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    batches = [[torch.randint(0, 256, (4, 32), device="cuda") for _ in range(4 * args["every"])] for _ in range(2)]
+    syncs, digests, errors = [], [[], []], []
+
+    def work(i: int) -> None:
+        optimizer = torch.optim.AdamW(models[i].parameters(), lr=1e-2)
+        try:
+            with PROTOCOLS[name](models[i], optimizer, transports[i], outer_on_device=(i == 0), **args) as sync:
+                syncs.append(sync)
+                for x in batches[i]:
+                    models[i](x, x)[1].backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    report = sync.pop_report()
+                    if report is not None and report.digest is not None:
+                        digests[i].append((report.round, report.complete, report.digest))
+        except Exception as e:  # noqa: BLE001 (re-raised by the test below)
+            errors.append(e)
+
+    transports = [hub.transport() for _ in range(2)]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(digests[0]) == 4 and all(complete for _, complete, _ in digests[0])
+    assert digests[0] == digests[1]
+    on_gpu = next(s for s in syncs if s.transport is transports[0])
+    assert on_gpu.slow.is_cuda and all(t.is_cuda for t in on_gpu.outer_tensors().values())

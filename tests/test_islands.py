@@ -106,7 +106,8 @@ def test_rank_from_env_reads_torchrun_and_names_what_is_missing():
     assert rank_from_env({}) is None
     env = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "1"}
     got = rank_from_env(env)
-    assert (got.rank, got.world_size, got.local_rank) == (1, 4, 1)
+    assert (got.rank, got.world_size, got.local_rank, got.local_world_size) == (1, 4, 1, 4)
+    assert rank_from_env({**env, "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2  # torchrun over two machines
     with pytest.raises(LaunchError, match="MASTER_PORT"):
         rank_from_env({k: v for k, v in env.items() if k != "MASTER_PORT"})
     with pytest.raises(LaunchError, match="not in"):

@@ -22,6 +22,7 @@ late joiner that missed a round, anything that made a replica's bits differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -72,6 +73,7 @@ class SyncProtocol:
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
     error_feedback = False  # keeps what a codec did not send and sends it again (see Transport.error_feedback)
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
+    outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
     hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
     # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)
 
@@ -163,7 +165,7 @@ class SyncProtocol:
 
     def memory_copies(self) -> list[str]:
         """What the protocol keeps besides the model and the inner optimizer: one name per model-sized
-        float32 CPU vector (the worker prints them at start)."""
+        float32 vector (on `outer_device`; the offered copies on the CPU; the worker prints them at start)."""
         return []
 
     def finish(self) -> None:
@@ -200,12 +202,16 @@ class SyncProtocol:
         return self._counted(future.result(), group, start)
 
     def _counted(self, result: AverageResult, group: list[str], start: float) -> tuple[AverageResult, float]:
-        """Count the wait for `result` since `start` in `wait_s`; note who averaged without us (replicas)."""
+        """Count the wait for `result` since `start` in `wait_s`; note who averaged without us (replicas);
+        `result` with its tensors on `outer_device`."""
         waited = time.perf_counter() - start
         self.wait_s += waited
         if self.identical_replicas:
             self._asked.update(group)
             self._left_out.update(result.left_out)
+        if result.tensor.device != self.outer_device:
+            result = dataclasses.replace(result, tensor=result.tensor.to(self.outer_device),
+                                         sent=result.sent.to(self.outer_device))
         return result, waited
 
     def _members(self, round: int) -> list[str]:
@@ -358,27 +364,31 @@ class SyncProtocol:
 class OuterProtocol(SyncProtocol):
     """Shared by protocols that keep slow weights φ and sync every `every` inner steps.
 
-    φ and the outer state live as flat fp32 CPU vectors. After each outer step the protocol offers
-    a snapshot of them to newcomers, and newcomers start from a donor's snapshot.
+    φ and the outer state live as flat fp32 vectors on the CPU, or with `outer_on_device` on the model's
+    device (no host memory for them, and the outer step runs there; what is offered, digested and
+    checkpointed is a CPU copy, so replicas on either compare and trade states). After each outer step the
+    protocol offers a snapshot of them to newcomers, and newcomers start from a donor's snapshot.
     """
 
     shares_state = True
     weights_key = "slow"
 
-    def __init__(self, model, optimizer, transport: Transport, *, every: int):
+    def __init__(self, model, optimizer, transport: Transport, *, every: int, outer_on_device: bool = False):
         super().__init__(model, optimizer, transport)
         if every < 1:
             raise ValueError(f"every (H, inner steps per outer step) must be >= 1, got {every}")
         self.every = every
+        if outer_on_device:
+            self.outer_device = self.params[0].device
         self.join_within_steps = every // 2
         self.slow = self._fast_vector().clone()
         # what averages did not count of our inputs (a lossy codec's loss), added to the next input
         self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
 
     def _fast_vector(self, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
-        """θ (of `params`, by default every trained parameter), flat fp32 on CPU."""
+        """θ (of `params`, by default every trained parameter), flat fp32 on `outer_device`."""
         return parameters_to_vector(self.params if params is None else params).detach().to(
-            device="cpu", dtype=torch.float32)
+            device=self.outer_device, dtype=torch.float32)
 
     def _finite_fast(self, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
         """`_fast_vector(params)`; DivergedError when training made it non-finite (before any of it is sent)."""
@@ -404,8 +414,10 @@ class OuterProtocol(SyncProtocol):
 
     def memory_copies(self) -> list[str]:
         """φ, the outer state, the copy of both offered to newcomers, and the error feedback's residual."""
+        where = "" if self.outer_device.type == "cpu" else f" (on {self.outer_device})"
         names = ["slow", *self.outer_tensors()]
-        return names + [f"{n} (offered)" for n in names] + (["residual"] if self.residual is not None else [])
+        return ([n + where for n in names] + [f"{n} (offered)" for n in names]
+                + ([f"residual{where}"] if self.residual is not None else []))
 
     def _with_residual(self, outer_grad: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
         """What goes into an average of φ[part]'s outer gradient: it plus what earlier averages did not count
@@ -427,8 +439,9 @@ class OuterProtocol(SyncProtocol):
         self._load_fast(self.slow)  # a newcomer joining a round under way trains its rest from φ
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Slow weights and the protocol's outer tensors (copies)."""
-        return {"slow": self.slow.clone(), **{k: v.clone() for k, v in self.outer_tensors().items()}}
+        """Slow weights and the protocol's outer tensors (copies, on the CPU)."""
+        tensors = {"slow": self.slow, **self.outer_tensors()}
+        return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         if tensors["slow"].shape != self.slow.shape:
@@ -436,13 +449,13 @@ class OuterProtocol(SyncProtocol):
                 f"the swarm's model has {tensors['slow'].numel()} parameters, ours has {self.slow.numel()}: "
                 "the recipes differ"
             )
-        self.slow = tensors["slow"].float().clone()
+        self.slow = tensors["slow"].to(self.outer_device, torch.float32, copy=True)
         for name, value in self.outer_tensors().items():
             value.copy_(tensors[name])
 
     def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
         """θ keeps its own progress, now relative to the repaired φ (θ = φ exactly, when it had none)."""
-        self._load_fast(self.slow + (self._fast_vector() - before["slow"]))
+        self._load_fast(self.slow + (self._fast_vector() - before["slow"].to(self.outer_device)))
 
     def _on_rejoined(self) -> None:
         """θ starts the round from the members' state, as every round starts."""
@@ -476,7 +489,7 @@ class OuterProtocol(SyncProtocol):
         """φ and the outer state, and our own residual (never offered: it is ours, not the replicas')."""
         state = super().state_dict()
         residual = {} if self.residual is None else {"residual": self.residual}
-        state["tensors"] = {"slow": self.slow, **self.outer_tensors(), **residual}
+        state["tensors"] = {k: v.cpu() for k, v in {"slow": self.slow, **self.outer_tensors(), **residual}.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:

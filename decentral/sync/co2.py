@@ -78,8 +78,9 @@ class CO2(OuterProtocol):
         staleness_adaptive: bool = False,
         clip: float | None = 1.0,
         mix: float = 0.75,
+        outer_on_device: bool = False,
     ):
-        super().__init__(model, optimizer, transport, every=every)
+        super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
         if not penalty > 0:
             raise ValueError(f"penalty (the staleness gap penalty's divisor) must be > 0, got {penalty}")
         if clip is not None and not clip > 0:
@@ -175,15 +176,16 @@ class CO2(OuterProtocol):
         (among others it takes their state instead, which holds the average)."""
         state = super().state_dict()
         if self.in_flight is not None:
-            state["tensors"]["in_flight"] = self.in_flight.sent
+            state["tensors"]["in_flight"] = self.in_flight.sent.cpu()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         mine = state["tensors"].get("in_flight")
         if mine is not None:
+            mine = mine.to(self.outer_device, torch.float32)
             me = [self.transport.peer_id]
-            self.in_flight = InFlight(finished(AverageResult(mine.float().clone(), mine, me, True, 1)), me, mine, None)
+            self.in_flight = InFlight(finished(AverageResult(mine.clone(), mine, me, True, 1)), me, mine, None)
             self._behind = True
 
 

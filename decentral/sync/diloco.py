@@ -38,8 +38,9 @@ class DiLoCo(OuterProtocol):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        outer_on_device: bool = False,
     ):
-        super().__init__(model, optimizer, transport, every=every)
+        super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
         self.slow.requires_grad_(False)
         self.momentum = torch.zeros_like(self.slow)
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov

@@ -38,8 +38,9 @@ class NoLoCo(OuterProtocol):
         nesterov: bool = False,
         group_size: int = 2,
         seed: int = 0,
+        outer_on_device: bool = False,
     ):
-        super().__init__(model, optimizer, transport, every=every)
+        super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
         self.alpha, self.beta = alpha, beta
         self.gamma = beta if gamma is None else gamma
         self.nesterov, self.group_size, self.seed = nesterov, group_size, seed

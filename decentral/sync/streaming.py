@@ -68,9 +68,10 @@ class StreamingDiLoCo(DiLoCo):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        outer_on_device: bool = False,
     ):
         super().__init__(model, optimizer, transport, every=every, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov)
+                         outer_momentum=outer_momentum, nesterov=nesterov, outer_on_device=outer_on_device)
         sizes = [p.numel() for p in self.params]
         if not 1 <= fragments <= len(sizes):
             raise ValueError(f"fragments must be between 1 and the model's {len(sizes)} parameter tensors "
