@@ -121,6 +121,9 @@ def test_a_member_at_minus_99_times_the_update_is_clipped_to_the_stated_bound(ma
         assert deviation <= (2.0 * m + float(honest_mean[c].norm())) / 4 + 1e-4
         assert deviation < 0.1 * float(xs[3][c].norm()) / 4  # unclipped it would be ~1/4 of the bad part
     assert not any(p.averager.banned for p in peers)  # clipping excludes nobody: honest spikes happen
+    # what each member says the average counted of it has the result as its mean: the bad part as clipped
+    torch.testing.assert_close(torch.stack([r.sent for r in results]).mean(0), results[0].tensor, rtol=0, atol=1e-5)
+    assert float(results[3].sent.norm()) < 0.1 * float(xs[3].norm())
 
 
 def test_a_member_sending_nan_is_excluded_and_the_others_commit_their_mean(make_swarm):

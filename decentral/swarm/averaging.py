@@ -9,7 +9,8 @@ With a codec that drops most of a tensor (`error_feedback`), the owner's re-enco
 the average too: every member counts its part only where the result kept a value (`kept`), so what the
 re-encoding dropped of a member's part stays in that member's own error feedback, and the owner counts
 its own part as `fold_owner_error` says, so that it also carries the rounding of the values kept. What
-the average counted of each member (`AverageResult.sent`) has the result as its exact mean, and the
+the average counted of each member (`AverageResult.sent`: its part as the owner clipped it, see below)
+has the result as its exact mean, and the
 error feedback keeps everything the codecs lost, each member its own. Every member counts once: weights
 are the protocol's to fix, not a sender's to claim. Phase 3 (commit): members swap a digest of every
 chunk they hold; the average stands only if we hold every chunk averaged over the whole group and
@@ -524,8 +525,10 @@ class GroupAverager:
                 if accept(sender, reason):
                     result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
                     counts[j] = sum(n > 0 for n in norms[j])
+                    # our part as the owner counted it: clipped to the norm it reports for us (0: not at all)
+                    counted[j] = clip(own[j], float(own[j].norm()), norms[j][group.index(me)])
                     if sparse:
-                        counted[j] = own[j] * kept(result[j])
+                        counted[j] = counted[j] * kept(result[j])
 
             # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
             # every member that answered holds exactly what we hold.
