@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (decentral.sync.streaming): whole-tensor fragments, the staggered schedule, the update
+"""Streaming DiLoCo (decentral.sync.streaming): equal fragments of the flat vector, the staggered schedule, the update
 rule against arithmetic done here (torch's own SGD per fragment), overlap, rollback, identical replicas,
 error feedback, and the fragment still in flight when training ends."""
 
@@ -9,12 +9,12 @@ from conftest import loss_step, run_in_threads
 from decentral.loopback import LoopbackHub
 from decentral.models import GPT, GPTConfig
 from decentral.sync import DiLoCo, StreamingDiLoCo
-from decentral.sync.streaming import split_tensors
 from decentral.transport import SoloTransport
 from test_protocols import flat, make_protocols, outer_round, set_flat, tiny_model
 
-# tiny_model's 4 tensors (20, 4, 12 and 3 values) in 3 fragments: [20], [4], [12, 3]
-PARTS = [slice(0, 20), slice(20, 24), slice(24, 39)]
+# tiny_model's 4 tensors (20, 4, 12 and 3 values) in 3 fragments of 13 values: the first cuts the first tensor,
+# the second holds the rest of it, the second tensor and 2 values of the third
+PARTS = [slice(0, 13), slice(13, 26), slice(26, 39)]
 
 
 def inner_steps(protocols, count, gen, scale=0.01):
@@ -51,24 +51,27 @@ def record(p):
     return launches, applies
 
 
-def test_fragments_are_balanced_runs_of_whole_tensors():
-    assert split_tensors([36, 6] * 3, 3) == [range(0, 2), range(2, 4), range(4, 6)]
-    assert split_tensors([100, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]  # at least one tensor each
-    sizes = [p.numel() for p in GPT(GPTConfig(n_layer=3, n_head=4, d_model=96)).parameters()]
-    for count in range(1, 7):
-        runs = split_tensors(sizes, count)
-        assert [i for r in runs for i in r] == list(range(len(sizes)))  # contiguous, each tensor once
-        for r in runs:
-            assert len(r) >= 1 and abs(sum(sizes[i] for i in r) - sum(sizes) / count) <= max(sizes)
+def test_fragments_are_equal_slices_and_read_and_write_only_their_values_across_tensors():
     model = tiny_model(0)
     p = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport(), every=12, fragments=3)
-    assert p.fragments == PARTS  # slices of the flat vector, covering it
-    assert [len(params) for params in p._fragment_params] == [1, 1, 2]
+    assert p.fragments == PARTS  # equal slices of the flat vector, covering it
+    sizes = [q.numel() for q in GPT(GPTConfig(n_layer=3, n_head=4, d_model=96)).parameters()]
+    big = GPT(GPTConfig(n_layer=3, n_head=4, d_model=96))
+    parts = StreamingDiLoCo(big, torch.optim.SGD(big.parameters(), lr=0.1), SoloTransport(), every=50,
+                            fragments=3).fragments
+    assert [s.stop - s.start for s in parts] == [sum(sizes) // 3] * 3  # the peak is a third, not the largest run
+    theta = flat(model)
+    for part in PARTS:
+        assert torch.equal(p._fast_vector(part), theta[part])
+        new = torch.arange(part.stop - part.start, dtype=torch.float32) + 100
+        p._load_fast(new, part)
+        theta[part] = new
+        assert torch.equal(flat(model), theta)  # only the fragment's values changed, in every tensor it cuts
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"fragments": 0}, "fragments must be between 1 and"),
-    ({"fragments": 5}, "model's 4 parameter tensors"),
+    ({"fragments": 40}, "model's 39 parameters"),
     ({"fragments": 3, "delay": 4}, "delay must be >= 0 and below every // fragments = 4"),
     ({"fragments": 3, "delay": -1}, "got delay=-1"),
     ({"fragments": 3, "every": 2, "delay": 0}, "every // fragments = 0"),

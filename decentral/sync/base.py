@@ -30,7 +30,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from decentral.transport import AverageResult, Transport, state_digest
 
@@ -381,28 +380,42 @@ class OuterProtocol(SyncProtocol):
         if outer_on_device:
             self.outer_device = self.params[0].device
         self.join_within_steps = every // 2
-        self.slow = self._fast_vector().clone()
+        self.numel = sum(p.numel() for p in self.params)  # of θ's flat vector
+        self.slow = self._fast_vector()
         # what averages did not count of our inputs (a lossy codec's loss), added to the next input
         self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
 
-    def _fast_vector(self, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
-        """θ (of `params`, by default every trained parameter), flat fp32 on `outer_device`."""
-        return parameters_to_vector(self.params if params is None else params).detach().to(
-            device=self.outer_device, dtype=torch.float32)
+    def _pieces(self, part: slice) -> list[tuple[torch.Tensor, int, int]]:
+        """(parameter, start, stop) of each parameter's flat values that fall in `part` of θ's flat vector
+        (every trained parameter, in order), in order."""
+        pieces, offset = [], 0
+        span = range(self.numel)[part]
+        for p in self.params:
+            start, stop = max(span.start, offset), min(span.stop, offset + p.numel())
+            if start < stop:
+                pieces.append((p, start - offset, stop - offset))
+            offset += p.numel()
+        return pieces
 
-    def _finite_fast(self, params: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
-        """`_fast_vector(params)`; DivergedError when training made it non-finite (before any of it is sent)."""
-        fast = self._fast_vector(params)
+    def _fast_vector(self, part: slice = slice(None)) -> torch.Tensor:
+        """θ[part] (by default all of it), flat fp32 on `outer_device`, a copy."""
+        values = [p.detach().view(-1)[start:stop] for p, start, stop in self._pieces(part)]
+        return torch.cat(values).to(device=self.outer_device, dtype=torch.float32)
+
+    def _finite_fast(self, part: slice = slice(None)) -> torch.Tensor:
+        """`_fast_vector(part)`; DivergedError when training made it non-finite (before any of it is sent)."""
+        fast = self._fast_vector(part)
         if not bool(torch.isfinite(fast).all()):
             raise DivergedError(f"non-finite weights after inner step {self.step}; not syncing them")
         return fast
 
-    def _load_fast(self, vector: torch.Tensor, params: list[torch.nn.Parameter] | None = None) -> None:
-        """θ ← vector (of `params`, by default every trained parameter), by copy: `vector_to_parameters`
-        makes the parameters views of what it is given, and inner steps must never write into φ."""
-        ref = self.params[0]
-        vector_to_parameters(vector.to(device=ref.device, dtype=ref.dtype, copy=True),
-                             self.params if params is None else params)
+    def _load_fast(self, vector: torch.Tensor, part: slice = slice(None)) -> None:
+        """θ[part] ← vector (by default all of θ), copied into the parameters."""
+        offset = 0
+        with torch.no_grad():
+            for p, start, stop in self._pieces(part):
+                p.view(-1)[start:stop].copy_(vector[offset:offset + stop - start])
+                offset += stop - start
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         """Outer state besides φ (momentum and the like), flat fp32."""

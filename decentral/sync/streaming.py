@@ -1,8 +1,10 @@
 """Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): DiLoCo one fragment of the model at a time,
 each fragment's average overlapped with τ inner steps (ALGORITHMS.md §2).
 
-The trained parameters are split into P fragments, each a run of consecutive whole tensors, as equal in
-size as a greedy split allows. A round is H inner steps, as in DiLoCo; fragment f's average lands at
+The flat vector of the trained parameters is split into P equal contiguous slices, the fragments (a slice
+may cut a tensor: every rule below is element-wise; the paper's fragments are groups of whole layers, whose
+sizes differ by a tensor, and the largest sets the peak bandwidth: 1.12 of a third for the demo's model in
+3 runs of whole tensors, exactly a third as slices). A round is H inner steps, as in DiLoCo; fragment f's average lands at
 in-round step t_f = (f+1)·H//P, so only one fragment is ever on the wire and the last lands on the round
 boundary. Writing e for the error feedback's residual (0 without it, ALGORITHMS.md §9), for fragment f:
     at t_f − τ:  g_i   = (φ − e_i) − θ_i                  outer gradient of the fragment: slow minus fast
@@ -27,7 +29,6 @@ applied: its state is found to differ by digest and repaired (decentral.sync.bas
 
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -72,10 +73,8 @@ class StreamingDiLoCo(DiLoCo):
     ):
         super().__init__(model, optimizer, transport, every=every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, outer_on_device=outer_on_device)
-        sizes = [p.numel() for p in self.params]
-        if not 1 <= fragments <= len(sizes):
-            raise ValueError(f"fragments must be between 1 and the model's {len(sizes)} parameter tensors "
-                             f"(a fragment is whole tensors), got {fragments}")
+        if not 1 <= fragments <= self.numel:
+            raise ValueError(f"fragments must be between 1 and the model's {self.numel} parameters, got {fragments}")
         if not 0 <= delay < every // fragments:
             raise ValueError(f"delay must be >= 0 and below every // fragments = {every // fragments} (every={every}, "
                              f"fragments={fragments}): fragment 0 launches at in-round step every // fragments - delay, "
@@ -84,10 +83,8 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"mix (α, the local weights' share when a fragment lands) must be >= 0 and < 1 "
                              f"(1 would never take the average), got {mix}")
         self.mix = mix
-        offsets = [0, *itertools.accumulate(sizes)]
-        runs = split_tensors(sizes, fragments)
-        self.fragments = [slice(offsets[r.start], offsets[r.stop]) for r in runs]  # of the flat vector
-        self._fragment_params = [self.params[r.start:r.stop] for r in runs]
+        self.fragments = [slice(f * self.numel // fragments, (f + 1) * self.numel // fragments)
+                          for f in range(fragments)]  # of the flat vector
         self._lands = [(f + 1) * every // fragments for f in range(fragments)]  # in-round step each lands at
         self._launches = {t - delay: f for f, t in enumerate(self._lands)}
         # a newcomer joins a round under way only before its first launch (it had no part in what is in
@@ -118,7 +115,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def _launch(self, fragment: int) -> None:
         part = self.fragments[fragment]
-        grad = self.round_start_weights()[part] - self._finite_fast(self._fragment_params[fragment])
+        grad = self.round_start_weights()[part] - self._finite_fast(part)
         sent = self._with_residual(grad, part)
         group = self._members(self.round)
         future = self.transport.average_async(sent, group, f"streaming/{self.round}/{fragment}", self.round)
@@ -127,7 +124,7 @@ class StreamingDiLoCo(DiLoCo):
     def _apply(self) -> tuple[AverageResult, float, bool]:
         """Wait for the fragment in flight and apply it; (its result, seconds waited, rolled back)."""
         flight, self.in_flight = self.in_flight, None
-        part, params = self.fragments[flight.fragment], self._fragment_params[flight.fragment]
+        part = self.fragments[flight.fragment]
         result, waited = self._await_average(flight.future, flight.group)
         rolled_back = not result.complete and len(result.group) > 1
         if rolled_back:  # sent again at the fragment's next sync, with that round's progress (θ holds it)
@@ -136,8 +133,8 @@ class StreamingDiLoCo(DiLoCo):
             self._keep_residual(flight.sent - result.sent, part)
             self.slow[part] = nesterov_sgd_step(self.slow[part], result.tensor, self.momentum[part], self.outer_lr,
                                                 self.outer_momentum, self.nesterov)
-            merged = torch.lerp(self.round_start_weights()[part], self._fast_vector(params), self.mix)
-            self._load_fast(merged, params)
+            merged = torch.lerp(self.round_start_weights()[part], self._fast_vector(part), self.mix)
+            self._load_fast(merged, part)
         return result, waited, rolled_back
 
     def finish(self) -> None:
@@ -146,14 +143,3 @@ class StreamingDiLoCo(DiLoCo):
         if self.in_flight is not None:
             self._apply()
 
-
-def split_tensors(sizes: list[int], count: int) -> list[range]:
-    """`count` runs of consecutive tensors (indices into `sizes`), each at least one: every cut in turn is
-    the one whose total before it is nearest its share, k·sum(sizes)/count."""
-    total, before = sum(sizes), [0, *itertools.accumulate(sizes)]
-    cuts = [0]
-    for k in range(1, count):
-        candidates = range(cuts[-1] + 1, len(sizes) - (count - k) + 1)
-        cuts.append(min(candidates, key=lambda i: abs(before[i] - k * total / count)))
-    cuts.append(len(sizes))
-    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
