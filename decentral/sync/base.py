@@ -410,8 +410,9 @@ class OuterProtocol(SyncProtocol):
         return fast
 
     def _load_fast(self, vector: torch.Tensor, part: slice = slice(None)) -> None:
-        """θ[part] ← vector (by default all of θ), copied into the parameters."""
-        offset = 0
+        """θ[part] ← vector (by default all of θ), copied into the parameters (moved to their device once)."""
+        offset, ref = 0, self.params[0]
+        vector = vector.to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
             for p, start, stop in self._pieces(part):
                 p.view(-1)[start:stop].copy_(vector[offset:offset + stop - start])
