@@ -121,11 +121,11 @@ class IslandTransport:
             raise RuntimeError(f"island average {tag!r} is not finite")
         return AverageResult(tensor=mean, sent=values.cpu(), group=list(self._ids), complete=True, contributors=k)
 
-    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
                       ) -> Future[AverageResult]:
         """`average` as an asynchronous all-reduce (`async_op`): returns at once; the future is done when the
-        collective is. Every rank must start its averages in the same order."""
-        values, buffer = self._prepare(tensor, group)
+        collective is. Every rank must start its averages in the same order (`group` None: all ranks)."""
+        values, buffer = self._prepare(tensor, self._ids if group is None else group)
         work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         future: Future[AverageResult] = Future()
 

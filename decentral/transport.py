@@ -29,6 +29,11 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
 KEPT_DIGESTS = 3  # rounds whose state digest a peer's progress carries
 
 
+def with_us(members: list[str], peer_id: str) -> list[str]:
+    """`members` of a round, sorted, with us among them (our own announcement may not have propagated yet)."""
+    return sorted({*members, peer_id})
+
+
 def with_digest(digests: dict[str, str], round: int, digest: str) -> dict[str, str]:
     """A peer's published digests ({str(round): digest}) with `digest` for `round`, beside those of the
     previous `KEPT_DIGESTS - 1` rounds."""
@@ -92,10 +97,11 @@ class Transport(Protocol):
         the same number of inner steps. `round`: the outer round the average belongs to (a member that
         does not take part in it is left out at once rather than waited for)."""
 
-    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
                       ) -> Future[AverageResult]:
         """`average` started in the background: returns at once, and training may go on while it runs
-        (the result is the future's). `tensor` must not change until the future is done."""
+        (the result is the future's). `tensor` must not change until the future is done. `group` None:
+        `round`'s members (`with_us`), looked up in the background too, as the average starts."""
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Block until `count` peers (us included) are live and take part in `round` (so peers started
@@ -151,9 +157,9 @@ class SoloTransport:
         flat = tensor.detach().float().reshape(-1).clone()
         return AverageResult(tensor=flat, sent=flat.clone(), group=[self.peer_id], complete=True, contributors=1)
 
-    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
                       ) -> Future[AverageResult]:
-        return finished(self.average(tensor, group, tag, round))
+        return finished(self.average(tensor, [self.peer_id], tag, round))
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Nobody to wait for: training alone (the compute reference of a benchmark) starts at once."""

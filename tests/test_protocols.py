@@ -448,6 +448,31 @@ def test_a_co2_average_runs_in_the_background_while_the_next_round_trains(make_l
     assert torch.equal(first.slow, second.slow)  # leaving the block applied round 1's average on both
 
 
+def record_lookups(protocols) -> tuple[list[threading.Thread], set[threading.Thread]]:
+    """(threads that looked up a round's members, threads that ran a step's `after_step`) of `protocols`,
+    from now on."""
+    lookups, trainers = [], set()
+    for p in protocols:
+        members, after_step = p.transport.members, p.after_step
+        p.transport.members = lambda round, members=members: (lookups.append(threading.current_thread()),
+                                                              members(round))[1]
+        p.after_step = lambda after_step=after_step: (trainers.add(threading.current_thread()), after_step())[1]
+    return lookups, trainers
+
+
+def test_a_co2_average_looks_up_its_members_off_the_training_thread(make_swarm):
+    """The lookup of a round's members is a DHT read: part of the average, in the background, not of a step."""
+    protocols = make_protocols(make_swarm(2), CO2, every=10)
+    lookups, trainers = record_lookups(protocols)
+    gen = torch.Generator().manual_seed(3)
+    for round in range(3):
+        reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+        assert all(r.complete and len(r.group) == (2 if round else 1) for r in reports)  # round 0: nothing applied
+    run_in_threads([p.finish for p in protocols])
+    assert lookups and not trainers & set(lookups)
+    assert torch.equal(protocols[0].slow, protocols[1].slow)
+
+
 def test_a_co2_average_that_did_not_commit_goes_out_again_so_nothing_trained_is_lost(make_loopback):
     transports = make_loopback(2)
     alone, leaving = make_protocols(transports, CO2, every=10, outer_lr=1.0, outer_momentum=0.0, clip=None)

@@ -10,7 +10,7 @@ from decentral.loopback import LoopbackHub
 from decentral.models import GPT, GPTConfig
 from decentral.sync import DiLoCo, StreamingDiLoCo
 from decentral.transport import SoloTransport
-from test_protocols import flat, make_protocols, outer_round, set_flat, tiny_model
+from test_protocols import flat, make_protocols, outer_round, record_lookups, set_flat, tiny_model
 
 # tiny_model's 4 tensors (20, 4, 12 and 3 values) in 3 fragments of 13 values: the first cuts the first tensor,
 # the second holds the rest of it, the second tensor and 2 values of the third
@@ -42,8 +42,8 @@ def record(p):
         launches.append((p.step, tag, tensor.clone()))
         return launch(tensor, group, tag, round)
 
-    def logged_wait(future, group):
-        result, waited = wait(future, group)
+    def logged_wait(future):
+        result, waited = wait(future)
         applies.append((p.step, result))
         return result, waited
 
@@ -232,6 +232,15 @@ def test_replicas_hold_identical_slow_weights_and_momentum_after_every_round(mak
             assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
             assert not torch.equal(flat(p.model), flat(protocols[0].model))  # θ_i keep their own progress
     assert not torch.equal(flat(protocols[0].model), protocols[0].slow)  # never reset to φ
+
+
+def test_a_fragment_average_looks_up_its_members_off_the_training_thread(make_swarm):
+    protocols = make_protocols(make_swarm(2), StreamingDiLoCo, every=12, fragments=3, delay=1)
+    lookups, trainers = record_lookups(protocols)
+    inner_steps(protocols, 24, torch.Generator().manual_seed(3))
+    reports = [p.pop_report() for p in protocols]
+    assert all(r.complete and r.round == 1 and len(r.group) == 2 for r in reports)
+    assert len(lookups) == 2 * 6 and not trainers & set(lookups)  # 3 fragments a round, 2 rounds, 2 peers
 
 
 def test_error_feedback_keeps_what_a_fragment_average_did_not_count(make_swarm):

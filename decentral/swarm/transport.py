@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from concurrent.futures import Future
@@ -16,7 +17,7 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.config import HEARTBEAT_S
-from decentral.transport import AverageResult
+from decentral.transport import AverageResult, with_us
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
@@ -119,10 +120,18 @@ class SwarmTransport:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
         return self.average_async(tensor, group, tag, round).result()
 
-    def average_async(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
                       ) -> Future[AverageResult]:
-        """The same average on the swarm's event loop, returning at once."""
-        return self.peer.call(self.averager.average(tensor, group, tag, self.timeout, round))
+        """The same average on the swarm's event loop, returning at once (`group` None: the members' lookup,
+        a DHT read, runs in a thread of that loop's first)."""
+        return self.peer.call(self._average(tensor, group, tag, round))
+
+    async def _average(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None
+                       ) -> AverageResult:
+        if group is None:
+            members = await asyncio.get_running_loop().run_in_executor(None, self.members, round or 0)
+            group = with_us(members, self.peer_id)
+        return await self.averager.average(tensor, group, tag, self.timeout, round)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Block until `count` peers (us included) with a live heartbeat announced `round`; SwarmError

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decentral.transport import AverageResult, Transport, state_digest
+from decentral.transport import AverageResult, Transport, state_digest, with_us
 
 log = logging.getLogger(__name__)
 
@@ -195,10 +195,11 @@ class SyncProtocol:
         start = time.perf_counter()
         return self._counted(self.transport.average(flat, group, tag, self.round), group, start)
 
-    def _await_average(self, future: Future[AverageResult], group: list[str]) -> tuple[AverageResult, float]:
-        """The result of an average over `group` launched with `transport.average_async`, waited for."""
+    def _await_average(self, future: Future[AverageResult]) -> tuple[AverageResult, float]:
+        """The result of an average launched with `transport.average_async`, waited for."""
         start = time.perf_counter()
-        return self._counted(future.result(), group, start)
+        result = future.result()
+        return self._counted(result, result.group, start)
 
     def _counted(self, result: AverageResult, group: list[str], start: float) -> tuple[AverageResult, float]:
         """Count the wait for `result` since `start` in `wait_s`; note who averaged without us (replicas);
@@ -217,9 +218,7 @@ class SyncProtocol:
         start = time.perf_counter()
         members = self.transport.members(round)
         self.wait_s += time.perf_counter() - start
-        if self.transport.peer_id not in members:  # our announcement may not have propagated yet
-            members = sorted([*members, self.transport.peer_id])
-        return members
+        return with_us(members, self.transport.peer_id)
 
     def _offer(self) -> str:
         """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""

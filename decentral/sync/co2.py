@@ -54,8 +54,7 @@ from decentral.transport import AverageResult, Transport, finished
 class InFlight:
     """An average launched at a boundary and not yet applied."""
 
-    future: Future[AverageResult]
-    group: list[str]
+    future: Future[AverageResult]  # over the round's members, looked up in the background as it starts
     sent: torch.Tensor  # our input to it (progress φ does not hold yet: sent again if it does not commit)
     anchor: torch.Tensor | None  # φ it was measured from (kept for the staleness-adaptive penalty only)
 
@@ -130,20 +129,19 @@ class CO2(OuterProtocol):
         super()._on_rejoined()
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
-        group = self._members(self.round)
         outer_grad = self._with_residual(self.round_start_weights() - fast)
         if self._unsent is not None:
             outer_grad, self._unsent = outer_grad + self._unsent, None
-        future = self.transport.average_async(outer_grad, group, f"co2/{self.round}", self.round)
+        future = self.transport.average_async(outer_grad, None, f"co2/{self.round}", self.round)
         previous, self.in_flight = self.in_flight, InFlight(
-            future, group, outer_grad, self.slow.clone() if self.staleness_adaptive else None)
+            future, outer_grad, self.slow.clone() if self.staleness_adaptive else None)
         if previous is None:  # our first boundary: nothing of ours was in flight, nothing to apply
             return SyncReport(self.round, [self.transport.peer_id], True, 1, 0.0)
         return self._apply(previous)
 
     def _apply(self, stale: InFlight) -> SyncReport:
         """Wait for the average launched a boundary ago and take the outer step on it."""
-        result, waited = self._await_average(stale.future, stale.group)
+        result, waited = self._await_average(stale.future)
         if not result.complete and len(result.group) > 1:
             self._unsent = stale.sent if self._unsent is None else self._unsent + stale.sent
         else:
@@ -156,7 +154,7 @@ class CO2(OuterProtocol):
     def _take_members_state(self, report: SyncReport) -> None:
         """After our first boundary, the state the other members hold once they applied the average we
         had no part in (checked against their digests); alone, we keep ours."""
-        others = set(self.in_flight.group) - {self.transport.peer_id}
+        others = set(self._members(self.round - 1)) - {self.transport.peer_id}  # of the average in flight
         if not others:
             return
         spread = self._repair(others)
@@ -185,7 +183,7 @@ class CO2(OuterProtocol):
         if mine is not None:
             mine = mine.to(self.outer_device, torch.float32)
             me = [self.transport.peer_id]
-            self.in_flight = InFlight(finished(AverageResult(mine.clone(), mine, me, True, 1)), me, mine, None)
+            self.in_flight = InFlight(finished(AverageResult(mine.clone(), mine, me, True, 1)), mine, None)
             self._behind = True
 
 

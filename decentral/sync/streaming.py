@@ -44,8 +44,7 @@ class InFlight:
     """A fragment's average, launched and not yet applied."""
 
     fragment: int
-    future: Future[AverageResult]
-    group: list[str]
+    future: Future[AverageResult]  # over the round's members, looked up in the background as it starts
     grad: torch.Tensor  # our outer gradient of the fragment, g_i
     sent: torch.Tensor  # our input to the average, g_i + e_i
 
@@ -117,15 +116,14 @@ class StreamingDiLoCo(DiLoCo):
         part = self.fragments[fragment]
         grad = self.round_start_weights()[part] - self._finite_fast(part)
         sent = self._with_residual(grad, part)
-        group = self._members(self.round)
-        future = self.transport.average_async(sent, group, f"streaming/{self.round}/{fragment}", self.round)
-        self.in_flight = InFlight(fragment, future, group, grad, sent)
+        future = self.transport.average_async(sent, None, f"streaming/{self.round}/{fragment}", self.round)
+        self.in_flight = InFlight(fragment, future, grad, sent)
 
     def _apply(self) -> tuple[AverageResult, float, bool]:
         """Wait for the fragment in flight and apply it; (its result, seconds waited, rolled back)."""
         flight, self.in_flight = self.in_flight, None
         part = self.fragments[flight.fragment]
-        result, waited = self._await_average(flight.future, flight.group)
+        result, waited = self._await_average(flight.future)
         rolled_back = not result.complete and len(result.group) > 1
         if rolled_back:  # sent again at the fragment's next sync, with that round's progress (θ holds it)
             self._keep_residual(flight.sent - flight.grad, part)
