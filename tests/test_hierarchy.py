@@ -82,6 +82,7 @@ def _average(transport: HierarchicalTransport, island: int, rank: int) -> dict:
     group = transport.members(0)
     future = transport.average_async(rank_values(island, rank), group, "avg", 0)
     result = future.result(timeout=60)
+    looked_up = transport.average_async(rank_values(island, rank), None, "avg, members looked up", 0).result(timeout=60)
     try:  # fails on the connection(s) that average: every rank raises it, none waits in a collective
         transport.average(rank_values(island, rank), [g for g in group if g != transport.peer_id], "not ours", 0)
         error = None
@@ -89,7 +90,8 @@ def _average(transport: HierarchicalTransport, island: int, rank: int) -> dict:
         error = str(e)
     return {"error": error,"mean": result.tensor.tolist(), "sent": result.sent.tolist(), "group": result.group,
             "complete": result.complete, "contributors": result.contributors, "peer_id": transport.peer_id,
-            "bytes_sent": transport.bytes_sent, "connections": transport.connections}
+            "bytes_sent": transport.bytes_sent, "connections": transport.connections,
+            "looked_up": (looked_up.tensor.tolist(), looked_up.group, looked_up.complete)}
 
 
 @pytest.mark.parametrize("mode", ["leader", "sharded"])
@@ -102,6 +104,7 @@ def test_hierarchical_average_equals_the_flat_mean_of_all_ranks(mode):
         assert out["complete"] and out["contributors"] == ISLANDS
         assert "not in the group" in out["error"]
         assert out["group"] == islands
+        assert out["looked_up"] == (out["mean"], islands, True)  # group None: the leader looked the members up
         torch.testing.assert_close(torch.tensor(out["mean"]), flat_mean)
         island_mean = sum(rank_values(island, r) for r in range(SIZE)) / SIZE
         torch.testing.assert_close(torch.tensor(out["sent"]), island_mean)  # what the island counted
