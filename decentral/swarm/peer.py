@@ -266,6 +266,10 @@ class SwarmPeer:
             self.call(self._p2p.shutdown()).result(timeout=10)
         except Exception as e:
             log.debug("p2p replica shutdown: %s", e)
+        try:  # as asyncio.run ends a loop: what is still running (an average in flight) ends now, not at exit
+            self.call(_cancel_pending()).result(timeout=10)
+        except Exception as e:
+            log.debug("cancelling the loop's tasks: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         # a call in flight lets go of the lock within DHT_CHECK_S of its DHT process dying; one that is alive
@@ -278,3 +282,12 @@ class SwarmPeer:
                 self._dht_lock.release()
         if self._identity_dir:
             shutil.rmtree(self._identity_dir, ignore_errors=True)
+
+
+async def _cancel_pending() -> None:
+    """Cancel every other task of the running loop and wait until they have ended (their `finally` blocks run
+    while the loop still runs; a loop stopped under them leaves them to be destroyed pending at exit)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
