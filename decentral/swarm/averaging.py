@@ -520,13 +520,14 @@ class GroupAverager:
                 if sender in elsewhere or sender in self.banned:
                     continue
                 j = group.index(sender)
+                own_norm = float(own[j].norm())
                 reason = check_part(msg.tensor, own[j]) or check_owner_result(
-                    msg.tensor, msg.meta.get("norms"), mine, float(own[j].norm()), self.max_norm_ratio, self.aggregation)
+                    msg.tensor, msg.meta.get("norms"), mine, own_norm, self.max_norm_ratio, self.aggregation)
                 if accept(sender, reason):
                     result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
                     counts[j] = sum(n > 0 for n in norms[j])
                     # our part as the owner counted it: clipped to the norm it reports for us (0: not at all)
-                    counted[j] = clip(own[j], float(own[j].norm()), norms[j][group.index(me)])
+                    counted[j] = clip(own[j], own_norm, norms[j][mine])
                     if sparse:
                         counted[j] = counted[j] * kept(result[j])
 

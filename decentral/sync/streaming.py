@@ -6,7 +6,8 @@ may cut a tensor: every rule below is element-wise; the paper's fragments are gr
 sizes differ by a tensor, and the largest sets the peak bandwidth: 1.12 of a third for the demo's model in
 3 runs of whole tensors, exactly a third as slices). A round is H inner steps, as in DiLoCo; fragment f's
 average lands at in-round step t_f = (f+1)·H//P, so only one fragment is ever on the wire and the last
-lands on the round boundary. Writing e for the error feedback's residual (0 without it, ALGORITHMS.md §9), for fragment f:
+lands on the round boundary. Writing e for the error feedback's residual (0 without it, ALGORITHMS.md §9),
+for fragment f:
     at t_f − τ:  g_i   = (φ − e_i) − θ_i                  outer gradient of the fragment: slow minus fast
                  launch ḡ = mean_i (g_i + e_i)            in the background; e_i ← 0
     at t_f:      φ    ← SGD(lr, momentum, nesterov)(φ, ḡ) as DiLoCo (the fragment's part of the momentum)
