@@ -16,6 +16,7 @@ from conftest import run_in_threads
 from decentral.swarm import SwarmPeer
 from decentral.swarm.averaging import chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
+from decentral.swarm.peer import refuse_plain_dials
 from decentral.swarm.wire import read_frame, write_message
 
 CHILD_PEER = """
@@ -76,6 +77,19 @@ def test_a_partner_dead_long_before_the_average_costs_seconds_not_the_timeout(ma
     result = me.average(torch.randn(1000), sorted([me.peer_id, partner]), "long-dead")
     assert time.monotonic() - start < 5.0  # the timeout is 30 s
     assert not result.complete and result.absent == [partner]
+
+
+def test_a_plain_dial_tells_a_dead_address_from_a_live_one():
+    """Under libp2p's dial backoff a peer counts as gone only when its address refuses a plain dial: a
+    failed dial between live peers (seen while a reset closes their connections) backs off too."""
+    with socket.socket() as live, socket.socket() as dead:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        dead.bind(("127.0.0.1", 0))  # bound, not listening: the kernel refuses connections to it
+        addresses = {name: ("127.0.0.1", str(s.getsockname()[1])) for name, s in (("live", live), ("dead", dead))}
+        assert asyncio.run(refuse_plain_dials([addresses["dead"]]))
+        assert not asyncio.run(refuse_plain_dials([addresses["dead"], addresses["live"]]))
+        assert not asyncio.run(refuse_plain_dials([]))  # no address to try proves nothing
 
 
 def test_survivors_redo_the_average_without_a_dead_member_and_agree(make_swarm):

@@ -39,9 +39,10 @@ Nothing received is trusted:
 A peer that is dead or late costs at most the round's timeout, and a peer whose process is gone costs
 next to nothing: a push to it, or a probe (`ping`, every `probe_s` while we wait for it), finds its
 address refusing the connection, and we stop waiting for it. A stream that closes unanswered is asked
-again on a fresh one first (a connection between two live processes can reset; the fresh dial to a dead
-one is refused at once), and only a second closed stream counts; a probe that merely times out proves
-nothing on a congested link. The same for a member that says it takes no part in the average: a
+again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S` (a connection between two live
+processes can reset, and a reset closes every connection between them, so a stream opened meanwhile
+may land on one that is closing; the fresh dial to a dead one is refused), and only a third closed
+stream counts; a probe that merely times out proves nothing on a congested link. The same for a member that says it takes no part in the average: a
 restarted process whose first round is later, one that serves no averaging yet, one that has finished
 this average already, or one that averages it over a member list without us ("left out"). When the
 average did not commit, it is redone once without every member that was absent, averaged over another
@@ -71,7 +72,7 @@ from typing import Awaitable, Callable
 import torch
 
 from decentral.swarm.mailbox import Mailbox, Message
-from decentral.swarm.peer import NotServing, SwarmError, SwarmPeer
+from decentral.swarm.peer import DialHeldBack, NotServing, SwarmError, SwarmPeer
 from decentral.swarm.wire import (
     WireError, read_frame, read_header, write_frame, write_message,
 )
@@ -87,6 +88,7 @@ _LEFT_OUT = b"\x03"  # we average (or averaged) the push's average over a member
 _DONE = b"\x04"  # (to a probe) we are done with this average and send nothing more for it; alive all the same
 _PUSH_ANSWERS = (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT)
 _PING_ANSWERS = (_ACK, _NOT_IN_ROUND, _DONE)
+ASK_AGAIN_AFTER_S = 0.5  # the pause before a third stream: a reset's closing connections are gone by then
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
@@ -339,14 +341,21 @@ class GroupAverager:
                    answers: tuple[bytes, ...]) -> bytes:
         """Open a stream to `target`'s handler `name`, `send` our message on it and return its one-byte
         answer (one of `answers`). A stream that closes unanswered (or answers something else) is asked
-        again on a fresh one: a connection between two live processes can reset, and a fresh dial to a
-        dead one is refused at once. _Unreachable when its address refuses the connection; _StreamLost
-        when the fresh stream closes unanswered too; NotServing when it has no handler `name`."""
-        for attempt in (1, 2):
+        again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a connection between two live
+        processes can reset, and a fresh dial to a dead one is refused. While libp2p holds back dials to
+        a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout.
+        _Unreachable when its address refuses the connection; _StreamLost when the third stream closes
+        unanswered too; NotServing when it has no handler `name`."""
+        pauses = [0.0, ASK_AGAIN_AFTER_S]  # before the second and the third stream
+        while True:
             try:
                 reader, writer = await self.peer.open_stream(target, name)
             except ConnectionRefusedError as e:
                 raise _Unreachable(repr(e)) from e
+            except DialHeldBack as e:
+                log.info("%s to %s: %s; asking again in %.1fs", name, target[-8:], e, ASK_AGAIN_AFTER_S)
+                await asyncio.sleep(ASK_AGAIN_AFTER_S)
+                continue
             try:
                 await send(writer)
                 answer = await read_frame(reader, self.peer.stats, 1)
@@ -357,9 +366,10 @@ class GroupAverager:
                 lost = _StreamLost(repr(e))
             finally:
                 writer.close()
-            if attempt == 1:
-                log.info("%s to %s: the stream closed unanswered (%s); asking on a fresh one", name, target[-8:], lost)
-        raise lost
+            if not pauses:
+                raise lost
+            log.info("%s to %s: the stream closed unanswered (%s); asking on a fresh one", name, target[-8:], lost)
+            await asyncio.sleep(pauses.pop(0))
 
     async def _silent(self, peer: str, tag: str, **why: bool) -> None:
         """`peer` will send nothing more for average `tag`: nobody waits for it there. Without `why` it is

@@ -67,6 +67,32 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
     return f"could not start a swarm peer{f' through {list(initial_peers)}' if initial_peers else ''}: {text}"
 
 
+class DialHeldBack(Exception):
+    """libp2p holds back new dials to a peer for a few seconds after one failed (its dial backoff), yet the
+    peer's address still accepts connections: it is alive (a failed dial between live processes is seen
+    while a reset closes their connections), only not reachable through a new libp2p connection yet."""
+
+
+_BACKOFF_ADDRESS = re.compile(r"\[/ip[46]/([^/\]]+)/tcp/(\d+)\] dial backoff")  # a direct address, not a relay
+PLAIN_DIAL_TIMEOUT_S = 1.0  # a plain TCP dial that tells a live address from a dead one
+
+
+async def refuse_plain_dials(addresses: Sequence[tuple[str, str]]) -> bool:
+    """Whether every (host, port) of `addresses` refuses a plain TCP connection: nothing listens there any
+    more. False when one accepts, or does not answer within PLAIN_DIAL_TIMEOUT_S (which proves nothing)."""
+    for host, port in addresses:
+        try:
+            async with asyncio.timeout(PLAIN_DIAL_TIMEOUT_S):
+                _, writer = await asyncio.open_connection(host, int(port))
+        except ConnectionRefusedError:
+            continue
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False
+    return bool(addresses)
+
+
 class NotServing(Exception):
     """The peer is up but serves no such stream: a process still starting (its handlers not yet
     registered), or one of another run."""
@@ -226,15 +252,22 @@ class SwarmPeer:
 
     async def open_stream(self, peer: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A stream to `peer`'s handler `name`. ConnectionRefusedError when `peer`'s address refuses the
-        connection (its process is gone, not merely slow), or when libp2p holds back dials to it because
-        one failed in the last seconds (its dial backoff, 5 s and more: our DHT node may have dialled the
-        dead peer first); NotServing when it answers but has no handler `name`; other failures as
-        hivemind raises them."""
+        connection (its process is gone, not merely slow). When libp2p holds back dials to it because one
+        failed in the last seconds (its dial backoff, 5 s and more: our DHT node may have dialled the dead
+        peer first, or a reset between live peers failed one), a plain TCP dial to its addresses tells
+        which: ConnectionRefusedError when they refuse it, DialHeldBack when one accepts (or is silent).
+        NotServing when it answers but has no handler `name`; other failures as hivemind raises them."""
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(name))
         except P2PDaemonError as e:
-            if "connection refused" in str(e) or "dial backoff" in str(e):
+            if "connection refused" in str(e):
                 raise ConnectionRefusedError(f"{peer} refuses connections: {e}") from e
+            if "dial backoff" in str(e):
+                if await refuse_plain_dials(_BACKOFF_ADDRESS.findall(str(e))):
+                    raise ConnectionRefusedError(f"{peer} refuses connections (libp2p's dial backoff, and a plain "
+                                                 f"dial to its address is refused): {e}") from e
+                raise DialHeldBack(f"libp2p holds back dials to {peer} after one failed; its address still "
+                                   "accepts connections") from e
             if "protocols not supported" in str(e):
                 raise NotServing(f"{peer} serves no {name!r} stream (yet)") from e
             raise
