@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from decentral.island import IslandTransport
-from decentral.transport import AverageResult, Transport, with_us
+from decentral.transport import AverageResult, Transport, check_group, with_us
 
 MODES = ("leader", "sharded")
 
@@ -202,12 +202,13 @@ class HierarchicalTransport:
                       ) -> Future[AverageResult]:
         """The three steps of the module docstring, on the island's averaging thread; every rank calls it
         with the same group, tag and round (`group` None: the leader looks the members up on that thread)."""
+        check_group(group, round)
         values = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32, copy=True)
         return self._averages.submit(self._average, values, None if group is None else list(group), tag, round)
 
     def _average(self, values: torch.Tensor, group: list[str] | None, tag: str, round: int | None) -> AverageResult:
         if group is None:
-            group = self._from_leader(lambda: with_us(self.swarm.members(round or 0), self.peer_id), self._data)
+            group = self._from_leader(lambda: with_us(self.swarm.members(round), self.peer_id), self._data)
         self._collective(dist.all_reduce, values, group=self._data)
         mean = values / self.size
         if self.mode == "sharded":

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-from decentral.transport import AverageResult, finished, state_digest, with_digest, with_us
+from decentral.transport import AverageResult, check_group, finished, state_digest, with_digest, with_us
 
 LOOKAHEAD = 2  # rounds past the one joined that `join_rounds` announces, as the swarm does
 
@@ -141,8 +141,9 @@ class LoopbackTransport:
 
     def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
                       ) -> Future[AverageResult]:
+        check_group(group, round)
         if group is None:
-            group = with_us(self.members(round or 0), self.peer_id)
+            group = with_us(self.members(round), self.peer_id)
         if len(set(group)) > 1:
             self.bytes_sent += 4 * tensor.numel()
             self.bytes_received += 4 * tensor.numel()

@@ -29,6 +29,12 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
 KEPT_DIGESTS = 3  # rounds whose state digest a peer's progress carries
 
 
+def check_group(group: list[str] | None, round: int | None) -> None:
+    """ValueError when an average is to run over a round's members (`group` None) without naming the round."""
+    if group is None and round is None:
+        raise ValueError("an average over a round's members (group None) needs that round")
+
+
 def with_us(members: list[str], peer_id: str) -> list[str]:
     """`members` of a round, sorted, with us among them (our own announcement may not have propagated yet)."""
     return sorted({*members, peer_id})
@@ -101,7 +107,7 @@ class Transport(Protocol):
                       ) -> Future[AverageResult]:
         """`average` started in the background: returns at once, and training may go on while it runs
         (the result is the future's). `tensor` must not change until the future is done. `group` None:
-        `round`'s members (`with_us`), looked up in the background too, as the average starts."""
+        `round`'s members (`with_us`), looked up in the background too, as the average starts (`check_group`)."""
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Block until `count` peers (us included) are live and take part in `round` (so peers started

@@ -66,3 +66,18 @@ def test_members_progress_and_state_are_what_the_peers_announced():
 def test_the_solo_transports_background_average_is_done_at_once():
     future = SoloTransport().average_async(torch.ones(3), ["solo"], "t")
     assert future.done() and torch.equal(future.result().tensor, torch.ones(3))
+
+
+def test_an_average_over_a_rounds_members_looks_up_that_round_and_needs_it_named():
+    hub = LoopbackHub()
+    a, b, c = hub.transport(), hub.transport(), hub.transport()
+    a.join_rounds(1)
+    b.join_rounds(1)
+    c.join_rounds(2, first=True)  # a member of round 2 only
+    xs = [torch.full((4,), float(i)) for i in range(2)]
+    first = a.average_async(xs[0], None, "r1", round=1)
+    result = b.average(xs[1], None, "r1", round=1)
+    for r in (first.result(timeout=1), result):
+        assert r.complete and r.group == sorted([a.peer_id, b.peer_id]) and torch.equal(r.tensor, (xs[0] + xs[1]) / 2)
+    with pytest.raises(ValueError, match="needs that round"):
+        a.average_async(xs[0], None, "which")

@@ -17,7 +17,7 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.config import HEARTBEAT_S
-from decentral.transport import AverageResult, with_us
+from decentral.transport import AverageResult, check_group, with_us
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
@@ -124,12 +124,13 @@ class SwarmTransport:
                       ) -> Future[AverageResult]:
         """The same average on the swarm's event loop, returning at once (`group` None: the members' lookup,
         a DHT read, runs in a thread of that loop's first)."""
+        check_group(group, round)
         return self.peer.call(self._average(tensor, group, tag, round))
 
     async def _average(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None
                        ) -> AverageResult:
         if group is None:
-            members = await asyncio.get_running_loop().run_in_executor(None, self.members, round or 0)
+            members = await asyncio.get_running_loop().run_in_executor(None, self.members, round)
             group = with_us(members, self.peer_id)
         return await self.averager.average(tensor, group, tag, self.timeout, round)
 
