@@ -3,9 +3,10 @@
 Each method runs as one worker process per emulated host (decentral.netlab), all at once; then the
 next method runs on the same lab. First comes `local` (no communication), the compute reference:
 compute utilisation = a method's inner steps per second ÷ the reference's, so CPU that background
-machinery steals from training counts against the method. Bytes are what each host's interface
-sent (netns mode; in loopback mode, what the workers counted on their own streams).
-Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and prints a table.
+machinery steals from training counts against the method; a second table says where each worker's
+CPU went while it trained (its training thread, its other threads, its DHT node and libp2p daemon). Bytes are what each host's
+interface sent (netns mode; in loopback mode, what the workers counted on their own streams).
+Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and prints the tables.
 OUT/results.json is rewritten as each method finishes: `--report OUT` tables an interrupted run's.
 """
 
@@ -171,7 +172,11 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
     of each one's median of what its streams sent from one round boundary to the next, `round_bytes`: one
     outer step's traffic, without the state a newcomer downloaded in some round), blocked_fraction (the
     mean over workers of the share of their wall time spent waiting on the network: what overlapping the
-    average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). `compare` adds the cross-method numbers.
+    average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). Where the CPU
+    went while a worker trained (means over workers, from its first record to its last; `cpu_record`):
+    training_thread_cpu_s, other_threads_cpu_s (its averaging loop, heartbeat, ...) and
+    child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager). `compare` adds the
+    cross-method numbers.
     `workers`: how many workers must have trained for the method to be ok (default: one per process; an
     island's process runs several)."""
     by_worker: dict[str, list[dict]] = {}
@@ -191,6 +196,10 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         vals = [(r["wall_s"], r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         curves[worker] = vals
         finals.append(vals[-1][2])
+    def spent(key: str) -> list[float]:
+        """Per worker, how much of the cumulative `key` it used from its first record to its last."""
+        return [c[-1][key] - c[0][key] for recs in by_worker.values() if len(c := [r for r in recs if key in r]) > 1]
+
     streams = [max((r.get("bytes_sent") or 0) for r in recs) for recs in by_worker.values()]
     counted = [b for b in raw["tx_bytes"] if b is not None] or streams  # loopback mode: the streams' counts
     ok = all(c == 0 for c in raw["codes"]) and len(walls) == (workers or len(raw["codes"]))
@@ -209,6 +218,9 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         "stream_bytes_sent_per_worker": mean(streams),
         "peak_stream_bytes_per_s": median_or_none([peak_rate(recs) for recs in by_worker.values()]),
         "stream_bytes_per_round": median_or_none([b for recs in by_worker.values() if (b := round_bytes(recs))]),
+        "training_thread_cpu_s": mean(spent("thread_cpu_s")),
+        "other_threads_cpu_s": mean([process - thread for process, thread in zip(spent("cpu_s"), spent("thread_cpu_s"))]),
+        "child_processes_cpu_s": mean(spent("children_cpu_s")),
         "curves": curves,
     }
 
@@ -328,6 +340,18 @@ def format_results(results: dict) -> str:
     return format_table(rows, numeric=False)
 
 
+def format_cpu(results: dict) -> str:
+    """Where each worker's CPU went (seconds, means over workers; `summarize_method`), and the share of it
+    not spent on the training thread: on hosts whose cores the workers share, that is what utilisation loses."""
+    rows = [("method", "training thread", "other threads", "child processes", "not training")]
+    for method, r in results["methods"].items():
+        parts = [r.get(k) for k in ("training_thread_cpu_s", "other_threads_cpu_s", "child_processes_cpu_s")]
+        known = [p for p in parts if p is not None]
+        share = sum(known[1:]) / sum(known) if parts[0] is not None and sum(known) > 0 else None
+        rows.append((method, *("-" if p is None else f"{p:.1f}s" for p in parts), "-" if share is None else f"{share:.1%}"))
+    return format_table(rows, numeric=False)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.protocols.split(",") if m.strip()]
     unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS
@@ -384,6 +408,7 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_bench(results, out / "bench.png")
     print(format_results(results))
+    print(format_cpu(results))
     print(f"bench: target loss {results['config']['target_loss']}; results in {out / 'results.json'}, "
           f"plot {out / 'bench.png'}")
     return 0 if all(r["ok"] for r in results["methods"].values()) else 1

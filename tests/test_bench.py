@@ -5,10 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN
-from decentral.bench import compare, peak_rate, round_bytes, summarize_method, time_to_loss
+from decentral.bench import compare, format_cpu, peak_rate, round_bytes, summarize_method, time_to_loss
 
 
 def records(worker, wall_per_step, steps, vals):
@@ -37,6 +38,26 @@ def test_summary_numbers_follow_from_the_records():
     assert res["peak_stream_bytes_per_s"] == (200 + 100) / 2  # the median of w0 (100 B every 0.5 s) and w1
     assert time_to_loss(res["curves"], 4.0) == 15.0  # w0 at t=5; w1 between 4.5 (t=10) and 3.5 (t=20)
     assert time_to_loss(res["curves"], 3.2) is None  # w1 never reaches it
+
+
+def test_cpu_per_worker_splits_into_training_thread_other_threads_and_child_processes():
+    """Each worker's records carry its process's and its training thread's CPU so far (2 s and 1.5 s of
+    start-up before the first), and those of evaluation steps its child processes' (its DHT node's)."""
+    def with_cpu(worker, thread_per_step, others_per_step, children_per_step):
+        return [{**r, "cpu_s": 2.0 + r["step"] * (thread_per_step + others_per_step),
+                 "thread_cpu_s": 1.5 + r["step"] * thread_per_step,
+                 **({"children_cpu_s": 0.7 + r["step"] * children_per_step} if "val_loss" in r else {})}
+                for r in records(worker, 0.5, 20, [5.0, 4.0, 3.0])]
+    raw = {"codes": [0, 0], "tx_bytes": [None, None],
+           "records": with_cpu("w0", 0.5, 0.1, 0.05) + with_cpu("w1", 0.6, 0.2, 0.15)}
+    res = summarize_method(raw, tokens_per_step=64, steps=20)
+    assert res["training_thread_cpu_s"] == pytest.approx((10 + 12) / 2)
+    assert res["other_threads_cpu_s"] == pytest.approx((2 + 4) / 2)
+    assert res["child_processes_cpu_s"] == pytest.approx((1 + 3) / 2)
+    assert summarize_method({**raw, "records": records("w0", 0.5, 20, [5.0, 4.0, 3.0])}, tokens_per_step=64,
+                            steps=20)["training_thread_cpu_s"] is None  # records of a worker without CPU figures
+    table = format_cpu({"methods": {"diloco": res}})
+    assert "not training" in table and f"{(3 + 2) / (11 + 3 + 2):.1%}" in table
 
 
 def test_a_worker_that_joined_mid_run_is_credited_only_the_steps_it_trained():
@@ -114,8 +135,11 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
                     "compute_utilisation", "time_to_target_s", "ddp_time_to_final_s", "speedup_vs_ddp"):
             assert key in res, (method, key)
         assert 0 < res["compute_utilisation"] <= 1.5
+        assert res["training_thread_cpu_s"] > 0 and res["other_threads_cpu_s"] >= 0
         if method != "local":
             assert res["bytes_sent_per_worker"] > 0
+        if method not in ("local", "ddp"):  # those two run no swarm (ddp: a torch.distributed group, in-process)
+            assert res["child_processes_cpu_s"] > 0  # its DHT node and libp2p daemon (hivemind's averager too)
     ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
     assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
     topk = results["methods"]["diloco+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from decentral.checkpoint import load_checkpoint
+from decentral.cpu import descendants
 
 PROTOCOLS = {
     "co2": {"name": "co2", "every": 10},
@@ -150,20 +151,6 @@ def test_corrupt_checkpoint_is_a_clear_error(workers):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "checksum" in done.stderr and "Traceback" not in done.stderr
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (Linux /proc)."""
-    found, todo = set(), [pid]
-    while todo:
-        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = {int(k) for k in children.read_text().split()}
-            except OSError:  # the process ended while we looked
-                continue
-            todo += sorted(kids - found)
-            found |= kids
-    return found
 
 
 def running(pid: int) -> bool:

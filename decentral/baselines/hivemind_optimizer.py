@@ -45,6 +45,7 @@ from hivemind.utils import get_dht_time
 
 from decentral.checkpoint import save_checkpoint
 from decentral.config import Recipe, RecipeError, load_recipe, recipe_path
+from decentral.cpu import cpu_record
 from decentral.data.batches import Batch, eval_batches, evaluate, train_batches
 from decentral.data.corpus import load_corpus
 from decentral.device import pick_device
@@ -300,7 +301,7 @@ def train(
     """Run `recipe.train.steps` local steps through `opt`, writing metrics to `log`; returns the last record.
 
     Records, like decentral.worker's: one at step 0 with `val_loss`; one per step with `worker, step, round
-    (hivemind's local_epoch), loss, bytes_sent, bytes_received, wall_s, wait_s`, where the step after an epoch
+    (hivemind's local_epoch), loss, bytes_sent, bytes_received, wall_s, wait_s, cpu_s, thread_cpu_s` (`cpu_record`), where the step after an epoch
     change also has `val_loss` (measured once that epoch's averaging round has been applied, which hivemind does
     at the start of the next opt.step()) and, when known, `group_size`. `wall_s` counts from after the first evaluation,
     less the wait for the other peers after step 1 (see `wait_for_peers`); `wait_s`
@@ -314,12 +315,12 @@ def train(
     start = time.perf_counter()  # like decentral.worker's clock: training time, from after the first evaluation
     wait_s = joining_s = 0.0  # joining_s: the wait for the others after step 1, not counted as training time
 
-    def counters() -> dict[str, Any]:
+    def counters(children: bool = False) -> dict[str, Any]:
         sent, received = traffic.sent_received
         return dict(bytes_sent=sent, bytes_received=received, wall_s=time.perf_counter() - start - joining_s,
-                    wait_s=wait_s)
+                    wait_s=wait_s, **cpu_record(children))
 
-    record = dict(worker=opts.name, step=0, round=opt.local_epoch, val_loss=first_val, **counters())
+    record = dict(worker=opts.name, step=0, round=opt.local_epoch, val_loss=first_val, **counters(children=True))
     log.write(**record)
     print(f"[{opts.name}] starts at epoch {opt.local_epoch}, val {record['val_loss']:.3f}", flush=True)
     seen_epoch, round_applied = opt.local_epoch, False
@@ -343,6 +344,7 @@ def train(
             record = dict(worker=opts.name, step=step + 1, round=opt.local_epoch, loss=loss.item(), **counters())
             if round_applied:
                 record["val_loss"] = evaluate(model, val)
+                record.update(cpu_record(children=True))
                 group_size = rounds.latest()
                 if group_size is not None:
                     record["group_size"] = group_size
@@ -353,7 +355,7 @@ def train(
             log.write(**record)
         opt.shutdown()  # waits for a round still in flight and applies it
         record = dict(worker=opts.name, step=recipe.train.steps, round=opt.local_epoch,
-                      val_loss=evaluate(model, val), final=True, **counters())
+                      val_loss=evaluate(model, val), final=True, **counters(children=True))
         group_size = rounds.latest()
         if group_size is not None:
             record["group_size"] = group_size
