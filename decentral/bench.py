@@ -4,8 +4,9 @@ Each method runs as one worker process per emulated host (decentral.netlab), all
 next method runs on the same lab. First comes `local` (no communication), the compute reference:
 compute utilisation = a method's inner steps per second ÷ the reference's, so CPU that background
 machinery steals from training counts against the method; a second table says where each worker's
-CPU went while it trained (its training thread, its other threads, its DHT node and libp2p daemon). Bytes are what each host's
-interface sent (netns mode; in loopback mode, what the workers counted on their own streams).
+CPU went while it trained (its training thread, its other threads, its DHT node and libp2p daemon).
+Bytes are what each host's interface sent (netns mode; in loopback mode, what the workers counted on
+their own streams).
 Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and prints the tables.
 OUT/results.json is rewritten as each method finishes: `--report OUT` tables an interrupted run's.
 """
@@ -196,6 +197,7 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         vals = [(r["wall_s"], r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         curves[worker] = vals
         finals.append(vals[-1][2])
+
     def spent(key: str) -> list[float]:
         """Per worker, how much of the cumulative `key` it used from its first record to its last."""
         return [c[-1][key] - c[0][key] for recs in by_worker.values() if len(c := [r for r in recs if key in r]) > 1]
@@ -219,7 +221,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         "peak_stream_bytes_per_s": median_or_none([peak_rate(recs) for recs in by_worker.values()]),
         "stream_bytes_per_round": median_or_none([b for recs in by_worker.values() if (b := round_bytes(recs))]),
         "training_thread_cpu_s": mean(spent("thread_cpu_s")),
-        "other_threads_cpu_s": mean([process - thread for process, thread in zip(spent("cpu_s"), spent("thread_cpu_s"))]),
+        "other_threads_cpu_s": mean([process - thread
+                                     for process, thread in zip(spent("cpu_s"), spent("thread_cpu_s"))]),
         "child_processes_cpu_s": mean(spent("children_cpu_s")),
         "curves": curves,
     }
@@ -348,7 +351,8 @@ def format_cpu(results: dict) -> str:
         parts = [r.get(k) for k in ("training_thread_cpu_s", "other_threads_cpu_s", "child_processes_cpu_s")]
         known = [p for p in parts if p is not None]
         share = sum(known[1:]) / sum(known) if parts[0] is not None and sum(known) > 0 else None
-        rows.append((method, *("-" if p is None else f"{p:.1f}s" for p in parts), "-" if share is None else f"{share:.1%}"))
+        rows.append((method, *("-" if p is None else f"{p:.1f}s" for p in parts),
+                     "-" if share is None else f"{share:.1%}"))
     return format_table(rows, numeric=False)
 
 

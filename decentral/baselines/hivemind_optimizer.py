@@ -301,8 +301,9 @@ def train(
     """Run `recipe.train.steps` local steps through `opt`, writing metrics to `log`; returns the last record.
 
     Records, like decentral.worker's: one at step 0 with `val_loss`; one per step with `worker, step, round
-    (hivemind's local_epoch), loss, bytes_sent, bytes_received, wall_s, wait_s, cpu_s, thread_cpu_s` (`cpu_record`), where the step after an epoch
-    change also has `val_loss` (measured once that epoch's averaging round has been applied, which hivemind does
+    (hivemind's local_epoch), loss, bytes_sent, bytes_received, wall_s, wait_s, cpu_s, thread_cpu_s`
+    (`cpu_record`; records with `val_loss` add `children_cpu_s`), where the step after an epoch change
+    also has `val_loss` (measured once that epoch's averaging round has been applied, which hivemind does
     at the start of the next opt.step()) and, when known, `group_size`. `wall_s` counts from after the first evaluation,
     less the wait for the other peers after step 1 (see `wait_for_peers`); `wait_s`
     is the cumulative time inside opt.step(), which includes the local AdamW update as well as waiting for

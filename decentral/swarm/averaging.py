@@ -42,9 +42,10 @@ address refusing the connection, and we stop waiting for it. A stream that close
 again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S` (a connection between two live
 processes can reset, and a reset closes every connection between them, so a stream opened meanwhile
 may land on one that is closing; the fresh dial to a dead one is refused), and only a third closed
-stream counts; a probe that merely times out proves nothing on a congested link. The same for a member that says it takes no part in the average: a
-restarted process whose first round is later, one that serves no averaging yet, one that has finished
-this average already, or one that averages it over a member list without us ("left out"). When the
+stream counts; a probe that merely times out proves nothing on a congested link. The same for a member
+that says it takes no part in the average: a restarted process whose first round is later, one that
+serves no averaging yet, one that has finished this average already, or one that averages it over a
+member list without us ("left out"). When the
 average did not commit, it is redone once without every member that was absent, averaged over another
 member list or was excluded, so the others still commit a common result; a member a probe found done
 with the average is not absent (it may be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends

@@ -69,8 +69,9 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
 
 class DialHeldBack(Exception):
     """libp2p holds back new dials to a peer for a few seconds after one failed (its dial backoff), yet the
-    peer's address still accepts connections: it is alive (a failed dial between live processes is seen
-    while a reset closes their connections), only not reachable through a new libp2p connection yet."""
+    peer's address does not refuse connections: it may well be alive (a failed dial between live
+    processes is seen while a reset closes their connections), only not reachable through a new libp2p
+    connection yet."""
 
 
 _BACKOFF_ADDRESS = re.compile(r"\[/ip[46]/([^/\]]+)/tcp/(\d+)\] dial backoff")  # a direct address, not a relay
@@ -266,8 +267,8 @@ class SwarmPeer:
                 if await refuse_plain_dials(_BACKOFF_ADDRESS.findall(str(e))):
                     raise ConnectionRefusedError(f"{peer} refuses connections (libp2p's dial backoff, and a plain "
                                                  f"dial to its address is refused): {e}") from e
-                raise DialHeldBack(f"libp2p holds back dials to {peer} after one failed; its address still "
-                                   "accepts connections") from e
+                raise DialHeldBack(f"libp2p holds back dials to {peer} after one failed; its address does not "
+                                   "refuse connections") from e
             if "protocols not supported" in str(e):
                 raise NotServing(f"{peer} serves no {name!r} stream (yet)") from e
             raise
