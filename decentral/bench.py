@@ -221,7 +221,7 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         "peak_stream_bytes_per_s": median_or_none([peak_rate(recs) for recs in by_worker.values()]),
         "stream_bytes_per_round": median_or_none([b for recs in by_worker.values() if (b := round_bytes(recs))]),
         "training_thread_cpu_s": mean(spent("thread_cpu_s")),
-        "other_threads_cpu_s": mean([process - thread
+        "other_threads_cpu_s": mean([max(process - thread, 0.0)  # the two clocks are read a moment apart
                                      for process, thread in zip(spent("cpu_s"), spent("thread_cpu_s"))]),
         "child_processes_cpu_s": mean(spent("children_cpu_s")),
         "curves": curves,
