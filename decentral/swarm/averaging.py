@@ -45,12 +45,11 @@ may land on one that is closing; the fresh dial to a dead one is refused), and o
 stream counts; a probe that merely times out proves nothing on a congested link. The same for a member
 that says it takes no part in the average: a restarted process whose first round is later, one that
 serves no averaging yet, one that has finished this average already, or one that averages it over a
-member list without us ("left out"). When the
-average did not commit, it is redone once without every member that was absent, averaged over another
-member list or was excluded, so the others still commit a common result; a member a probe found done
-with the average is not absent (it may be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends
-by then too, or `timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after
-phase 2.
+member list without us ("left out"). When the average did not commit, it is redone once without every
+member that was absent, averaged over another member list or was excluded, so the others still commit
+a common result; a member a probe found done with the average is not absent (it may be redoing it too).
+Phase 1 waits at most `timeout`; phase 2 ends by then too, or `timeout / 2` after phase 1 if that is
+later; phase 3 by then, or `timeout / 4` after phase 2.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
