@@ -174,9 +174,9 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
     outer step's traffic, without the state a newcomer downloaded in some round), blocked_fraction (the
     mean over workers of the share of their wall time spent waiting on the network: what overlapping the
     average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). Where the CPU
-    went while a worker trained (means over workers, from its first record to its last; `cpu_record`):
-    training_thread_cpu_s, other_threads_cpu_s (its averaging loop, heartbeat, ...) and
-    child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager). `compare` adds the
+    went while a worker trained (means over workers, from its first record to its last; `cpu_record`,
+    `children_record`): training_thread_cpu_s, other_threads_cpu_s (its averaging loop, heartbeat, ...)
+    and child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager). `compare` adds the
     cross-method numbers.
     `workers`: how many workers must have trained for the method to be ok (default: one per process; an
     island's process runs several)."""

@@ -40,11 +40,14 @@ def children_cpu_s(pid: int | None = None) -> float | None:
     return total / _TICKS_PER_S
 
 
-def cpu_record(children: bool = False) -> dict:
+def cpu_record() -> dict:
     """CPU seconds so far of this process (all its threads: training, averaging, heartbeat) and of the
-    calling thread, the training thread; with `children`, of the processes below this one too (a few
-    /proc reads: for the records of evaluation steps, not every step)."""
-    record = dict(cpu_s=time.process_time(), thread_cpu_s=time.thread_time())
-    if children and (below := children_cpu_s()) is not None:
-        record["children_cpu_s"] = below
-    return record
+    calling thread, the training thread: for every step's record."""
+    return dict(cpu_s=time.process_time(), thread_cpu_s=time.thread_time())
+
+
+def children_record() -> dict:
+    """CPU seconds so far of the processes below this one (`children_cpu_s`; empty without /proc): a few
+    /proc reads, for the records of evaluation steps, not every step."""
+    below = children_cpu_s()
+    return {} if below is None else dict(children_cpu_s=below)

@@ -30,7 +30,7 @@ from decentral.checkpoint import (
     CheckpointError, load_checkpoint, load_training_state, save_checkpoint, training_state,
 )
 from decentral.config import Recipe
-from decentral.cpu import cpu_record
+from decentral.cpu import children_record, cpu_record
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
 from decentral.data.domains import balanced_eval_batches, load_domains
@@ -315,7 +315,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 first["val_loss"] = val_loss = evaluate(model, val)  # under way goes on without waiting
             start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
             log.write(**first, bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                      wall_s=0.0, wait_s=protocol.wait_s, **cpu_record(children=True))
+                      wall_s=0.0, wait_s=protocol.wait_s, **cpu_record(), **children_record())
             copies = protocol.memory_copies()
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
                           f"step {protocol.step}, " + (f"val {val_loss:.3f}" if val_loss is not None else
@@ -339,14 +339,14 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                     last_sync = report
                 if protocol.step % t.eval_every == 0:
                     record["val_loss"] = val_loss = evaluate(model, val)
-                    record.update(cpu_record(children=True))
+                    record.update(children_record())
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
                     _save(protocol, opts, recipe, lineage)
                 log.write(**record)
         val_loss = evaluate(model, val)  # after the protocol finished what it had in the background
         log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
                   bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                  wall_s=time.perf_counter() - start, wait_s=protocol.wait_s, **cpu_record(children=True))
+                  wall_s=time.perf_counter() - start, wait_s=protocol.wait_s, **cpu_record(), **children_record())
         _save(protocol, opts, recipe, lineage)
     except DivergedError as e:
         opts.print_fn(f"[{opts.name}] stopped: {e}; the last good checkpoint is in {opts.out / 'checkpoint'}")

@@ -45,7 +45,7 @@ from hivemind.utils import get_dht_time
 
 from decentral.checkpoint import save_checkpoint
 from decentral.config import Recipe, RecipeError, load_recipe, recipe_path
-from decentral.cpu import cpu_record
+from decentral.cpu import children_record, cpu_record
 from decentral.data.batches import Batch, eval_batches, evaluate, train_batches
 from decentral.data.corpus import load_corpus
 from decentral.device import pick_device
@@ -302,8 +302,8 @@ def train(
 
     Records, like decentral.worker's: one at step 0 with `val_loss`; one per step with `worker, step, round
     (hivemind's local_epoch), loss, bytes_sent, bytes_received, wall_s, wait_s, cpu_s, thread_cpu_s`
-    (`cpu_record`; records with `val_loss` add `children_cpu_s`), where the step after an epoch change
-    also has `val_loss` (measured once that epoch's averaging round has been applied, which hivemind does
+    (`cpu_record`; records with `val_loss` add `children_cpu_s`, `children_record`), where the step after
+    an epoch change also has `val_loss` (measured once that epoch's averaging round has been applied, which hivemind does
     at the start of the next opt.step()) and, when known, `group_size`. `wall_s` counts from after the first evaluation,
     less the wait for the other peers after step 1 (see `wait_for_peers`); `wait_s`
     is the cumulative time inside opt.step(), which includes the local AdamW update as well as waiting for
@@ -316,12 +316,13 @@ def train(
     start = time.perf_counter()  # like decentral.worker's clock: training time, from after the first evaluation
     wait_s = joining_s = 0.0  # joining_s: the wait for the others after step 1, not counted as training time
 
-    def counters(children: bool = False) -> dict[str, Any]:
+    def counters() -> dict[str, Any]:
         sent, received = traffic.sent_received
         return dict(bytes_sent=sent, bytes_received=received, wall_s=time.perf_counter() - start - joining_s,
-                    wait_s=wait_s, **cpu_record(children))
+                    wait_s=wait_s, **cpu_record())
 
-    record = dict(worker=opts.name, step=0, round=opt.local_epoch, val_loss=first_val, **counters(children=True))
+    record = dict(worker=opts.name, step=0, round=opt.local_epoch, val_loss=first_val, **counters(),
+                  **children_record())
     log.write(**record)
     print(f"[{opts.name}] starts at epoch {opt.local_epoch}, val {record['val_loss']:.3f}", flush=True)
     seen_epoch, round_applied = opt.local_epoch, False
@@ -345,7 +346,7 @@ def train(
             record = dict(worker=opts.name, step=step + 1, round=opt.local_epoch, loss=loss.item(), **counters())
             if round_applied:
                 record["val_loss"] = evaluate(model, val)
-                record.update(cpu_record(children=True))
+                record.update(children_record())
                 group_size = rounds.latest()
                 if group_size is not None:
                     record["group_size"] = group_size
@@ -356,7 +357,7 @@ def train(
             log.write(**record)
         opt.shutdown()  # waits for a round still in flight and applies it
         record = dict(worker=opts.name, step=recipe.train.steps, round=opt.local_epoch,
-                      val_loss=evaluate(model, val), final=True, **counters(children=True))
+                      val_loss=evaluate(model, val), final=True, **counters(), **children_record())
         group_size = rounds.latest()
         if group_size is not None:
             record["group_size"] = group_size
