@@ -14,9 +14,7 @@ the leader and broadcast over the island, so every rank takes the same decisions
 `set_progress` go to each rank's own swarm connection; `offer_state` to the leader's.
 
 An average of a flat tensor x (the protocol's outer gradient, or φ) goes in three steps:
-1. the island takes the mean of its ranks' x: leader mode reduces it to rank 0; sharded mode
-   reduce-scatters it, so that rank r holds shard r of the mean only (half the island's traffic of
-   an all-reduce, which would give every rank all of it);
+1. the island all-reduces x to the mean of its ranks' x;
 2. leader mode: rank 0 averages that mean over the swarm with the other islands' leaders.
    Sharded mode: rank r averages shard r (a 1/k slice) over its own swarm connection with the rank-r
    connections of the other islands. Rank r's connection is a peer of the swarm's DHT under run
@@ -211,10 +209,10 @@ class HierarchicalTransport:
     def _average(self, values: torch.Tensor, group: list[str] | None, tag: str, round: int | None) -> AverageResult:
         if group is None:
             group = self._from_leader(lambda: with_us(self.swarm.members(round), self.peer_id), self._data)
+        self._collective(dist.all_reduce, values, group=self._data)
+        mean = values / self.size
         if self.mode == "sharded":
-            return self._sharded_average(values, group, tag, round)
-        self._collective(dist.reduce, values, dst=0, group=self._data)
-        mean = values / self.size  # the island's mean on rank 0 (the others' values are partial sums)
+            return self._sharded_average(mean, group, tag, round)
         result = None
 
         def leader_average() -> dict:
@@ -227,38 +225,29 @@ class HierarchicalTransport:
         self._collective(dist.broadcast, both, src=0, group=self._data)  # one collective for the two tensors
         return AverageResult(tensor=both[:mean.numel()], sent=both[mean.numel():], **meta)
 
-    def _sharded_average(self, values: torch.Tensor, group: list[str], tag: str, round: int | None
-                         ) -> AverageResult:
-        """The three steps in sharded mode: the island reduce-scatters `values` (this rank's x), our shard
-        of its mean goes over our connection, then the island all-gathers the shards' results (or, when
-        a shard did not commit, the shards of its mean)."""
-        numel = values.numel()
-        lengths = [len(range(numel)[shard_bounds(numel, self.size, r)]) for r in range(self.size)]
-        longest = lengths[0]  # reduce-scatter and all-gather need equal sizes: shards padded to the longest
-        padded = torch.zeros(self.size * longest)
-        padded[:numel] = values
-        mean = torch.empty(longest)
-        self._collective(dist.reduce_scatter_tensor, mean, padded, group=self._data)
-        mean = mean[:lengths[self.rank]] / self.size
+    def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
+        """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers."""
         shard_groups = self._from_leader(lambda: self._shard_groups(group), self._data)
         island_of = {conn: island for island, conns in shard_groups[-1].items() for conn in conns}
+        mine = shard_bounds(mean.numel(), self.size, self.rank)
         result = None
 
         def shard_average() -> dict:
             nonlocal result
-            result = self.swarm.average(mean.clone(), shard_groups[self.rank], tag, round)
+            result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round)
             return _without_tensors(result, island_of)
 
         metas = self._on_every_rank(shard_average, self._data)
-        complete = all(m["complete"] for m in metas)
+        lengths = [len(range(mean.numel())[shard_bounds(mean.numel(), self.size, r)]) for r in range(self.size)]
+        longest = lengths[0]  # all-gather needs equal sizes: each rank sends [result; sent], padded to the longest
         own = torch.zeros(2, longest)
-        own[0, :lengths[self.rank]], own[1, :lengths[self.rank]] = (result.tensor, result.sent) if complete else (
-            mean, mean)
+        own[0, :lengths[self.rank]], own[1, :lengths[self.rank]] = result.tensor, result.sent
         gathered = [torch.empty(2, longest) for _ in range(self.size)]
         self._collective(dist.all_gather, gathered, own, group=self._data)
         tensor, sent = (torch.cat([g[i, :n] for g, n in zip(gathered, lengths)]) for i in (0, 1))
+        complete = all(m["complete"] for m in metas)
         return AverageResult(
-            tensor=tensor, sent=sent, group=list(group),
+            tensor=tensor if complete else mean, sent=sent if complete else mean, group=list(group),
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
             **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")})
