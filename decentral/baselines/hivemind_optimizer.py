@@ -303,11 +303,11 @@ def train(
     Records, like decentral.worker's: one at step 0 with `val_loss`; one per step with `worker, step, round
     (hivemind's local_epoch), loss, bytes_sent, bytes_received, wall_s, wait_s, cpu_s, thread_cpu_s`
     (`cpu_record`; records with `val_loss` add `children_cpu_s`, `children_record`), where the step after
-    an epoch change also has `val_loss` (measured once that epoch's averaging round has been applied, which hivemind does
-    at the start of the next opt.step()) and, when known, `group_size`. `wall_s` counts from after the first evaluation,
-    less the wait for the other peers after step 1 (see `wait_for_peers`); `wait_s`
-    is the cumulative time inside opt.step(), which includes the local AdamW update as well as waiting for
-    rounds. Shuts the optimizer down (which applies a round still in flight), then writes a last record with
+    an epoch change also has `val_loss` (measured once that epoch's averaging round has been applied,
+    which hivemind does at the start of the next opt.step()) and, when known, `group_size`. `wall_s`
+    counts from after the first evaluation, less the wait for the other peers after step 1 (see
+    `wait_for_peers`); `wait_s` is the cumulative time inside opt.step(), which includes the local AdamW
+    update as well as waiting for rounds. Shuts the optimizer down (which applies a round still in flight), then writes a last record with
     `val_loss`, `final: true` and, when one finished since the last report, a round's `group_size`.
     Raises DivergedError when the loss stops being finite.
     """
