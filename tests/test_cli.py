@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -48,21 +49,27 @@ def test_top_level_help_documents_the_exit_codes():
         assert f"\n  {code} " in text.split("exit codes:")[1]
 
 
-@pytest.fixture(scope="module")
-def user_errors(tmp_path_factory):
-    """Every case of USER_ERRORS run at once as `python -m decentral ...` in a scratch folder; its result by id."""
-    tmp = tmp_path_factory.mktemp("cli")
-    SwarmKey.generate(tmp / "swarm.key")  # a keyed swarm: no open-swarm notice on stderr
+def scratch_folder(tmp: Path) -> dict[str, str]:
+    """The files the user errors below name, in `tmp`; the environment of a keyed swarm (no open-swarm
+    notice on stderr)."""
+    SwarmKey.generate(tmp / "swarm.key")
     (tmp / "typo.yaml").write_text("protocol: {name: noloco}\ntrian: {steps: 10}\n")
     (tmp / "bad.yaml").write_text("protocol: {name: noloco\n")
     (tmp / "net.json").write_text('{"nodes": [\n')
     (tmp / "registry" / "code").mkdir(parents=True)
     (tmp / "registry" / "code" / "model.safetensors").write_bytes(b"")
     (tmp / "registry" / "code" / "expert.json").write_text("{not json")
+    return {"DECENTRAL_SWARM_KEY": str(tmp / "swarm.key")}
+
+
+@pytest.fixture(scope="module")
+def user_errors(tmp_path_factory):
+    """Every case of USER_ERRORS run at once as `python -m decentral ...` in a scratch folder; its result by id."""
+    tmp = tmp_path_factory.mktemp("cli")
+    env = {**os.environ, **scratch_folder(tmp)}
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    env = {**os.environ, "DECENTRAL_SWARM_KEY": str(tmp / "swarm.key")}
 
     def run(args):
         return subprocess.run([sys.executable, "-m", "decentral", *args], cwd=tmp, env=env, capture_output=True,
@@ -74,21 +81,12 @@ def user_errors(tmp_path_factory):
 
 
 TRAIN = ["train", "--out", "run", "--protocol", "diloco", "--timeout", "1"]
-USER_ERRORS = [  # (id, arguments, what the one line says)
+USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own, for those that start a swarm
     ("missing data", ["train", "--protocol", "local", "--data", "/nonexistent"], "/nonexistent"),
     ("unreachable --join", [*TRAIN, "--join", "/ip4/127.0.0.1/tcp/1/p2p/{peer}"], "could not reach any peer at"),
-    ("malformed --join", [*TRAIN, "--join", "127.0.0.1:31337"], "'127.0.0.1:31337' is not a multiaddr"),
     ("port in use", [*TRAIN, "--port", "{port}"], "the port is in use"),
-    ("recipe with a typo", ["train", "--protocol", "typo.yaml"], "unknown section(s) ['trian']"),
-    ("recipe not YAML", ["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
-    ("missing recipe", ["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),
-    ("unknown protocol", ["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
     ("island rendezvous", [*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
      "rank 1 of 2 could not join the island at tcp://127.0.0.1:1"),
-    ("netlab settings, from bench", ["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
-    ("merge without its recipe", ["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
-    ("bad registry", ["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
-    ("bad network file", ["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),
 ]
 
 
@@ -103,17 +101,30 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     assert expected in lines[0]
 
 
-@pytest.mark.parametrize("args, expected", [
+@pytest.mark.parametrize("args, expected", [  # those refused before anything starts: `main` in this process
     (["train", "--join", "/ip4/127.0.0.1/tcp/1"], "names no peer"),
+    ([*TRAIN, "--join", "127.0.0.1:31337"], "'127.0.0.1:31337' is not a multiaddr"),
     (["train", "--protocol", "local", "--island", "tcp://127.0.0.1:1"], "give another protocol"),
+    (["train", "--protocol", "typo.yaml"], "unknown section(s) ['trian']"),
+    (["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
+    (["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),
+    (["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
+    (["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
+    (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
+    (["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
+    (["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),
     (["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
     (["swarm", "keygen", "/nonexistent/folder/swarm.key"], "cannot write swarm key /nonexistent/folder/swarm.key"),
     (["netlab", "--hosts", "1", "--measure"], "--measure needs at least 2 hosts"),
 ])
-def test_more_user_errors_in_process(args, expected, capsys):
+def test_more_user_errors_in_process(args, expected, tmp_path, monkeypatch, capsys):
+    for name, value in scratch_folder(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
     assert main(args) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("decentral: ") and expected in lines[0]
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert out == "" and len(lines) == 1 and lines[0].startswith("decentral: ") and expected in lines[0], err
 
 
 def test_a_count_below_one_is_a_usage_error(capsys):
