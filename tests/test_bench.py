@@ -112,8 +112,8 @@ def test_a_failed_worker_marks_the_method_failed():
 
 def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     """Each kind of method the bench launches: the reference, DDP, an outer protocol averaging in the
-    foreground (diloco) and one in the background (co2), hivemind's optimizer, a codec. NoLoCo and
-    Streaming DiLoCo go through the same launcher as DiLoCo (their training: test_swarm_training)."""
+    foreground (diloco), hivemind's optimizer, and one averaging in the background with a codec (co2+topk).
+    NoLoCo and Streaming DiLoCo go through the same launcher as DiLoCo (their training: test_swarm_training)."""
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     train = {**TINY_TRAIN, "eval_every": 10}
@@ -122,7 +122,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
         (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
             {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
     out = tmp_path / "out"
-    methods = ["ddp", "diloco", "co2", "hivemind", "diloco+topk"]
+    methods = ["ddp", "diloco", "hivemind", "co2+topk"]
     cmd = [sys.executable, "-m", "decentral.cli", "bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
            "--protocols", ",".join(methods), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -142,7 +142,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
             assert res["child_processes_cpu_s"] > 0  # its DHT node and libp2p daemon (hivemind's averager too)
     ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
     assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
-    topk = results["methods"]["diloco+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)
+    topk = results["methods"]["co2+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)
     assert topk["stream_bytes_sent_per_worker"] < diloco["stream_bytes_sent_per_worker"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (out / "bench.png").unlink()
