@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -13,7 +14,7 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pytest
 import yaml
@@ -195,6 +196,31 @@ class Workers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# `python -c AFTER_GATE FIFO ARGS...` is `python -m decentral ARGS...` that imports first, then waits until
+# someone opens FIFO for writing: a process started ahead of time that is ready to go at once when needed.
+AFTER_GATE = """import sys, hivemind, decentral.worker, decentral.pipeline.serve
+from decentral.cli import main
+open(sys.argv[1]).close()
+sys.exit(main(sys.argv[2:]))"""
+
+
+def gated_launcher(gate: Path) -> tuple[str, ...]:
+    """A launcher (as Workers.start and LocalPipeline.restart take) whose process waits at the FIFO `gate`."""
+    os.mkfifo(gate)
+    return sys.executable, "-c", AFTER_GATE, str(gate)
+
+
+def open_gate(gate: Path, proc: subprocess.Popen, log: Callable[[], str]) -> None:
+    """Let `proc` go, once its imports are done and it holds the other end of `gate`."""
+    while True:
+        try:
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError as e:
+            assert e.errno == errno.ENXIO and proc.poll() is None, (e, log())
+            time.sleep(0.05)  # polling for the process's end of the FIFO
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:

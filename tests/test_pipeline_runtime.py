@@ -30,6 +30,8 @@ from decentral.swarm.admission import SwarmKey
 from decentral.sync import DiLoCo
 from decentral.worker import inner_lr
 
+from conftest import gated_launcher, open_gate
+
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32, "context": 32}
 TRAIN = {"batch_size": 4, "context": 32, "lr": 3.0e-3, "warmup_steps": 2, "eval_batches": 2, "eval_every": 100}
 
@@ -212,11 +214,15 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
     stage_of = {"h0": 0, "h1": 0, "a1": 1, "a2": 1, "b": 2, "c": 3}
     network = pinned_network(recipe, stage_of)
     SwarmKey.generate(tmp_path / "swarm.key")
-    steps, doomed_iteration = 60, 2  # a restarted process takes 5-20 s to start: it has 35 s here
+    steps, doomed_iteration = 24, 2
     with LocalPipeline(recipe_path, network, tmp_path / "run", steps=steps,
                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
                        env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
         run.start()
+        # the replacement of either replica of stage 1, its imports done ahead, waits at a gate: started
+        # after the kill, a process would take 5-20 s on a loaded machine before it could be planned in
+        gates = {name: tmp_path / f"{name}.gate" for name in ("a1", "a2")}
+        spares = {name: run.launch(name, gated_launcher(gate)) for name, gate in gates.items()}
         events = tmp_path / "run" / run.lead / "events.jsonl"
         deadline = time.monotonic() + 120
         begin = None
@@ -230,7 +236,10 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
         victim = "a1" if crossing else "a2"
         crossing = [m for m, route in enumerate(begin["routes"]) if victim in route]
         run.kill(victim)
-        run.restart(victim)
+        open_gate(gates[victim], run.restart(victim, spares.pop(victim)), lambda: run.log(victim))
+        for spare in spares.values():
+            spare.kill()
+            spare.wait()
         assert run.wait(120) == 0, run.log(run.lead)
     records = [json.loads(line) for line in (tmp_path / "run" / run.lead / "metrics.jsonl").read_text().splitlines()]
     assert [r["microbatches"] for r in records] == [4] * steps

@@ -1,9 +1,7 @@
 """Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer,
 let a late joiner catch up, and resume from checkpoints."""
 
-import errno
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +13,8 @@ import pytest
 
 from decentral.checkpoint import load_checkpoint
 from decentral.cpu import descendants
+
+from conftest import gated_launcher, open_gate
 
 PROTOCOLS = {
     "co2": {"name": "co2", "every": 10},
@@ -98,14 +98,6 @@ def test_sigkilled_peer_does_not_stall_the_others(workers):
     assert time.monotonic() - killed_at < 120
 
 
-# `python -c JOIN_AFTER_GATE FIFO ARGS...` is `python -m decentral ARGS...` that imports first, then waits
-# until someone opens FIFO for writing.
-JOIN_AFTER_GATE = """import sys, hivemind, decentral.worker
-from decentral.cli import main
-open(sys.argv[1]).close()
-sys.exit(main(sys.argv[2:]))"""
-
-
 def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     every = 20
     w = workers({"name": "diloco", "every": every}, steps=12 * every, num_workers=3)
@@ -115,16 +107,9 @@ def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     slow = ("env", "DECENTRAL_LINK_LATENCY_MS=120", sys.executable, "-m", "decentral")
     procs = [w.start(i, min_peers=2, launcher=slow) for i in (0, 1)]
     gate = w.root / "joiner.gate"
-    os.mkfifo(gate)
-    joiner = w.start(2, min_peers=1, launcher=(sys.executable, "-c", JOIN_AFTER_GATE, str(gate)))
+    joiner = w.start(2, min_peers=1, launcher=gated_launcher(gate))
     wait_for_round(w, 0, 3, procs[0])
-    while True:  # open the gate once the joiner, its imports done, holds the other end
-        try:
-            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
-            break
-        except OSError as e:
-            assert e.errno == errno.ENXIO and joiner.poll() is None, (e, w.log(2))
-            time.sleep(0.05)  # polling for the joiner's end of the FIFO
+    open_gate(gate, joiner, lambda: w.log(2))
     assert w.wait(timeout=300) == {0: 0, 1: 0, 2: 0}, w.log(2)
     late = w.metrics(2)
     first = late[0]

@@ -16,13 +16,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, shaped_network
 
 TICK_S = 1.0  # how often `pipeline train`'s progress bar reads the lead's metrics
+LAUNCHER = (sys.executable, "-m", "decentral.cli")  # what runs `decentral` for a node
 
 
 def pinned(network: Network, seed: int = 0, effort: float = 0.3) -> Network:
@@ -61,20 +62,25 @@ class LocalPipeline:
         self.out.mkdir(parents=True, exist_ok=True)
         self.network.save(self.out / "network.json")
         self.join: list[str] = []
-        for i, node in enumerate(self.network.nodes):
-            self._start(i, node.name, self.join)
+        for node in self.network.nodes:
+            self.procs[node.name] = self._spawn(node.name, self.join)
             if not self.join:
                 self.join = self._bootstrap(node.name, timeout_s)
 
-    def restart(self, name: str) -> None:
-        """Start node `name` again (after `kill`), joining through the first node's DHT address as a
-        node on another machine would."""
-        index = next(i for i, node in enumerate(self.network.nodes) if node.name == name)
-        self._start(index, name, self.join)
+    def launch(self, name: str, launcher: Sequence[str] = LAUNCHER) -> subprocess.Popen:
+        """A process for node `name` that joins through the first node's DHT address, as a node on another
+        machine would; `launcher` runs `decentral` (the default: this Python's). `restart` makes it the node."""
+        return self._spawn(name, self.join, launcher)
 
-    def _start(self, index: int, name: str, join: list[str]) -> subprocess.Popen:
+    def restart(self, name: str, process: subprocess.Popen | None = None) -> subprocess.Popen:
+        """Node `name` again (after `kill`): `process` (from `launch`, started ahead), else a new one."""
+        self.procs[name] = process or self.launch(name)
+        return self.procs[name]
+
+    def _spawn(self, name: str, join: list[str], launcher: Sequence[str] = LAUNCHER) -> subprocess.Popen:
+        index = next(i for i, node in enumerate(self.network.nodes) if node.name == name)
         host = self.lab.hosts[index] if self.lab is not None else None
-        cmd = [sys.executable, "-m", "decentral.cli", "pipeline", "node", "--recipe", str(self.recipe),
+        cmd = [*launcher, "pipeline", "node", "--recipe", str(self.recipe),
                "--network", str(self.out / "network.json"), "--name", name, "--out", str(self.out / name),
                "--host", host.address if host else "127.0.0.1", *self.node_args]
         if join:
@@ -88,11 +94,8 @@ class LocalPipeline:
             cmd += ["--steps", str(self.steps)]
         with open(self.out / f"{name}.log", "a") as log:
             if host is not None:  # its environment: ours, `env`, and the lab's DECENTRAL_* variables
-                self.procs[name] = host.popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-            else:
-                self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=log,
-                                                    stderr=subprocess.STDOUT)
-        return self.procs[name]
+                return host.popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=log, stderr=subprocess.STDOUT)
 
     def _bootstrap(self, name: str, timeout_s: float) -> list[str]:
         path, proc = self.out / f"{name}.maddrs", self.procs[name]
