@@ -59,7 +59,8 @@ class AverageResult:
     complete: bool
     contributors: int  # peers that every part of `tensor` was averaged over (1 = only ourselves)
     rejected: dict[str, str] = field(default_factory=dict)  # peer -> why its data was dropped
-    absent: list[str] = field(default_factory=list)  # members that sent nothing: gone, or left us out
+    absent: list[str] = field(default_factory=list)  # members that sent nothing (of a phase, in time):
+    # gone, silent, or left us out
     disagree: list[str] = field(default_factory=list)  # members that ended with another result than ours
     left_out: list[str] = field(default_factory=list)  # absent members that said they average without us
 

@@ -48,9 +48,10 @@ refused), and only a third closed stream counts; a probe that merely times out p
 congested link. The same for a member that says it takes no part in the average: a restarted process
 whose first round is later, one that serves no averaging yet, one that has finished this average
 already, or one that averages it over a member list without us ("left out"). When the average did not
-commit, it is redone once without every member that was absent, averaged over another member list or was
-excluded, so the others still commit a common result; a member a probe found done with the average is
-not absent (it may be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or
+commit, it is redone once without every member that was absent (gone, or silent past a phase's deadline:
+a member frozen or too slow for this average), averaged over another member list or was excluded, so the
+others still commit a common result; a member a probe found done with the average is not absent (it may
+be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or
 `timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after phase 2.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
@@ -565,8 +566,9 @@ class GroupAverager:
         finally:
             probe.cancel()
         notices = self.mailbox.peek(f"{tag}/x")
-        absent = sorted(p for p in set(group) & set(notices) if not notices[p].meta.get("done"))
-        left_out = [p for p in absent if notices[p].meta.get("left_out") is True]
+        done = {p for p, notice in notices.items() if notice.meta.get("done")}  # may be redoing it: not absent
+        absent = sorted((silent | set(group) & set(notices)) - done)
+        left_out = [p for p in absent if p in notices and notices[p].meta.get("left_out") is True]
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
         agreed = min(counts) == len(group) and not disagree
