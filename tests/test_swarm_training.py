@@ -98,6 +98,31 @@ def test_sigkilled_peer_does_not_stall_the_others(workers):
     assert time.monotonic() - killed_at < 120
 
 
+def test_a_frozen_diloco_peer_costs_the_others_one_partial_round_and_is_repaired_when_it_wakes(workers):
+    """w2 is SIGSTOPped mid-run (alive, connected, silent): w0 and w1 commit averages of the two of them
+    and go on; woken, w2 finds its state behind theirs and takes it, and all three end identical."""
+    timeout = 3.0
+    w = workers({"name": "diloco", "every": 10}, steps=200, num_workers=3, timeout=timeout)
+    procs = [w.start(i) for i in range(3)]
+    wait_for_round(w, 2, 3, procs[2])
+    procs[2].send_signal(signal.SIGSTOP)
+    stopped = len(w.metrics(0))
+    deadline = time.monotonic() + 60
+    while not any(r.get("group_size") == 2 and r["complete"] for r in w.metrics(0)[stopped:]):
+        assert time.monotonic() < deadline and procs[0].poll() is None, w.log(0)
+        time.sleep(0.1)  # polling w0's metrics for a round the two of them committed
+    procs[2].send_signal(signal.SIGCONT)
+    assert w.wait(timeout=180) == {0: 0, 1: 0, 2: 0}, w.log(2)
+    digests = [{r["round"]: r["digest"] for r in w.metrics(i) if "digest" in r} for i in range(3)]
+    last = max(digests[2])
+    assert digests[0][last] == digests[1][last] == digests[2][last]  # w2 ends as one of them again
+    assert any(r.get("repaired") for r in w.metrics(2)), w.log(2)
+    for i in (0, 1):
+        syncs = [r for r in w.metrics(i) if "group_size" in r]
+        waits = [b["wait_s"] - a["wait_s"] for a, b in zip(syncs, syncs[1:])]
+        assert max(waits) < 1.75 * timeout + 2.0, waits  # the frozen peer was waited out once per round at most
+
+
 def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     every = 20
     w = workers({"name": "diloco", "every": every}, steps=12 * every, num_workers=3)
