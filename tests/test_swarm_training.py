@@ -98,7 +98,7 @@ def test_sigkilled_peer_does_not_stall_the_others(workers):
     assert time.monotonic() - killed_at < 120
 
 
-def test_a_frozen_diloco_peer_costs_the_others_one_partial_round_and_is_repaired_when_it_wakes(workers):
+def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_it_is_repaired_when_it_wakes(workers):
     """w2 is SIGSTOPped mid-run (alive, connected, silent): w0 and w1 commit averages of the two of them
     and go on; woken, w2 finds its state behind theirs and takes it, and all three end identical."""
     timeout = 3.0
