@@ -207,7 +207,7 @@ sys.exit(main(sys.argv[2:]))"""
 
 
 def gated_launcher(gate: Path) -> tuple[str, ...]:
-    """A launcher (as Workers.start and LocalPipeline.restart take) whose process waits at the FIFO `gate`."""
+    """A launcher (as Workers.start and LocalPipeline.launch take) whose process waits at the FIFO `gate`."""
     os.mkfifo(gate)
     return sys.executable, "-c", AFTER_GATE, str(gate)
 

@@ -241,7 +241,7 @@ def test_a_peer_claiming_a_far_future_round_is_nobodys_donor(make_swarm):
         liar.wait()
 
 
-def test_a_member_that_stops_answering_costs_the_timeout_at_most_and_the_others_commit_without_it(make_swarm):
+def test_a_member_that_stops_answering_is_waited_out_once_and_the_others_commit_without_it(make_swarm):
     """A member alive and connected but silent (SIGSTOPped) is waited out once; the other two then redo the
     average without it and commit their mean, instead of rolling back the round."""
     a, b = make_swarm(2, timeout=6.0)
