@@ -102,7 +102,7 @@ def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_it_
     """w2 is SIGSTOPped mid-run (alive, connected, silent): w0 and w1 commit averages of the two of them
     and go on; woken, w2 finds its state behind theirs and takes it, and all three end identical."""
     timeout = 3.0
-    w = workers({"name": "diloco", "every": 10}, steps=200, num_workers=3, timeout=timeout)
+    w = workers({"name": "diloco", "every": 10}, steps=120, num_workers=3, timeout=timeout)
     procs = [w.start(i) for i in range(3)]
     wait_for_round(w, 2, 3, procs[2])
     procs[2].send_signal(signal.SIGSTOP)
