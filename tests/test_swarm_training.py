@@ -120,7 +120,7 @@ def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_it_
     for i in (0, 1):
         syncs = [r for r in w.metrics(i) if "group_size" in r]
         waits = [b["wait_s"] - a["wait_s"] for a, b in zip(syncs, syncs[1:])]
-        assert max(waits) < 1.75 * timeout + 2.0, waits  # the frozen peer was waited out once per round at most
+        assert max(waits) < timeout + 2.0, waits  # the frozen peer was waited out once per round at most
 
 
 def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):

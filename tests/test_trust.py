@@ -254,7 +254,7 @@ def test_a_member_that_stops_answering_is_waited_out_once_and_the_others_commit_
         xs = [torch.randn(300), torch.randn(300)]
         start = time.monotonic()
         results = run_in_threads([lambda p=p, x=x: p.average(x, group, "frozen") for p, x in zip((a, b), xs)])
-        assert time.monotonic() - start < 1.5 * 6.0 + 3
+        assert time.monotonic() - start < 6.0 + 3  # the timeout, then a redo of two
         for r in results:
             assert r.complete and r.absent == [frozen_id] and r.group == sorted([a.peer_id, b.peer_id])
             assert torch.allclose(r.tensor, (xs[0] + xs[1]) / 2)  # float32 on the wire

@@ -52,7 +52,9 @@ commit, it is redone once without every member that was absent (gone, or silent 
 a member frozen or too slow for this average), averaged over another member list or was excluded, so the
 others still commit a common result; a member a probe found done with the average is not absent (it may
 be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or
-`timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after phase 2.
+`timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after phase 2. A member
+silent through phase 1 leaves our chunk without its part, so the average cannot commit: phases 2 and 3
+are skipped and it is redone without that member at once (a frozen member costs one `timeout`).
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -519,49 +521,53 @@ class GroupAverager:
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
-            # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
-            deadline = max(deadline, loop.time() + timeout / 2)
-            sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", encoded_mine, deadline, view,
-                                                       {"norms": my_norms}, round))
-                      for p in others if p not in elsewhere]
-            gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
-            note_silent(set(others) - elsewhere, gathered)
-            elsewhere |= other_views(gathered)
-            result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
-            result[mine], counts[mine], norms[mine] = averaged_mine, len(parts), my_norms
-            for sender, msg in gathered.items():
-                if sender in elsewhere or sender in self.banned:
-                    continue
-                j = group.index(sender)
-                own_norm = float(own[j].norm())
-                reason = check_part(msg.tensor, own[j]) or check_owner_result(
-                    msg.tensor, msg.meta.get("norms"), mine, own_norm, self.max_norm_ratio, self.aggregation)
-                if accept(sender, reason):
-                    result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
-                    counts[j] = sum(n > 0 for n in norms[j])
-                    # our part as the owner counted it: clipped to the norm it reports for us (0: not at all)
-                    counted[j] = clip(own[j], own_norm, norms[j][mine])
-                    if sparse:
-                        counted[j] = counted[j] * kept(result[j])
+            if silent:  # a member sent us no part in time: no member can hold the group's whole mean of our
+                # chunk, so the average cannot commit; we skip phases 2 and 3 and it is redone without that member
+                result, counts, disagree = list(own), [1] * len(group), []
+            else:
+                # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
+                deadline = max(deadline, loop.time() + timeout / 2)
+                sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", encoded_mine, deadline, view,
+                                                           {"norms": my_norms}, round))
+                          for p in others if p not in elsewhere]
+                gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
+                note_silent(set(others) - elsewhere, gathered)
+                elsewhere |= other_views(gathered)
+                result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
+                result[mine], counts[mine], norms[mine] = averaged_mine, len(parts), my_norms
+                for sender, msg in gathered.items():
+                    if sender in elsewhere or sender in self.banned:
+                        continue
+                    j = group.index(sender)
+                    own_norm = float(own[j].norm())
+                    reason = check_part(msg.tensor, own[j]) or check_owner_result(
+                        msg.tensor, msg.meta.get("norms"), mine, own_norm, self.max_norm_ratio, self.aggregation)
+                    if accept(sender, reason):
+                        result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
+                        counts[j] = sum(n > 0 for n in norms[j])
+                        # our part as the owner counted it: clipped to the norm it reports for us (0: not at all)
+                        counted[j] = clip(own[j], own_norm, norms[j][mine])
+                        if sparse:
+                            counted[j] = counted[j] * kept(result[j])
 
-            # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
-            # every member that answered holds exactly what we hold.
-            digests = [chunk_digest(c, n) if counts[j] == len(group) else None
-                       for j, (c, n) in enumerate(zip(result, norms))]
-            deadline = max(deadline, loop.time() + timeout / 4)
-            voters = set(others) - elsewhere
-            sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", _NOTHING, deadline, view,
-                                                       {"digests": digests}, round))
-                      for p in voters]
-            votes = await self.mailbox.collect(f"{tag}/c", voters, deadline, unless=f"{tag}/x")
-            note_silent(voters, votes)
-            disagree = sorted(p for p, msg in votes.items() if msg.meta.get("digests") != digests)
-            for p, msg in votes.items():  # an owner whose own digest is not what it sent us lied to us
-                theirs = msg.meta.get("digests")
-                j = group.index(p)
-                if (isinstance(theirs, list) and len(theirs) == len(group) and digests[j] is not None
-                        and theirs[j] != digests[j]):
-                    accept(p, "its chunk's digest differs from the chunk it sent us")
+                # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
+                # every member that answered holds exactly what we hold.
+                digests = [chunk_digest(c, n) if counts[j] == len(group) else None
+                           for j, (c, n) in enumerate(zip(result, norms))]
+                deadline = max(deadline, loop.time() + timeout / 4)
+                voters = set(others) - elsewhere
+                sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", _NOTHING, deadline, view,
+                                                           {"digests": digests}, round))
+                          for p in voters]
+                votes = await self.mailbox.collect(f"{tag}/c", voters, deadline, unless=f"{tag}/x")
+                note_silent(voters, votes)
+                disagree = sorted(p for p, msg in votes.items() if msg.meta.get("digests") != digests)
+                for p, msg in votes.items():  # an owner whose own digest is not what it sent us lied to us
+                    theirs = msg.meta.get("digests")
+                    j = group.index(p)
+                    if (isinstance(theirs, list) and len(theirs) == len(group) and digests[j] is not None
+                            and theirs[j] != digests[j]):
+                        accept(p, "its chunk's digest differs from the chunk it sent us")
             await asyncio.gather(*sends)
         finally:
             probe.cancel()
