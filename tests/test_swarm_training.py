@@ -1,5 +1,5 @@
-"""Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer,
-let a late joiner catch up, and resume from checkpoints."""
+"""Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer and
+a frozen one, let a late joiner catch up, and resume from checkpoints."""
 
 import json
 import re
