@@ -307,8 +307,9 @@ def train(
     which hivemind does at the start of the next opt.step()) and, when known, `group_size`. `wall_s`
     counts from after the first evaluation, less the wait for the other peers after step 1 (see
     `wait_for_peers`); `wait_s` is the cumulative time inside opt.step(), which includes the local AdamW
-    update as well as waiting for rounds. Shuts the optimizer down (which applies a round still in flight), then writes a last record with
-    `val_loss`, `final: true` and, when one finished since the last report, a round's `group_size`.
+    update as well as waiting for rounds. Shuts the optimizer down (which applies a round still in
+    flight), then writes a last record with `val_loss`, `final: true` and, when one finished since the
+    last report, a round's `group_size`.
     Raises DivergedError when the loss stops being finite.
     """
     traffic = _Traffic(opts.host)
