@@ -98,9 +98,10 @@ def test_sigkilled_peer_does_not_stall_the_others(workers):
     assert time.monotonic() - killed_at < 120
 
 
-def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_it_is_repaired_when_it_wakes(workers):
+def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_all_end_identical(workers):
     """w2 is SIGSTOPped mid-run (alive, connected, silent): w0 and w1 commit averages of the two of them
-    and go on; woken, w2 finds its state behind theirs and takes it, and all three end identical."""
+    and go on; woken, w2 rejoins and all three end identical (which of them takes whose state by a repair
+    depends on who commits the first round after the wake: w2, or w0 and w1 when w2 averages with one)."""
     timeout = 3.0
     w = workers({"name": "diloco", "every": 10}, steps=120, num_workers=3, timeout=timeout)
     procs = [w.start(i) for i in range(3)]
@@ -116,7 +117,6 @@ def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_it_
     digests = [{r["round"]: r["digest"] for r in w.metrics(i) if "digest" in r} for i in range(3)]
     last = max(digests[2])
     assert digests[0][last] == digests[1][last] == digests[2][last]  # w2 ends as one of them again
-    assert any(r.get("repaired") for r in w.metrics(2)), w.log(2)
     for i in (0, 1):
         syncs = [r for r in w.metrics(i) if "group_size" in r]
         waits = [b["wait_s"] - a["wait_s"] for a, b in zip(syncs, syncs[1:])]
