@@ -112,7 +112,8 @@ def test_a_failed_worker_marks_the_method_failed():
 
 def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     """Each kind of method the bench launches: the reference, DDP, an outer protocol averaging in the
-    foreground (diloco), hivemind's optimizer, and one averaging in the background with a codec (co2+topk).
+    foreground (diloco), hivemind's optimizer (whose two baseline processes must learn and average), and one
+    averaging in the background with a codec (co2+topk).
     NoLoCo and Streaming DiLoCo go through the same launcher as DiLoCo (their training: test_swarm_training)."""
     recipes = tmp_path / "recipes"
     recipes.mkdir()
@@ -140,6 +141,15 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
             assert res["bytes_sent_per_worker"] > 0
         if method not in ("local", "ddp"):  # those two run no swarm (ddp: a torch.distributed group, in-process)
             assert res["child_processes_cpu_s"] > 0  # its DHT node and libp2p daemon (hivemind's averager too)
+    for i in range(2):  # hivemind.Optimizer's baseline: two real processes on loopback learn and average
+        logs = (out / "hivemind" / f"w{i}.log").read_text()
+        baseline = [json.loads(line) for line in (out / "hivemind" / f"w{i}" / "metrics.jsonl").read_text().splitlines()]
+        vals = [r["val_loss"] for r in baseline if "val_loss" in r]
+        assert vals[-1] < vals[0] - 0.5, (i, vals)
+        assert 2 in [r.get("group_size") for r in baseline], logs  # a round averaged with the other peer
+        assert [r["step"] for r in baseline if "loss" in r] == list(range(1, 31))
+        assert baseline[-1]["final"] and baseline[-1]["step"] == 30
+        assert (out / "hivemind" / f"w{i}" / "checkpoint" / "meta.json").is_file()
     ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
     assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
     topk = results["methods"]["co2+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)
