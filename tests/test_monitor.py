@@ -68,9 +68,17 @@ def test_status_shows_a_live_keyed_swarm_without_joining_it(workers, tmp_path):
     assert keyless.returncode == 2 and out == "", out
     assert len(err.strip().splitlines()) == 1 and "--swarm-key" in err, err
 
-    before = {p["id"]: p["step"] for p in first}
-    second = status_until(lambda peers: all(p["step"] > before[p["id"]] and p["tokens_per_s"] for p in peers),
-                          [*args, "--swarm-key", str(key)])
+    before = {p["id"]: p["step"] for p in first}  # then the library's monitor, which the command prints
+    monitor = SwarmMonitor(run, w.bootstrap, swarm_key=SwarmKey.load(key))
+    try:
+        deadline = time.monotonic() + 30
+        second = monitor.rows()
+        while not all(p["step"] > before[p["id"]] and p["tokens_per_s"] for p in second):
+            assert time.monotonic() < deadline, second
+            time.sleep(0.5)  # the peers' next heartbeats
+            second = monitor.rows()
+    finally:
+        monitor.close()
     assert {p["id"] for p in second} == set(before)
     for p in second:
         assert math.isfinite(p["loss"]) and p["tokens_per_s"] > 0 and p["sent_per_s"] is not None, p
