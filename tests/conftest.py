@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -147,17 +148,96 @@ def write_recipe(path: Path, protocol: dict, steps: int, timeout: float = 10.0) 
     return path
 
 
-class Workers:
-    """`decentral train` processes of one swarm, started like a user starts them."""
+class ForkedWorker:
+    """A worker that `tests/prefork.py` forked, with the part of subprocess.Popen's interface tests use;
+    `returncode` is set when the server reports its end."""
 
-    def __init__(self, root: Path, recipe: Path, data: Path, num_workers: int):
-        self.root, self.recipe, self.data, self.num_workers = root, recipe, data, num_workers
-        self.procs: dict[int, subprocess.Popen] = {}
+    def __init__(self, server: "Prefork", pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        with self.server.ended:
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.server.ended:
+            if not self.server.ended.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        with self.server.ended:  # not reported as ended: not reaped, so the pid is still this worker's
+            if self.returncode is None:
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Prefork:
+    """`tests/prefork.py`, started once per session: `decentral` workers forked after their imports."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("prefork.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ended = threading.Condition()
+        self.running: dict[int, ForkedWorker] = {}
+        self.started: list[ForkedWorker] = []
+        self.lock = threading.Lock()  # one request at a time: its "started" line is the next one
+        threading.Thread(target=self._read, daemon=True, name="prefork").start()
+
+    def _read(self) -> None:
+        """The server's lines, in order: a pid is reported ended before the kernel can give it again."""
+        for line in self.proc.stdout:
+            kind, pid, *code = line.split()
+            with self.ended:
+                if kind == "started":
+                    self.running[int(pid)] = worker = ForkedWorker(self, int(pid))
+                    self.started.append(worker)
+                elif int(pid) in self.running:
+                    self.running.pop(int(pid)).returncode = int(code[0])
+                self.ended.notify_all()
+
+    def spawn(self, argv: Sequence[str], log: Path) -> ForkedWorker:
+        """`python -m decentral ARGV` with stdout and stderr appended to `log`, forked from the server."""
+        with self.lock, self.ended:
+            self.proc.stdin.write(json.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ),
+                                              "log": str(log)}) + "\n")
+            self.proc.stdin.flush()
+            assert self.ended.wait_for(lambda: self.started or self.proc.poll() is not None, 120), "prefork silent"
+            assert self.started, f"the prefork server exited with {self.proc.returncode}"
+            return self.started.pop()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def prefork():
+    server = Prefork()
+    yield server
+    server.close()
+
+
+DECENTRAL = (sys.executable, "-m", "decentral")  # a worker's default launcher (forked from `prefork` instead)
+
+
+class Workers:
+    """`decentral train` processes of one swarm, started like a user starts them (by default forked from
+    `prefork` once its imports are done: a process of its own that runs `python -m decentral`'s code)."""
+
+    def __init__(self, root: Path, recipe: Path, data: Path, num_workers: int, server: Prefork):
+        self.root, self.recipe, self.data, self.num_workers, self.server = root, recipe, data, num_workers, server
+        self.procs: dict[int, subprocess.Popen | ForkedWorker] = {}
         self.bootstrap: list[str] = []
 
     def start(self, index: int, steps: int | None = None, min_peers: int | None = None, extra: Sequence[str] = (),
-              launcher: Sequence[str] = (sys.executable, "-m", "decentral"), join: Sequence[str] | None = None
-              ) -> subprocess.Popen:
+              launcher: Sequence[str] = DECENTRAL, join: Sequence[str] | None = None
+              ) -> subprocess.Popen | ForkedWorker:
         """Start worker `index` with `launcher` (e.g. torchrun) and `extra` arguments; unless `min_peers` says
         otherwise, it waits for all `num_workers` to be up. It joins `join`, by default the first worker."""
         out = self.root / f"w{index}"
@@ -170,8 +250,11 @@ class Workers:
         cmd += ["--maddr-file", str(maddr_file)]
         for m in self.bootstrap if join is None else join:
             cmd += ["--join", m]
-        log = open(self.root / f"w{index}.log", "a")  # a restarted worker's log goes on in the same file
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log = self.root / f"w{index}.log"  # a restarted worker's log goes on in the same file
+        if tuple(launcher) == DECENTRAL:
+            proc = self.server.spawn(cmd[len(launcher):], log)
+        else:
+            proc = subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT)
         self.procs[index] = proc
         if not self.bootstrap:
             self.bootstrap = wait_for_file(maddr_file, proc, 120).split()
@@ -234,11 +317,12 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
 
 
 @pytest.fixture
-def workers(tmp_path, small_corpus):
+def workers(tmp_path, small_corpus, prefork):
     made: list[Workers] = []
 
     def make(protocol: dict, steps: int, num_workers: int, timeout: float = 10.0) -> Workers:
-        w = Workers(tmp_path, write_recipe(tmp_path / "recipe.yaml", protocol, steps, timeout), small_corpus, num_workers)
+        w = Workers(tmp_path, write_recipe(tmp_path / "recipe.yaml", protocol, steps, timeout), small_corpus,
+                    num_workers, prefork)
         made.append(w)
         return w
 
