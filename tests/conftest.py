@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import secrets
@@ -24,6 +23,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 
 from decentral.loopback import LoopbackHub, LoopbackTransport  # noqa: E402
 from decentral.netlab import cleanup_stale, netns_available  # noqa: E402
+from decentral.pipeline.launch import LAUNCHER, LocalPipeline  # noqa: E402
 from decentral.swarm import SwarmTransport  # noqa: E402
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "context": 32}
@@ -201,10 +201,11 @@ class Prefork:
                     self.running.pop(int(pid)).returncode = int(code[0])
                 self.ended.notify_all()
 
-    def spawn(self, argv: Sequence[str], log: Path) -> ForkedWorker:
-        """`python -m decentral ARGV` with stdout and stderr appended to `log`, forked from the server."""
+    def spawn(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> ForkedWorker:
+        """`python -m decentral ARGV` with stdout and stderr appended to `log`, forked from the server; its
+        environment ours and `env`."""
         with self.lock, self.ended:
-            self.proc.stdin.write(json.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ),
+            self.proc.stdin.write(json.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": {**os.environ, **(env or {})},
                                               "log": str(log)}) + "\n")
             self.proc.stdin.flush()
             assert self.ended.wait_for(lambda: self.started or self.proc.poll() is not None, 120), "prefork silent"
@@ -223,6 +224,24 @@ def prefork():
     server.close()
 
 
+class ForkedPipeline(LocalPipeline):
+    """A pipeline run on loopback whose nodes are forked from `prefork` (as Workers' are), unless a test
+    launches one with a launcher of its own."""
+
+    server: Prefork
+
+    def _start(self, cmd: list[str], log: Path, host) -> subprocess.Popen | ForkedWorker:
+        if host is None and tuple(cmd[:len(LAUNCHER)]) == LAUNCHER:
+            return self.server.spawn(cmd[len(LAUNCHER):], log, self.env)
+        return super()._start(cmd, log, host)
+
+
+@pytest.fixture
+def local_pipeline(prefork) -> Callable[..., LocalPipeline]:
+    """LocalPipeline's constructor, for runs whose nodes are forked from `prefork`."""
+    return type("Forked", (ForkedPipeline,), {"server": prefork})
+
+
 DECENTRAL = (sys.executable, "-m", "decentral")  # a worker's default launcher (forked from `prefork` instead)
 
 
@@ -236,10 +255,11 @@ class Workers:
         self.bootstrap: list[str] = []
 
     def start(self, index: int, steps: int | None = None, min_peers: int | None = None, extra: Sequence[str] = (),
-              launcher: Sequence[str] = DECENTRAL, join: Sequence[str] | None = None
-              ) -> subprocess.Popen | ForkedWorker:
-        """Start worker `index` with `launcher` (e.g. torchrun) and `extra` arguments; unless `min_peers` says
-        otherwise, it waits for all `num_workers` to be up. It joins `join`, by default the first worker."""
+              launcher: Sequence[str] = DECENTRAL, join: Sequence[str] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen | ForkedWorker:
+        """Start worker `index` with `launcher` (e.g. torchrun), `extra` arguments and environment variables
+        `env`; unless `min_peers` says otherwise, it waits for all `num_workers` to be up. It joins `join`,
+        by default the first worker."""
         out = self.root / f"w{index}"
         cmd = [*launcher, "train", "--protocol", str(self.recipe), "--out", str(out),
                "--name", f"w{index}", "--data", str(self.data), "--worker-index", str(index),
@@ -252,9 +272,10 @@ class Workers:
             cmd += ["--join", m]
         log = self.root / f"w{index}.log"  # a restarted worker's log goes on in the same file
         if tuple(launcher) == DECENTRAL:
-            proc = self.server.spawn(cmd[len(launcher):], log)
+            proc = self.server.spawn(cmd[len(launcher):], log, env)
         else:
-            proc = subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=open(log, "a"),
+                                    stderr=subprocess.STDOUT)
         self.procs[index] = proc
         if not self.bootstrap:
             self.bootstrap = wait_for_file(maddr_file, proc, 120).split()
@@ -279,31 +300,6 @@ class Workers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-
-# `python -c AFTER_GATE FIFO ARGS...` is `python -m decentral ARGS...` that imports first, then waits until
-# someone opens FIFO for writing: a process started ahead of time that is ready to go at once when needed.
-AFTER_GATE = """import sys, hivemind, decentral.worker, decentral.pipeline.serve
-from decentral.cli import main
-open(sys.argv[1]).close()
-sys.exit(main(sys.argv[2:]))"""
-
-
-def gated_launcher(gate: Path) -> tuple[str, ...]:
-    """A launcher (as Workers.start and LocalPipeline.launch take) whose process waits at the FIFO `gate`."""
-    os.mkfifo(gate)
-    return sys.executable, "-c", AFTER_GATE, str(gate)
-
-
-def open_gate(gate: Path, proc: subprocess.Popen, log: Callable[[], str]) -> None:
-    """Let `proc` go, once its imports are done and it holds the other end of `gate`."""
-    while True:
-        try:
-            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
-            return
-        except OSError as e:
-            assert e.errno == errno.ENXIO and proc.poll() is None, (e, log())
-            time.sleep(0.05)  # polling for the process's end of the FIFO
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:

@@ -21,6 +21,7 @@ import torch  # noqa: F401
 import decentral.pipeline.serve  # noqa: F401
 import decentral.worker  # noqa: F401
 from decentral.cli import main
+from decentral.swarm import wire
 
 
 def reap() -> None:
@@ -50,6 +51,7 @@ def become_worker(request: dict, selector: selectors.BaseSelector) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    wire.LINK = wire.LinkShaper.from_env()  # the one setting our imports read from the environment
     sys.argv = ["decentral", *request["argv"]]
     sys.exit(main(request["argv"]))
 

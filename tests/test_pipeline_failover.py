@@ -15,7 +15,7 @@ from decentral.checkpoint import load_checkpoint
 from decentral.data.corpus import load_corpus
 from decentral.pipeline.coordinator import Coordinator, Deposed
 from decentral.pipeline.evaluate import load_run
-from decentral.pipeline.launch import LocalPipeline, run_metrics
+from decentral.pipeline.launch import run_metrics
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
 from decentral.pipeline.serve import NodeOptions, _serve
 from decentral.swarm.admission import SwarmKey
@@ -89,7 +89,7 @@ def test_a_node_that_stepped_the_last_iteration_leaves_as_done_when_its_lead_is_
         pipeline.close()
 
 
-def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path, small_corpus):
+def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path, small_corpus, local_pipeline):
     """Three `decentral pipeline node` processes (heads h0, h1; a serves stage 1) with a swarm key; the
     lead h0 is SIGKILLed mid-run. h1 (the live head with the lowest name) takes over and runs to
     --steps: every iteration is in the metrics once (h0's, then h1's from the last step the nodes took),
@@ -101,7 +101,7 @@ def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path
     network = pinned_network(recipe, {"h0": 0, "h1": 0, "a": 1})
     SwarmKey.generate(tmp_path / "swarm.key")
     out, steps = tmp_path / "run", 14
-    with LocalPipeline(recipe_path, network, out, steps=steps,
+    with local_pipeline(recipe_path, network, out, steps=steps,
                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
                        env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
         run.start()
@@ -139,7 +139,7 @@ def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path
     assert all(torch.equal(ours[k[len("model."):]], v) for k, v in head.items() if k.startswith("model."))
 
 
-def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corpus):
+def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corpus, local_pipeline):
     """The lead h0 is frozen (SIGSTOP) mid-iteration: after the link timeout the others count it gone and
     h1 takes over. Thawed (SIGCONT), h0 finds the nodes following term 1 and stands by without stepping
     anyone: every iteration is stepped once (a's AdamW steps == --steps) and h1 stops h0 at the end."""
@@ -148,7 +148,7 @@ def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corp
     recipe = load_pipeline_recipe(recipe_path)
     network = pinned_network(recipe, {"h0": 0, "h1": 0, "a": 1})
     out, steps = tmp_path / "run", 24
-    with LocalPipeline(recipe_path, network, out, steps=steps, node_args=["--data", str(small_corpus)],
+    with local_pipeline(recipe_path, network, out, steps=steps, node_args=["--data", str(small_corpus)],
                        env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
         run.start()
 

@@ -20,7 +20,6 @@ from decentral.models.gpt import GPT
 from decentral.pipeline.cli import add_pipeline_parser
 from decentral.pipeline.coordinator import Coordinator
 from decentral.pipeline.discovery import new_server
-from decentral.pipeline.launch import LocalPipeline
 from decentral.pipeline.network import NetworkError, parse_network
 from decentral.pipeline.node import StageNode, microbatch
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
@@ -30,7 +29,6 @@ from decentral.swarm.admission import SwarmKey
 from decentral.sync import DiLoCo
 from decentral.worker import inner_lr
 
-from conftest import gated_launcher, open_gate
 
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32, "context": 32}
 TRAIN = {"batch_size": 4, "context": 32, "lr": 3.0e-3, "warmup_steps": 2, "eval_batches": 2, "eval_every": 100}
@@ -201,7 +199,7 @@ def test_after_calibrate_at_iterations_the_plan_takes_the_compute_the_nodes_meas
         pipeline.close()
 
 
-def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus):
+def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus, local_pipeline):
     """Six `decentral pipeline node` processes find each other through the DHT (with a swarm key); one
     replica of stage 1 is killed at the start of iteration 2. That iteration still finishes every
     microbatch: those that did not cross the dead node with their first attempt, the others re-sent
@@ -215,14 +213,10 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
     network = pinned_network(recipe, stage_of)
     SwarmKey.generate(tmp_path / "swarm.key")
     steps, doomed_iteration = 24, 2
-    with LocalPipeline(recipe_path, network, tmp_path / "run", steps=steps,
+    with local_pipeline(recipe_path, network, tmp_path / "run", steps=steps,
                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
                        env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
-        run.start()
-        # the replacement of either replica of stage 1, its imports done ahead, waits at a gate: started
-        # after the kill, a process would take 5-20 s on a loaded machine before it could be planned in
-        gates = {name: tmp_path / f"{name}.gate" for name in ("a1", "a2")}
-        spares = {name: run.launch(name, gated_launcher(gate)) for name, gate in gates.items()}
+        run.start()  # its nodes forked from `prefork`: a restart is planned in within iterations, not seconds of imports
         events = tmp_path / "run" / run.lead / "events.jsonl"
         deadline = time.monotonic() + 120
         begin = None
@@ -236,10 +230,7 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
         victim = "a1" if crossing else "a2"
         crossing = [m for m, route in enumerate(begin["routes"]) if victim in route]
         run.kill(victim)
-        open_gate(gates[victim], run.restart(victim, spares.pop(victim)), lambda: run.log(victim))
-        for spare in spares.values():
-            spare.kill()
-            spare.wait()
+        run.restart(victim)
         assert run.wait(120) == 0, run.log(run.lead)
     records = [json.loads(line) for line in (tmp_path / "run" / run.lead / "metrics.jsonl").read_text().splitlines()]
     assert [r["microbatches"] for r in records] == [4] * steps
@@ -258,7 +249,7 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus)
         assert (tmp_path / "run" / name / "stage" / "meta.json").exists()
 
 
-def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus):
+def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus, local_pipeline):
     """The lead of a 2-stage run (its only head) is killed after its checkpoint at iteration 4: no head
     can take over, so the other node says so in one line and exits 2. `pipeline train --resume` goes on
     from there with every node's weights and AdamW state: its iterations 5.. have the losses the killed
@@ -268,7 +259,7 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
     recipe = load_pipeline_recipe(recipe_path)
     network = pinned_network(recipe, {"h": 0, "a": 1})
     out = tmp_path / "run"
-    with LocalPipeline(recipe_path, network, out, steps=12, node_args=["--data", str(small_corpus)],
+    with local_pipeline(recipe_path, network, out, steps=12, node_args=["--data", str(small_corpus)],
                        env={"DECENTRAL_LINK_LATENCY_MS": "40"}) as run:
         run.start()
         metrics = out / run.lead / "metrics.jsonl"

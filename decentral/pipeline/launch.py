@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
@@ -67,20 +67,16 @@ class LocalPipeline:
             if not self.join:
                 self.join = self._bootstrap(node.name, timeout_s)
 
-    def launch(self, name: str, launcher: Sequence[str] = LAUNCHER) -> subprocess.Popen:
-        """A process for node `name` that joins through the first node's DHT address, as a node on another
-        machine would; `launcher` runs `decentral` (the default: this Python's). `restart` makes it the node."""
-        return self._spawn(name, self.join, launcher)
-
-    def restart(self, name: str, process: subprocess.Popen | None = None) -> subprocess.Popen:
-        """Node `name` again (after `kill`): `process` (from `launch`, started ahead), else a new one."""
-        self.procs[name] = process or self.launch(name)
+    def restart(self, name: str) -> subprocess.Popen:
+        """Node `name` again (after `kill`): a new process that joins through the first node's DHT address,
+        as a node on another machine would."""
+        self.procs[name] = self._spawn(name, self.join)
         return self.procs[name]
 
-    def _spawn(self, name: str, join: list[str], launcher: Sequence[str] = LAUNCHER) -> subprocess.Popen:
+    def _spawn(self, name: str, join: list[str]) -> subprocess.Popen:
         index = next(i for i, node in enumerate(self.network.nodes) if node.name == name)
         host = self.lab.hosts[index] if self.lab is not None else None
-        cmd = [*launcher, "pipeline", "node", "--recipe", str(self.recipe),
+        cmd = [*LAUNCHER, "pipeline", "node", "--recipe", str(self.recipe),
                "--network", str(self.out / "network.json"), "--name", name, "--out", str(self.out / name),
                "--host", host.address if host else "127.0.0.1", *self.node_args]
         if join:
@@ -92,10 +88,15 @@ class LocalPipeline:
             cmd += ["--lead"]
         if name in self.heads and self.steps:  # any head may take over
             cmd += ["--steps", str(self.steps)]
-        with open(self.out / f"{name}.log", "a") as log:
-            if host is not None:  # its environment: ours, `env`, and the lab's DECENTRAL_* variables
-                return host.popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-            return subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        return self._start(cmd, self.out / f"{name}.log", host)
+
+    def _start(self, cmd: list[str], log: Path, host) -> subprocess.Popen:
+        """Run `cmd` on the lab's `host` (None: here), its output appended to `log`; its environment: ours,
+        `env`, and the host's DECENTRAL_* variables."""
+        with open(log, "a") as out:
+            if host is not None:
+                return host.popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=out, stderr=subprocess.STDOUT)
 
     def _bootstrap(self, name: str, timeout_s: float) -> list[str]:
         path, proc = self.out / f"{name}.maddrs", self.procs[name]
