@@ -3,6 +3,7 @@ averages in each codec between real swarm peers, and error feedback that loses n
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,7 @@ def test_topk_keeps_the_largest_of_each_chunk_with_a_sign_and_its_groups_mean_ma
         # the error off the support is at most the smallest kept magnitude; on it, the group's spread
         assert float(part[[i for i in range(part.numel()) if i not in kept]].abs().max()) <= float(magnitude.min())
     assert codec.size(x.numel()) * 8 / x.numel() < 0.4  # bits per value, indices included
+    assert make_codec("topk").size(100 * 4096) * 8 / (100 * 4096) < 0.12  # 1%: 8.6 bits a position, not 12
 
 
 def test_codecs_refuse_bytes_that_encode_nothing_valid():
@@ -88,10 +90,13 @@ def test_codecs_refuse_bytes_that_encode_nothing_valid():
     with pytest.raises(CodecError, match="code"):
         int8.decode(bytes(data), 600)
     topk = make_codec("topk:0.01")
-    data = bytearray(topk.encode(x))  # 6 positions of 12 bits after one chunk's 4 bytes of magnitudes
-    data[4:7] = b"\xff\xff\xff"  # the first two positions 4095: outside a chunk of 600, and repeated
-    with pytest.raises(CodecError, match="positions"):
-        topk.decode(bytes(data), 600)
+    good = topk.encode(x)  # a chunk's 4 bytes of magnitudes; 6 positions: their low 6 bits, then a bitmap of
+    # 16 slots where position i sets slot (position >> 6) + i; then 2 bits each
+    for bitmap in ([1] * 7 + [0] * 9, [1] * 6 + [0] * 10, [0] * 10 + [1] * 6):  # 7 positions; 6 times 0; 640 and up
+        bits = np.unpackbits(np.frombuffer(good, np.uint8))
+        bits[32:32 + 36], bits[32 + 36:32 + 52] = 0, bitmap
+        with pytest.raises(CodecError, match="positions"):
+            topk.decode(np.packbits(bits).tobytes(), 600)
     for bad in ("int3", "topk:2", "topk:x", "float16:1"):
         with pytest.raises(ValueError, match="codec|density"):
             make_codec(bad)
