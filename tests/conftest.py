@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -201,16 +202,26 @@ class Prefork:
                     self.running.pop(int(pid)).returncode = int(code[0])
                 self.ended.notify_all()
 
-    def spawn(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> ForkedWorker:
-        """`python -m decentral ARGV` with stdout and stderr appended to `log`, forked from the server; its
-        environment ours and `env`."""
+    def spawn(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+              ) -> ForkedWorker:
+        """`python -m decentral ARGV` in `cwd` (default: ours) with stdout and stderr appended to `log`, forked
+        from the server; its environment ours and `env`."""
         with self.lock, self.ended:
-            self.proc.stdin.write(json.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": {**os.environ, **(env or {})},
-                                              "log": str(log)}) + "\n")
+            self.proc.stdin.write(json.dumps({"argv": list(argv), "cwd": str(cwd or os.getcwd()),
+                                              "env": {**os.environ, **(env or {})}, "log": str(log)}) + "\n")
             self.proc.stdin.flush()
             assert self.ended.wait_for(lambda: self.started or self.proc.poll() is not None, 120), "prefork silent"
             assert self.started, f"the prefork server exited with {self.proc.returncode}"
             return self.started.pop()
+
+    def run(self, argv: Sequence[str], cwd: Path, timeout: float = 300.0) -> tuple[int, str]:
+        """`decentral ARGV` run to its end in `cwd`: (exit code, its stdout and stderr)."""
+        log = Path(tempfile.mkstemp(prefix="decentral-", suffix=".log", dir=cwd)[1])
+        try:
+            code = self.spawn(argv, log, cwd=cwd).wait(timeout)
+            return code, log.read_text()
+        finally:
+            log.unlink()
 
     def close(self) -> None:
         self.proc.stdin.close()

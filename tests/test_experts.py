@@ -64,21 +64,20 @@ def test_failed_write_leaves_nothing_and_bad_folders_are_clear(tmp_path):
         registry.get("e")
 
 
-def run_cli(*args, cwd):
-    done = subprocess.run([sys.executable, "-m", "decentral.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def run_cli(prefork, *args, cwd):
+    code, output = prefork.run(args, cwd)
+    assert code == 0, output
+    return output
 
 
-def test_seed_branch_train_ensemble_end_to_end(tmp_path):
+def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
                                       "train": {**TINY_TRAIN, "steps": 80, "eval_every": 20}}))
     common = ["--protocol", str(recipe), "--registry", "reg"]
-    run_cli("experts", "seed", "--domain", "code", "--domain", "legal", "--share", "0.5", *common, cwd=tmp_path)
+    run_cli(prefork, "experts", "seed", "--domain", "code", "--domain", "legal", "--share", "0.5", *common, cwd=tmp_path)
     for name in ("code", "legal"):
-        run_cli("experts", "branch", name, "--from", "seed", "--domain", name, *common, cwd=tmp_path)
+        run_cli(prefork, "experts", "branch", name, "--from", "seed", "--domain", name, *common, cwd=tmp_path)
 
     registry = Registry(tmp_path / "reg")
     seed, code, legal = registry.get("seed"), registry.get("code"), registry.get("legal")
@@ -107,7 +106,7 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path):
     ensemble = ensemble_nll(mixed, estimate_prior(mixed))
     assert ensemble < max(alone), (ensemble, alone)
 
-    out = run_cli("experts", "eval", "--experts", "code,legal", "--domain", "code", "--domain", "legal",
+    out = run_cli(prefork, "experts", "eval", "--experts", "code,legal", "--domain", "code", "--domain", "legal",
                   "--registry", "reg", "--batches", "4", cwd=tmp_path)
     assert "ensemble" in out and "prior of legal" in out
     assert (tmp_path / "reg" / "priors.json").is_file()
@@ -115,13 +114,13 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path):
     # a merge recipe through the CLI
     (tmp_path / "ties.yaml").write_text(yaml.safe_dump({"method": "ties", "registry": "reg", "base": "seed",
                                                         "experts": ["code", "legal"]}))
-    run_cli("merge", "ties.yaml", "--out", "reg/ties", "--verify", cwd=tmp_path)
+    run_cli(prefork, "merge", "ties.yaml", "--out", "reg/ties", "--verify", cwd=tmp_path)
     ties = registry.get("ties")
     ties.load_model(verify=True)
     assert ties.parent == seed.sha256 and [e["name"] for e in ties.merge["experts"]] == ["code", "legal"]
 
     # a new expert branched from the average of two, weighted by its domain's posterior
-    run_cli("experts", "branch", "legal2", "--from", "code", "--from", "legal", "--domain", "legal", *common,
+    run_cli(prefork, "experts", "branch", "legal2", "--from", "code", "--from", "legal", "--domain", "legal", *common,
             cwd=tmp_path)
     start = read_expert(tmp_path / "runs/btm/legal2/init")
     weights = {e["name"]: e["weight"] for e in start.merge["experts"]}
