@@ -8,6 +8,7 @@ import time
 import pytest
 from conftest import wait_until
 from decentral.swarm import SwarmError, SwarmPeer
+from decentral.swarm.transport import HEARTBEAT_STALL_S
 
 
 def test_every_peer_sees_the_same_members_for_a_round(make_swarm):
@@ -31,12 +32,12 @@ def test_a_peer_that_closes_drops_out_at_once(make_swarm):
     assert peers[2].peer_id not in peers[1].membership.alive()
 
 
-def test_a_silent_peer_expires_after_the_sync_timeout(make_swarm):
+def test_a_silent_peer_expires_after_the_sync_timeout_or_a_few_dht_request_timeouts(make_swarm):
     peers = make_swarm(2, heartbeat_s=0.5, timeout=3.0)
-    assert peers[0].membership.expire_s == 3.0
+    assert peers[0].membership.expire_s == HEARTBEAT_STALL_S == 9.0
     peers[1].membership._stop.set()  # heartbeats stop, as when the process is frozen or killed
     peers[1].membership._thread.join()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while peers[1].peer_id in peers[0].membership.alive():
         assert time.monotonic() < deadline, "a peer without heartbeats never expired"
         time.sleep(0.1)  # polling the DHT for the expiry

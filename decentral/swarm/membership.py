@@ -14,6 +14,12 @@ Two kinds of DHT records under the run's key:
   by the time anyone reaches round r all live participants have long since announced it. Every peer
   then derives the same member list for r without a barrier.
 
+A peer that hangs (SIGSTOP, a debugger, swapping) hangs its DHT node too: hivemind hands its DHT process a
+pipe with every call, which that process fetches from the caller, so a call under way when the caller
+stopped blocks the DHT process until it resumes. Every DHT request that reaches the node then waits
+out the DHT's RPC timeout (decentral.swarm.peer.DHT_RPC_TIMEOUT_S), which is why heartbeats live at
+least a few of those (decentral.swarm.transport.HEARTBEAT_STALL_S).
+
 A peer restarted under the same id (its key file) stays listed for the rounds its killed process had
 announced: every peer keeps deriving the same list, and the averaging itself leaves it out at once
 (the new process answers "not in this round"; decentral.swarm.averaging).

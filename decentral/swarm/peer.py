@@ -101,6 +101,8 @@ class NotServing(Exception):
 
 ADMIT_TIMEOUT_S = 10.0  # an incoming stream must present its swarm-key token within this time
 DHT_CHECK_S = 1.0  # how often a waiting DHT call looks whether the DHT process is still alive
+DHT_RPC_TIMEOUT_S = 3.0  # a DHT request to a node that does not answer is given up after this (hivemind's
+# default, named here): a frozen peer's DHT node stops answering too (see Membership), so others' calls wait it out
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
 IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life's daemon to let go of its id
 
@@ -171,6 +173,7 @@ class SwarmPeer:
                     await_ready=True,
                     identity_path=str(identity_path),
                     record_validators=[SignedRecords(identity_path, swarm_key)],
+                    wait_timeout=DHT_RPC_TIMEOUT_S,
                 )
                 break
             except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer

@@ -19,19 +19,24 @@ from decentral.codec import make_codec
 from decentral.config import HEARTBEAT_S
 from decentral.transport import AverageResult, check_group, with_us
 from decentral.swarm.membership import Membership
-from decentral.swarm.peer import SwarmError, SwarmPeer
+from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
 
 log = logging.getLogger(__name__)
 
 PEER_POLL_S = 1.0  # the longest `wait_for_peers` waits between looks (half a heartbeat when that is shorter)
+# A heartbeat lives at least this long: while a peer hangs, its DHT node does too (Membership), and a beat's
+# write and the view's lookup may each wait out a DHT request to it; a shorter life lets live peers' beats
+# expire meanwhile, and their views shrink to themselves (measured: rounds of one, timeout 3 s)
+HEARTBEAT_STALL_S = 3 * DHT_RPC_TIMEOUT_S
 
 
 class SwarmTransport:
     """Join (or start) the swarm of run `run` and offer what protocols need.
 
     timeout: how long an average waits for late or dead peers (it takes at most 1.5x this); also how long
-        a peer's heartbeat stays valid (at least 3 heartbeats), so a dead peer leaves every view within it.
+        a peer's heartbeat stays valid (at least 3 heartbeats, and HEARTBEAT_STALL_S), so a dead peer leaves
+        every view within it.
     codec: how averages travel (decentral.swarm.codec: float32, float16, bfloat16, int8, int4, topk[:DENSITY]).
     identity_path: a key file that keeps the peer id across restarts (see SwarmPeer).
     max_norm_ratio: every part is clipped to this multiple of the lower median of its chunk's parts'
@@ -66,7 +71,8 @@ class SwarmTransport:
         self.lookahead = lookahead
         self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host,
                               identity_path=identity_path, swarm_key=swarm_key)
-        self.membership = Membership(self.peer, heartbeat_s=heartbeat_s, expire_s=max(3 * heartbeat_s, timeout))
+        self.membership = Membership(self.peer, heartbeat_s=heartbeat_s,
+                                     expire_s=max(3 * heartbeat_s, timeout, HEARTBEAT_STALL_S))
         self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
                                       read_timeout=1.5 * timeout)
