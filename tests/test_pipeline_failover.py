@@ -102,8 +102,8 @@ def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path
     SwarmKey.generate(tmp_path / "swarm.key")
     out, steps = tmp_path / "run", 14
     with local_pipeline(recipe_path, network, out, steps=steps,
-                       node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
-                       env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
+                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
+                        env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
         run.start()
         assert run.lead == "h0"
         metrics = out / "h0" / "metrics.jsonl"
@@ -149,7 +149,7 @@ def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corp
     network = pinned_network(recipe, {"h0": 0, "h1": 0, "a": 1})
     out, steps = tmp_path / "run", 24
     with local_pipeline(recipe_path, network, out, steps=steps, node_args=["--data", str(small_corpus)],
-                       env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
+                        env={"DECENTRAL_LINK_LATENCY_MS": "30"}) as run:
         run.start()
 
         def wait_for_records(path, count):

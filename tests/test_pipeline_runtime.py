@@ -214,8 +214,8 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus,
     SwarmKey.generate(tmp_path / "swarm.key")
     steps, doomed_iteration = 24, 2
     with local_pipeline(recipe_path, network, tmp_path / "run", steps=steps,
-                       node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
-                       env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
+                        node_args=["--data", str(small_corpus), "--swarm-key", str(tmp_path / "swarm.key")],
+                        env={"DECENTRAL_LINK_LATENCY_MS": "60"}) as run:
         run.start()  # its nodes forked from `prefork`: a restart is planned in within iterations, not seconds of imports
         events = tmp_path / "run" / run.lead / "events.jsonl"
         deadline = time.monotonic() + 120
@@ -260,7 +260,7 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
     network = pinned_network(recipe, {"h": 0, "a": 1})
     out = tmp_path / "run"
     with local_pipeline(recipe_path, network, out, steps=12, node_args=["--data", str(small_corpus)],
-                       env={"DECENTRAL_LINK_LATENCY_MS": "40"}) as run:
+                        env={"DECENTRAL_LINK_LATENCY_MS": "40"}) as run:
         run.start()
         metrics = out / run.lead / "metrics.jsonl"
         deadline = time.monotonic() + 120
