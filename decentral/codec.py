@@ -142,8 +142,7 @@ class TopK(Codec):
     def size(self, numel: int) -> int:
         batches = self._rows(numel)
         total = sum(rows * k for _, rows, _, k in batches)
-        position_bits = sum(rows * _elias_fano_bits(length, k) for _, rows, length, k in batches)
-        return 4 * sum(rows for _, rows, _, _ in batches) + -(-position_bits // 8) + _packed_len(total, 2)
+        return 4 * sum(rows for _, rows, _, _ in batches) + -(-_position_bits(batches) // 8) + _packed_len(total, 2)
 
     def _rows(self, numel: int) -> list[tuple[int, int, int, int]]:
         """(start, rows, length, k): the full chunks as one batch of rows, then the short last chunk."""
@@ -180,7 +179,7 @@ class TopK(Codec):
         levels = torch.from_numpy(scales).view(torch.bfloat16).float().reshape(-1, 2)
         if not (bool(torch.isfinite(levels).all()) and bool((levels >= 0).all())):
             raise CodecError("topk: a chunk's magnitude is negative or not finite")
-        position_bits = sum(rows * _elias_fano_bits(length, k) for _, rows, length, k in batches)
+        position_bits = _position_bits(batches)
         at = 4 * chunks + -(-position_bits // 8)
         bits = np.unpackbits(np.frombuffer(data, np.uint8, at - 4 * chunks, 4 * chunks), count=position_bits)
         two_bits = torch.from_numpy(_unpack(np.frombuffer(data, np.uint8, offset=at), 2, total).astype(np.int64))
@@ -197,25 +196,30 @@ class TopK(Codec):
         return out
 
 
-def _low_bits(length: int, k: int) -> int:
-    """Elias–Fano's split for k positions in [0, length): the low ⌊log2(length / k)⌋ bits of each go as
-    they are."""
-    return max(0, (length // k).bit_length() - 1)
+def _elias_fano_layout(length: int, k: int) -> tuple[int, int]:
+    """(low, slots) for k sorted distinct positions in [0, length): the low ⌊log2(length / k)⌋ bits of each
+    go as they are, the rest as a bitmap of k ones among k + (number of high buckets) slots."""
+    low = max(0, (length // k).bit_length() - 1)
+    return low, k + ((length - 1) >> low) + 1
 
 
 def _elias_fano_bits(length: int, k: int) -> int:
-    """Bits of k sorted distinct positions in [0, length): k low parts, and a bitmap of k ones among
-    k + (number of high buckets) slots."""
-    low = _low_bits(length, k)
-    return k * low + k + ((length - 1) >> low) + 1
+    """Bits of one row: k low parts, then the bitmap."""
+    low, slots = _elias_fano_layout(length, k)
+    return k * low + slots
+
+
+def _position_bits(batches: list[tuple[int, int, int, int]]) -> int:
+    """Bits of all positions of `TopK._rows` batches."""
+    return sum(rows * _elias_fano_bits(length, k) for _, rows, length, k in batches)
 
 
 def _elias_fano(where: np.ndarray, length: int) -> np.ndarray:
     """Rows of k strictly increasing positions in [0, length) as Elias–Fano bits (0/1, one row after the
     other: its low parts, then its bitmap, where position i sets slot (position >> low) + i)."""
     rows, k = where.shape
-    low = _low_bits(length, k)
-    bitmap = np.zeros((rows, k + ((length - 1) >> low) + 1), np.uint8)
+    low, slots = _elias_fano_layout(length, k)
+    bitmap = np.zeros((rows, slots), np.uint8)
     np.put_along_axis(bitmap, (where >> low) + np.arange(k), 1, axis=1)
     return np.concatenate([_bits(where & ((1 << low) - 1), low).reshape(rows, k * low), bitmap], axis=1).reshape(-1)
 
@@ -223,7 +227,7 @@ def _elias_fano(where: np.ndarray, length: int) -> np.ndarray:
 def _elias_fano_positions(bits: np.ndarray, rows: int, length: int, k: int) -> np.ndarray:
     """Inverse of `_elias_fano`; CodecError unless every row holds k strictly increasing positions in
     [0, length)."""
-    low = _low_bits(length, k)
+    low, _ = _elias_fano_layout(length, k)
     bits = bits.reshape(rows, -1)
     bitmap = bits[:, k * low:]
     if not bool((bitmap.sum(axis=1) == k).all()):

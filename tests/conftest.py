@@ -236,13 +236,14 @@ def prefork():
 
 
 class ForkedPipeline(LocalPipeline):
-    """A pipeline run on loopback whose nodes are forked from `prefork` (as Workers' are), unless a test
-    launches one with a launcher of its own."""
+    """A pipeline run on loopback whose nodes are forked from `server` (as Workers' are)."""
 
-    server: Prefork
+    def __init__(self, server: Prefork, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server = server
 
     def _start(self, cmd: list[str], log: Path, host) -> subprocess.Popen | ForkedWorker:
-        if host is None and tuple(cmd[:len(LAUNCHER)]) == LAUNCHER:
+        if host is None:
             return self.server.spawn(cmd[len(LAUNCHER):], log, self.env)
         return super()._start(cmd, log, host)
 
@@ -250,7 +251,7 @@ class ForkedPipeline(LocalPipeline):
 @pytest.fixture
 def local_pipeline(prefork) -> Callable[..., LocalPipeline]:
     """LocalPipeline's constructor, for runs whose nodes are forked from `prefork`."""
-    return type("Forked", (ForkedPipeline,), {"server": prefork})
+    return lambda *args, **kwargs: ForkedPipeline(prefork, *args, **kwargs)
 
 
 DECENTRAL = (sys.executable, "-m", "decentral")  # a worker's default launcher (forked from `prefork` instead)
