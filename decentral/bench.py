@@ -42,17 +42,28 @@ ISLAND_PORT = 29512
 
 
 def split_method(method: str) -> tuple[str, str | None]:
-    """`diloco+int8` → ("diloco", "int8"): a method of METHODS, and the codec that replaces its recipe's."""
-    name, _, codec = method.partition("+")
+    """`diloco+int8` → ("diloco", "int8"): a method of METHODS, and the codec that replaces its recipe's
+    (an `@STEPS` suffix ignored: `method_steps`)."""
+    name, _, codec = method.partition("@")[0].partition("+")
     return name, codec or None
 
 
+def method_steps(method: str, steps: int) -> int:
+    """`ddp@1500` → 1500: a method's own number of inner steps, else the bench's `steps`."""
+    _, at, own = method.partition("@")
+    if not at:
+        return steps
+    if not own.isdigit() or int(own) < 1:
+        raise ValueError(f"{method}: the steps after @ must be a positive integer")
+    return int(own)
+
+
 def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
-    """The method's recipe with the shared token budget (and its codec, for `method+codec`); hivemind
-    borrows DiLoCo's training setup."""
+    """The method's recipe with the token budget (`steps`, or its own for `method@steps`) and its codec
+    (for `method+codec`); hivemind borrows DiLoCo's training setup."""
     name, codec = split_method(method)
     recipe = load_recipe(recipes / f"{'diloco' if name == 'hivemind' else name}.yaml")
-    recipe.train.steps = steps
+    recipe.train.steps = method_steps(method, steps)
     recipe.swarm.run = run
     if codec:
         recipe.swarm.codec = codec
@@ -285,7 +296,7 @@ def compare(results: dict, target_loss: float | None = None) -> None:
     equal quality; None when DDP never got there).
     """
     reference = results["methods"].get(REFERENCE, {}).get("steps_per_s")
-    ddp = results["methods"].get("ddp")
+    ddp = next((res for method, res in results["methods"].items() if split_method(method)[0] == "ddp"), None)
     target = (ddp or {}).get("final_val_loss") or target_loss
     results["config"]["target_loss"] = target
     for res in results["methods"].values():
@@ -362,7 +373,7 @@ def run_bench(args: argparse.Namespace) -> int:
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
         print(f"bench: unknown method(s) {unknown}; choose from {list(METHODS)}, those of the swarm optionally "
-              "with +CODEC (e.g. diloco+int8)", file=sys.stderr)
+              "with +CODEC (e.g. diloco+int8), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -381,12 +392,12 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         run_recipes = {m: _recipe_for(m, recipes, args.steps, f"bench-{uuid.uuid4().hex[:6]}")
                        for m in [REFERENCE, *methods]}
-    except RecipeError as e:
+    except (RecipeError, ValueError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
     for method, recipe in run_recipes.items():
         for section in ("model", "train"):
-            if recipe[section] != run_recipes[REFERENCE][section]:
+            if {**recipe[section], "steps": None} != {**run_recipes[REFERENCE][section], "steps": None}:
                 print(f"bench: {method}'s recipe has a different {section} section than local.yaml; "
                       "methods must train the same model on the same data", file=sys.stderr)
                 return 2
@@ -398,7 +409,7 @@ def run_bench(args: argparse.Namespace) -> int:
             method_out = out / method
             shutil.rmtree(method_out, ignore_errors=True)
             raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
-            res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=args.steps)
+            res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
             results["methods"][method] = res
             (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
             print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
@@ -436,8 +447,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--protocols", default=",".join(METHODS),
                         help=f"comma-separated, from {','.join(METHODS)}; METHOD+CODEC runs a method with another "
-                             "swarm.codec (e.g. diloco+topk, diloco+int8)")
-    parser.add_argument("--steps", type=int, default=300, help="inner steps per worker (the same for every method)")
+                             "swarm.codec (e.g. diloco+topk, diloco+int8); METHOD@STEPS gives a method its own "
+                             "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target)")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="inner steps per worker (the same for every method without @STEPS)")
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),

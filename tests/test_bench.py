@@ -113,7 +113,8 @@ def test_a_failed_worker_marks_the_method_failed():
 def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     """Each kind of method the bench launches: the reference, DDP, an outer protocol averaging in the
     foreground (diloco), hivemind's optimizer (whose two baseline processes must learn and average), and one
-    averaging in the background with a codec (co2+topk).
+    averaging in the background with a codec (co2+topk). DDP runs its own number of steps (ddp@20), and its
+    final loss there is the target.
     NoLoCo and Streaming DiLoCo go through the same launcher as DiLoCo (their training: test_swarm_training)."""
     recipes = tmp_path / "recipes"
     recipes.mkdir()
@@ -123,7 +124,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
         (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
             {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
     out = tmp_path / "out"
-    methods = ["ddp", "diloco", "hivemind", "co2+topk"]
+    methods = ["ddp@20", "diloco", "hivemind", "co2+topk"]
     cmd = [sys.executable, "-m", "decentral.cli", "bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
            "--protocols", ",".join(methods), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -139,7 +140,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
         assert res["training_thread_cpu_s"] > 0 and res["other_threads_cpu_s"] >= 0
         if method != "local":
             assert res["bytes_sent_per_worker"] > 0
-        if method not in ("local", "ddp"):  # those two run no swarm (ddp: a torch.distributed group, in-process)
+        if method not in ("local", "ddp@20"):  # those two run no swarm (ddp: a torch.distributed group, in-process)
             assert res["child_processes_cpu_s"] > 0  # its DHT node and libp2p daemon (hivemind's averager too)
     for i in range(2):  # hivemind.Optimizer's baseline: two real processes on loopback learn and average
         logs = (out / "hivemind" / f"w{i}.log").read_text()
@@ -150,7 +151,10 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
         assert [r["step"] for r in baseline if "loss" in r] == list(range(1, 31))
         assert baseline[-1]["final"] and baseline[-1]["step"] == 30
         assert (out / "hivemind" / f"w{i}" / "checkpoint" / "meta.json").is_file()
-    ddp, diloco = results["methods"]["ddp"], results["methods"]["diloco"]
+    ddp, diloco = results["methods"]["ddp@20"], results["methods"]["diloco"]
+    ddp_steps = [r["step"] for r in json.loads("[" + ",".join(
+        (out / "ddp@20" / "w0" / "metrics.jsonl").read_text().splitlines()) + "]") if "loss" in r]
+    assert ddp_steps[-1] == 20 and results["config"]["target_loss"] == ddp["final_val_loss"]
     assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
     topk = results["methods"]["co2+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)
     assert topk["stream_bytes_sent_per_worker"] < diloco["stream_bytes_sent_per_worker"]
@@ -165,7 +169,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
 
 def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anything_runs(tmp_path):
     for methods, why in (("ddp+int8", "unknown method"), ("diloco+int3", "unknown codec"),
-                         ("noloco+topk", "error feedback")):
+                         ("noloco+topk", "error feedback"), ("ddp@0", "positive integer")):
         done = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "--protocols", methods,
                                "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and why in done.stderr, (methods, done.stderr)
