@@ -58,11 +58,19 @@ def method_steps(method: str, steps: int) -> int:
     return int(own)
 
 
+def recipe_file(name: str, recipes: Path) -> Path:
+    """RECIPES/NAME.yaml; hivemind's is hivemind.yaml where the folder has one (a DiLoCo recipe, so that
+    hivemind can keep its own H beside a DiLoCo tuned otherwise), else it borrows diloco.yaml."""
+    if name == "hivemind" and not (recipes / "hivemind.yaml").is_file():
+        name = "diloco"
+    return recipes / f"{name}.yaml"
+
+
 def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
     """The method's recipe with the token budget (`steps`, or its own for `method@steps`) and its codec
-    (for `method+codec`); hivemind borrows DiLoCo's training setup."""
+    (for `method+codec`)."""
     name, codec = split_method(method)
-    recipe = load_recipe(recipes / f"{'diloco' if name == 'hivemind' else name}.yaml")
+    recipe = load_recipe(recipe_file(name, recipes))
     recipe.train.steps = method_steps(method, steps)
     recipe.swarm.run = run
     if codec:
@@ -454,7 +462,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
-                        help="folder with local.yaml and one recipe per method (hivemind uses diloco.yaml)")
+                        help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
+                             "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=float, help="target validation loss when ddp is not run")
     parser.add_argument("--method-timeout", type=float, default=1200.0, help="seconds before a method is killed")

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN
-from decentral.bench import compare, format_cpu, peak_rate, round_bytes, summarize_method, time_to_loss
+from decentral.bench import (compare, format_cpu, method_steps, peak_rate, recipe_file, round_bytes, split_method,
+                             summarize_method, time_to_loss)
 
 
 def records(worker, wall_per_step, steps, vals):
@@ -101,6 +102,17 @@ def test_comparison_measures_each_method_against_the_reference_and_ddp():
     assert diloco["ddp_time_to_final_s"] == 20.0  # ddp's curve reaches 3.5 at its second evaluation, t=20
     assert diloco["speedup_vs_ddp"] == 20.0 / 12.0
     assert local["ddp_time_to_final_s"] == 20 * (5.0 - 3.8) / (5.0 - 3.5)  # interpolated between evaluations
+
+
+def test_a_method_name_says_its_protocol_codec_own_steps_and_recipe(tmp_path):
+    assert split_method("diloco+int4@3000") == ("diloco", "int4") and method_steps("diloco+int4@3000", 300) == 3000
+    assert split_method("ddp@1500") == ("ddp", None) and method_steps("ddp", 300) == 300
+    with pytest.raises(ValueError, match="positive integer"):
+        method_steps("ddp@1.5k", 300)
+    assert recipe_file("hivemind", tmp_path) == tmp_path / "diloco.yaml"  # hivemind borrows DiLoCo's setup
+    (tmp_path / "hivemind.yaml").write_text("")
+    assert recipe_file("hivemind", tmp_path) == tmp_path / "hivemind.yaml"  # unless it has its own
+    assert recipe_file("diloco", tmp_path) == tmp_path / "diloco.yaml"
 
 
 def test_a_failed_worker_marks_the_method_failed():
