@@ -384,7 +384,6 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+int8), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
@@ -409,6 +408,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"bench: {method}'s recipe has a different {section} section than local.yaml; "
                       "methods must train the same model on the same data", file=sys.stderr)
                 return 2
+    out.mkdir(parents=True, exist_ok=True)
     with NetLab(args.hosts, bandwidth, mode=args.mode, name="bench") as lab:
         results["config"]["mode"] = lab.mode
         for method, recipe in run_recipes.items():

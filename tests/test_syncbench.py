@@ -1,9 +1,6 @@
 """`decentral syncbench`: its peer's imports resolve (they broke once when pairing moved to decentral.sync)
 and a point needs a counted round besides the warm-up one."""
 
-import subprocess
-import sys
-
 import pytest
 
 from decentral.syncbench import peer_main
@@ -15,7 +12,6 @@ def test_a_syncbench_peer_imports_what_it_uses():
     assert done.value.code == 0
 
 
-def test_one_round_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "decentral", "syncbench", "--rounds", "1"], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "at least 2" in proc.stderr
+def test_one_round_is_refused_in_one_line(tmp_path, prefork):
+    code, output = prefork.run(["syncbench", "--rounds", "1"], tmp_path)
+    assert code == 2 and "at least 2" in output
