@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -135,11 +133,11 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
     assert (legal2.parent, legal2.start_step, legal2.steps) == (start.sha256, 40, 80)
 
 
-def test_init_from_refuses_a_different_model_and_a_finished_schedule(tmp_path):
+def test_init_from_refuses_a_different_model_and_a_finished_schedule(tmp_path, prefork):
     expert, _ = tiny_expert(tmp_path)
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
                                       "train": {**TINY_TRAIN, "steps": 20}}))
-    done = subprocess.run([sys.executable, "-m", "decentral.cli", "train", "--protocol", str(recipe), "--init-from",
-                           str(expert.folder), "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "differs from the recipe" in done.stderr and "Traceback" not in done.stderr
+    code, output = prefork.run(["train", "--protocol", str(recipe), "--init-from", str(expert.folder),
+                                "--out", str(tmp_path / "run")], tmp_path, timeout=120)
+    assert code == 2 and "differs from the recipe" in output and "Traceback" not in output

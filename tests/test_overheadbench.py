@@ -2,22 +2,20 @@
 the protocol's hooks really ran (its step counter, its outer rounds) and the worker's records were written."""
 
 import json
-import subprocess
-import sys
 
 from conftest import write_recipe
 from decentral.cli import main
 from decentral.metrics import read_metrics
 
 
-def test_the_suite_hooks_each_protocol_and_writes_results_and_plot(tmp_path, small_corpus):
+def test_the_suite_hooks_each_protocol_and_writes_results_and_plot(tmp_path, small_corpus, prefork):
     recipes = [write_recipe(tmp_path / f"{name}.yaml", {"name": name, "every": 4}, steps=20)
                for name in ("diloco", "noloco")]
     out = tmp_path / "overhead"
-    run = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "overhead",
-                          "--protocols", ",".join(map(str, recipes)), "--steps", "12", "--warmup", "2", "--turn", "3",
-                          "--data", str(small_corpus), "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    code, output = prefork.run(["bench", "overhead", "--protocols", ",".join(map(str, recipes)), "--steps", "12",
+                                "--warmup", "2", "--turn", "3", "--data", str(small_corpus), "--out", str(out)],
+                               tmp_path, timeout=120)
+    assert code == 0, output
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["block"] == 4 and results["config"]["transport"] == "SoloTransport"
     assert list(results["loops"]) == ["plain", "diloco", "noloco"]
@@ -36,7 +34,7 @@ def test_the_suite_hooks_each_protocol_and_writes_results_and_plot(tmp_path, sma
         assert [r["round"] for r in records if "group_size" in r] == [1, 2, 3]
     assert "plain" not in [p.name for p in out.iterdir()]
     assert (out / "overhead.png").stat().st_size > 0
-    assert "inner steps [IQR]" in run.stdout
+    assert "inner steps [IQR]" in output
 
 
 def test_ddp_and_mismatched_recipes_are_refused(tmp_path, capsys):

@@ -4,8 +4,6 @@ a frozen one, let a late joiner catch up, and resume from checkpoints."""
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -158,16 +156,15 @@ def test_resume_continues_from_the_checkpoint(workers):
     assert w.wait(timeout=120) == {0: 0}, w.log(0)
     tensors, meta = load_checkpoint(w.root / "w0" / "checkpoint")
     assert meta["sync"]["step"] == 20 and meta["sync"]["round"] == 2
-    cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
-           "--data", str(w.data), "--steps", "40", "--resume"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, output = w.server.run(["train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
+                                 "--data", str(w.data), "--steps", "40", "--resume"], w.root, timeout=120)
+    assert code == 0, output
     _, meta = load_checkpoint(w.root / "w0" / "checkpoint")
     assert meta["sync"]["step"] == 40 and meta["sync"]["round"] == 4
     steps = [r["step"] for r in w.metrics(0) if "loss" in r]
     assert steps == list(range(1, 41))  # the second run went on at step 21
     first_id = re.search(r"peer (\S+) starts at", w.log(0)).group(1)
-    assert f"peer {first_id} starts at" in done.stdout  # the same peer id: no ghost of the first run
+    assert f"peer {first_id} starts at" in output  # the same peer id: no ghost of the first run
 
 
 def test_corrupt_checkpoint_is_a_clear_error(workers):
@@ -178,11 +175,10 @@ def test_corrupt_checkpoint_is_a_clear_error(workers):
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
-    cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
-           "--data", str(w.data), "--resume"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "checksum" in done.stderr and "Traceback" not in done.stderr
+    code, output = w.server.run(["train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
+                                 "--data", str(w.data), "--resume"], w.root, timeout=120)
+    assert code != 0
+    assert "checksum" in output and "Traceback" not in output
 
 
 def running(pid: int) -> bool:
