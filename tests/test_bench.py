@@ -2,8 +2,6 @@
 on emulated hosts writes the results schema and the plot."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -123,7 +121,7 @@ def test_a_failed_worker_marks_the_method_failed():
     assert res["bytes_sent_per_worker"] == 2000  # loopback mode: the workers' own counters
 
 
-def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
+def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
     """Each kind of method the bench launches: the reference, DDP, an outer protocol averaging in the
     foreground (diloco), hivemind's optimizer (whose two baseline processes must learn and average), and one
     averaging in the background with a codec (co2+topk). DDP runs its own number of steps (ddp@20), and its
@@ -138,10 +136,10 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
             {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
     out = tmp_path / "out"
     methods = ["ddp@20", "diloco", "hivemind", "co2+topk"]
-    cmd = [sys.executable, "-m", "decentral.cli", "bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
-           "--protocols", ",".join(methods), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, output = prefork.run(["bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30", "--protocols",
+                                ",".join(methods), "--recipes", str(recipes), "--out", str(out), "--data", str(small_corpus)],
+                               tmp_path, timeout=600)
+    assert code == 0, output
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"local", *methods}
     for method, res in results["methods"].items():
@@ -173,11 +171,10 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus):
     assert topk["stream_bytes_sent_per_worker"] < diloco["stream_bytes_sent_per_worker"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (out / "bench.png").unlink()
-    again = subprocess.run([sys.executable, "-m", "decentral.cli", "bench", "--report", str(out)],
-                           capture_output=True, text=True, timeout=60)
-    assert again.returncode == 0, again.stderr
+    code, output = prefork.run(["bench", "--report", str(out)], tmp_path, timeout=60)
+    assert code == 0, output
     assert json.loads((out / "results.json").read_text()) == results  # the comparison is a function of the records
-    assert (out / "bench.png").is_file() and "speedup" in again.stdout
+    assert (out / "bench.png").is_file() and "speedup" in output
 
 
 def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anything_runs(tmp_path, capsys):
