@@ -2,7 +2,8 @@
 
 A worker forked here is a process of its own that runs `decentral.cli.main(argv)` from its first line, as
 `python -m decentral ARGV` does, but without the 4-5 CPU seconds a fresh interpreter spends importing
-torch and hivemind: most of a swarm test's start-up on a 2-core machine. (Our workers already fork after
+torch and hivemind, and the 1-2 more that torch._dynamo's import takes at the first optimizer step:
+most of a swarm test's start-up on a 2-core machine. (Our workers already fork after
 these imports: hivemind's DHT runs in a forked process.)
 
 Lines on stdin, one JSON object each: {"argv": [...], "cwd": DIR, "env": {...}, "log": FILE}; on stdout:
@@ -17,6 +18,7 @@ import sys
 
 import hivemind  # noqa: F401  (imported for the workers)
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (what a worker's first optimizer step imports: 1-2 CPU seconds each)
 
 import decentral.pipeline.serve  # noqa: F401
 import decentral.worker  # noqa: F401
