@@ -202,26 +202,30 @@ class Prefork:
                     self.running.pop(int(pid)).returncode = int(code[0])
                 self.ended.notify_all()
 
-    def spawn(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
-              ) -> ForkedWorker:
-        """`python -m decentral ARGV` in `cwd` (default: ours) with stdout and stderr appended to `log`, forked
-        from the server; its environment ours and `env`."""
+    def spawn(self, argv: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
+              err: Path | None = None) -> ForkedWorker:
+        """`python -m decentral ARGV` in `cwd` (default: ours) with stdout appended to `log` and stderr to `err`
+        (default: `log` too), forked from the server; its environment ours and `env`."""
+        request = {"argv": list(argv), "cwd": str(cwd or os.getcwd()), "env": {**os.environ, **(env or {})},
+                   "log": str(log), **({"err": str(err)} if err else {})}
         with self.lock, self.ended:
-            self.proc.stdin.write(json.dumps({"argv": list(argv), "cwd": str(cwd or os.getcwd()),
-                                              "env": {**os.environ, **(env or {})}, "log": str(log)}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             assert self.ended.wait_for(lambda: self.started or self.proc.poll() is not None, 120), "prefork silent"
             assert self.started, f"the prefork server exited with {self.proc.returncode}"
             return self.started.pop()
 
-    def run(self, argv: Sequence[str], cwd: Path, timeout: float = 300.0) -> tuple[int, str]:
-        """`decentral ARGV` run to its end in `cwd`: (exit code, its stdout and stderr)."""
-        log = Path(tempfile.mkstemp(prefix="decentral-", suffix=".log", dir=cwd)[1])
+    def run(self, argv: Sequence[str], cwd: Path, timeout: float = 300.0) -> subprocess.CompletedProcess:
+        """`decentral ARGV` run to its end in `cwd`, as `subprocess.run(..., capture_output=True, text=True)`
+        reports it: its exit code, stdout and stderr apart."""
+        out, err = (Path(tempfile.mkstemp(prefix="decentral-", suffix=suffix, dir=cwd)[1])
+                    for suffix in (".out", ".err"))
         try:
-            code = self.spawn(argv, log, cwd=cwd).wait(timeout)
-            return code, log.read_text()
+            code = self.spawn(argv, out, cwd=cwd, err=err).wait(timeout)
+            return subprocess.CompletedProcess(list(argv), code, out.read_text(), err.read_text())
         finally:
-            log.unlink()
+            out.unlink()
+            err.unlink()
 
     def close(self) -> None:
         self.proc.stdin.close()

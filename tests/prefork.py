@@ -6,7 +6,8 @@ torch and hivemind, and the 1-2 more that torch._dynamo's import takes at the fi
 most of a swarm test's start-up on a 2-core machine. (Our workers already fork after
 these imports: hivemind's DHT runs in a forked process.)
 
-Lines on stdin, one JSON object each: {"argv": [...], "cwd": DIR, "env": {...}, "log": FILE}; on stdout:
+Lines on stdin, one JSON object each: {"argv": [...], "cwd": DIR, "env": {...}, "log": FILE, "err": FILE}
+(stdout goes to "log", and stderr to "err", or to "log" too when "err" is absent); on stdout:
 "started PID" for each, then "exited PID CODE" when that worker ends (CODE as subprocess reports it:
 -SIGNUM for a signal). The server ends when its stdin closes; the workers it started go on.
 """
@@ -42,10 +43,10 @@ def become_worker(request: dict, selector: selectors.BaseSelector) -> None:
     """In the forked child: the request's output, folder and environment, then `decentral` itself; the
     interpreter exits as a `python -m decentral` process does (atexit handlers, threads joined)."""
     selector.close()
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in ((1, request["log"]), (2, request.get("err", request["log"]))):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

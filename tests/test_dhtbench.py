@@ -5,18 +5,18 @@ import json
 
 def test_dht_bench_counts_each_call_and_the_idle_cost_of_a_heartbeat(tmp_path, prefork):
     out = tmp_path / "dht"
-    code, output = prefork.run(["bench", "dht", "--peers", "2", "--calls", "2", "--heartbeats", "0.25,5",
-                                "--seconds", "2", "--out", str(out)], tmp_path)
-    assert code == 0, output
+    done = prefork.run(["bench", "dht", "--peers", "2", "--calls", "2", "--heartbeats", "0.25,5", "--seconds", "2",
+                        "--out", str(out)], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
     assert set(results["per_call"]) == {"heartbeat write", "peers lookup", "round announcement", "round lookup"}
     assert all(cost > 0 for cost in results["per_call"].values()), results
     fast, slow = (b["bytes_per_s"] for b in results["idle"])
     assert fast > 2 * slow, results["idle"]  # 20 times the beats
     assert (out / "dht.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "KiB per call" in output
+    assert "KiB per call" in done.stdout
 
 
 def test_dht_bench_refuses_bad_arguments(tmp_path, prefork):
-    code, output = prefork.run(["bench", "dht", "--peers", "1", "--out", str(tmp_path / "dht")], tmp_path)
-    assert code == 2 and "--peers" in output
+    done = prefork.run(["bench", "dht", "--peers", "1", "--out", str(tmp_path / "dht")], tmp_path)
+    assert done.returncode == 2 and "--peers" in done.stderr

@@ -63,9 +63,9 @@ def test_failed_write_leaves_nothing_and_bad_folders_are_clear(tmp_path):
 
 
 def run_cli(prefork, *args, cwd):
-    code, output = prefork.run(args, cwd)
-    assert code == 0, output
-    return output
+    done = prefork.run(args, cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
@@ -138,6 +138,6 @@ def test_init_from_refuses_a_different_model_and_a_finished_schedule(tmp_path, p
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
                                       "train": {**TINY_TRAIN, "steps": 20}}))
-    code, output = prefork.run(["train", "--protocol", str(recipe), "--init-from", str(expert.folder),
-                                "--out", str(tmp_path / "run")], tmp_path, timeout=120)
-    assert code == 2 and "differs from the recipe" in output and "Traceback" not in output
+    done = prefork.run(["train", "--protocol", str(recipe), "--init-from", str(expert.folder),
+                        "--out", str(tmp_path / "run")], tmp_path, timeout=120)
+    assert done.returncode == 2 and "differs from the recipe" in done.stderr and "Traceback" not in done.stderr

@@ -12,10 +12,10 @@ def test_the_suite_hooks_each_protocol_and_writes_results_and_plot(tmp_path, sma
     recipes = [write_recipe(tmp_path / f"{name}.yaml", {"name": name, "every": 4}, steps=20)
                for name in ("diloco", "noloco")]
     out = tmp_path / "overhead"
-    code, output = prefork.run(["bench", "overhead", "--protocols", ",".join(map(str, recipes)), "--steps", "12",
-                                "--warmup", "2", "--turn", "3", "--data", str(small_corpus), "--out", str(out)],
-                               tmp_path, timeout=120)
-    assert code == 0, output
+    run = prefork.run(["bench", "overhead", "--protocols", ",".join(map(str, recipes)), "--steps", "12",
+                       "--warmup", "2", "--turn", "3", "--data", str(small_corpus), "--out", str(out)],
+                      tmp_path, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["block"] == 4 and results["config"]["transport"] == "SoloTransport"
     assert list(results["loops"]) == ["plain", "diloco", "noloco"]
@@ -34,7 +34,7 @@ def test_the_suite_hooks_each_protocol_and_writes_results_and_plot(tmp_path, sma
         assert [r["round"] for r in records if "group_size" in r] == [1, 2, 3]
     assert "plain" not in [p.name for p in out.iterdir()]
     assert (out / "overhead.png").stat().st_size > 0
-    assert "inner steps [IQR]" in output
+    assert "inner steps [IQR]" in run.stdout
 
 
 def test_ddp_and_mismatched_recipes_are_refused(tmp_path, capsys):

@@ -293,22 +293,22 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"nodes": 2}, train={"steps": 15})))
     out = tmp_path / "run"
-    code, output = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(out),
-                                "--data", str(small_corpus)], tmp_path, timeout=240)
-    assert code == 0, output
-    assert "whole model (2 stages)" in output and "1 of 2 stages" in output
+    done = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--data", str(small_corpus)],
+                       tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "whole model (2 stages)" in done.stdout and "1 of 2 stages" in done.stdout
     evaluation = json.loads((out / "eval.json").read_text())
     lead = next(p.parent.name for p in out.glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in (out / lead / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 15 and records[-1]["loss"] < records[0]["loss"] - 0.5
     assert evaluation["full_loss"] < records[0]["loss"] - 0.5 and evaluation["kept_stages"] == 1
-    code, output = prefork.run(["pipeline", "eval", str(out), "--data", str(small_corpus)], tmp_path, timeout=120)
-    assert code == 0 and f"{evaluation['full_loss']:.4f}" in output
+    again = prefork.run(["pipeline", "eval", str(out), "--data", str(small_corpus)], tmp_path, timeout=120)
+    assert again.returncode == 0 and f"{evaluation['full_loss']:.4f}" in again.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"pipeline": {"stagse": 2}}))
-    code, output = prefork.run(["pipeline", "train", "--recipe", str(bad), "--out", str(tmp_path / "bad")], tmp_path,
-                               timeout=60)
-    assert code == 2 and output.count("\n") == 1 and "stagse" in output
+    refused = prefork.run(["pipeline", "train", "--recipe", str(bad), "--out", str(tmp_path / "bad")], tmp_path,
+                          timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "stagse" in refused.stderr
 
 
 def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_one_error(tmp_path, capsys):

@@ -156,15 +156,15 @@ def test_resume_continues_from_the_checkpoint(workers):
     assert w.wait(timeout=120) == {0: 0}, w.log(0)
     tensors, meta = load_checkpoint(w.root / "w0" / "checkpoint")
     assert meta["sync"]["step"] == 20 and meta["sync"]["round"] == 2
-    code, output = w.server.run(["train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
-                                 "--data", str(w.data), "--steps", "40", "--resume"], w.root, timeout=120)
-    assert code == 0, output
+    done = w.server.run(["train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"), "--data", str(w.data),
+                         "--steps", "40", "--resume"], w.root, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
     _, meta = load_checkpoint(w.root / "w0" / "checkpoint")
     assert meta["sync"]["step"] == 40 and meta["sync"]["round"] == 4
     steps = [r["step"] for r in w.metrics(0) if "loss" in r]
     assert steps == list(range(1, 41))  # the second run went on at step 21
     first_id = re.search(r"peer (\S+) starts at", w.log(0)).group(1)
-    assert f"peer {first_id} starts at" in output  # the same peer id: no ghost of the first run
+    assert f"peer {first_id} starts at" in done.stdout  # the same peer id: no ghost of the first run
 
 
 def test_corrupt_checkpoint_is_a_clear_error(workers):
@@ -175,10 +175,10 @@ def test_corrupt_checkpoint_is_a_clear_error(workers):
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
-    code, output = w.server.run(["train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"),
-                                 "--data", str(w.data), "--resume"], w.root, timeout=120)
-    assert code != 0
-    assert "checksum" in output and "Traceback" not in output
+    done = w.server.run(["train", "--protocol", str(w.recipe), "--out", str(w.root / "w0"), "--data", str(w.data),
+                         "--resume"], w.root, timeout=120)
+    assert done.returncode != 0
+    assert "checksum" in done.stderr and "Traceback" not in done.stderr
 
 
 def running(pid: int) -> bool:

@@ -25,10 +25,10 @@ def test_the_grid_is_the_product_of_the_settings_and_a_malformed_one_is_refused(
 def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, small_corpus, prefork):
     recipe = write_recipe(tmp_path / "diloco.yaml", {"name": "diloco", "every": 5, "outer_momentum": 0.0}, steps=10)
     out = tmp_path / "sweep"
-    code, output = prefork.run(["bench", "sweep", "--protocol", str(recipe), "--steps", "10", "--workers", "2",
-                                "--set", "outer_lr=0.0,1.0", "--with-local", "--data", str(small_corpus),
-                                "--out", str(out)], tmp_path)
-    assert code == 0, output
+    run = prefork.run(["bench", "sweep", "--protocol", str(recipe), "--steps", "10", "--workers", "2",
+                       "--set", "outer_lr=0.0,1.0", "--with-local", "--data", str(small_corpus), "--out", str(out)],
+                      tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
     points = {p["label"]: p for p in json.loads((out / "results.json").read_text())["points"]}
     assert set(points) == {"outer_lr=0.0", "outer_lr=1.0", "local (no communication)"}
     frozen, moved, local = points["outer_lr=0.0"], points["outer_lr=1.0"], points["local (no communication)"]
@@ -42,14 +42,14 @@ def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, sm
     first_val = [read_metrics(out / "point3" / f"w{i}" / "metrics.jsonl")[0]["val_loss"] for i in range(2)]
     assert first_val[0] == first_val[1]
     assert (out / "sweep.png").stat().st_size > 0
-    assert "final val" in output
+    assert "final val" in run.stdout
 
 
 def test_a_point_that_diverges_is_reported_failed_not_ranked(tmp_path, small_corpus, prefork):
     recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=10)
     out = tmp_path / "sweep"
-    code, output = prefork.run(["bench", "sweep", "--protocol", str(recipe), "--steps", "10", "--workers", "1",
-                                "--set", "train.lr=1e6", "--data", str(small_corpus), "--out", str(out)], tmp_path)
-    assert code == 1, output
+    run = prefork.run(["bench", "sweep", "--protocol", str(recipe), "--steps", "10", "--workers", "1",
+                       "--set", "train.lr=1e6", "--data", str(small_corpus), "--out", str(out)], tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr
     (point,) = json.loads((out / "results.json").read_text())["points"]
     assert point["final_val_loss"] is None and "diverged" in point["error"]

@@ -13,5 +13,5 @@ def test_a_syncbench_peer_imports_what_it_uses():
 
 
 def test_one_round_is_refused_in_one_line(tmp_path, prefork):
-    code, output = prefork.run(["syncbench", "--rounds", "1"], tmp_path)
-    assert code == 2 and "at least 2" in output
+    proc = prefork.run(["syncbench", "--rounds", "1"], tmp_path)
+    assert proc.returncode == 2 and "at least 2" in proc.stderr
