@@ -320,6 +320,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
                           f"step {protocol.step}, " + (f"val {val_loss:.3f}" if val_loss is not None else
                                                        f"from the state of {protocol.donor[-8:]}")
+                          + (f" (trains the rest of round {protocol.round} on its own, averages from round "
+                             f"{protocol.round + 1} on)" if protocol.onlooking else "")
                           + (f"; {protocol.name} keeps {len(copies)} model-sized copies ({', '.join(copies)})"
                              if copies else ""))
             while protocol.step < last_step:

@@ -155,7 +155,8 @@ def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
     assert torch.equal(flat(late.model), protocols[0].slow)
 
 
-def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_the_next(make_swarm):
+def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_trains_it_as_an_onlooker(
+        make_swarm):
     transports = make_swarm(4)
     protocols = make_protocols(transports[:2], DiLoCo, every=10)
     gen = torch.Generator().manual_seed(5)
@@ -173,27 +174,34 @@ def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_el
     (near,) = near
     wait_until(lambda: all(near.transport.peer_id in p.transport.members(2) for p in protocols), 30,
                "the incumbents seeing the near newcomer's announcement of round 2")
-    assert (near.round, near.step, near.donor is not None) == (2, 24, True)  # the donor's step, not round 2's start
+    assert (near.round, near.step, near.donor is not None, near.onlooking) == (2, 24, True, False)  # the donor's step
     assert torch.equal(near.slow, protocols[0].slow) and torch.equal(flat(near.model), near.slow)
-    for p in [*protocols, near]:  # 6 of 10 done (the near newcomer too: it may be the donor): wait for round 3
+    for p in [*protocols, near]:  # 6 of 10 done (the near newcomer too: it may be the donor)
         p.step = p._round_start + 6
         p.transport.set_progress(p.step, p.round)
-    far = []
-    joining = threading.Thread(target=lambda: far.extend(make_protocols(transports[3:], DiLoCo, seeds=[8], every=10)),
-                               daemon=True)
-    joining.start()
-    wait_until(lambda: transports[3].averager.first_round == 3, 30, "the far newcomer announcing round 3")
+    model = tiny_model(8)
+    far = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[3], every=10)
+    far.start()  # does not wait for round 3: trains the rest of round 2 from its φ, no member of it
+    assert (far.round, far.step, far.onlooking) == (2, 26, True)
+    assert torch.equal(far.slow, protocols[0].slow) and torch.equal(flat(far.model), far.slow)
+    far_id = transports[3].peer_id
+    wait_until(lambda: all(far_id in p.transport.members(3) for p in protocols), 30,
+               "the incumbents seeing the onlooker's announcement of round 3")
+    assert all(far_id not in p.transport.members(2) for p in [*protocols, near])
     before = protocols[0].slow.clone()
     fasts = [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in [*protocols, near]]
     reports = outer_round([*protocols, near], fasts)  # round 2: the incumbents and the near newcomer
     assert [(r.complete, len(r.group), r.contributors) for r in reports] == [(True, 3, 3)] * 3, reports
-    joining.join(timeout=60)
-    assert not joining.is_alive()
-    (far,) = far
-    assert (far.round, far.step) == (3, 30)
     assert not torch.equal(protocols[0].slow, before)
+    progress = 0.1 * torch.randn(far.slow.numel(), generator=gen)  # what its 4 steps of round 2 did
+    set_flat(far.model, far.slow + progress)
+    far.step = 30
+    assert far.after_step() is None  # its round's end: it takes the members' state of round 3
+    assert (far.round, far.step, far._round_start, far.onlooking) == (3, 30, 30, False)
     for p in [near, far, protocols[1]]:
         assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
+    torch.testing.assert_close(flat(far.model), far.slow + progress)  # its progress carried into round 3
+    assert far._digests[3] == protocols[0]._digests[3]  # the state it offers is the members'
 
 
 def test_inner_steps_through_the_optimizer_hooks_leave_slow_weights_alone(make_swarm):

@@ -70,6 +70,8 @@ class SyncProtocol:
     shares_state = False
     identical_replicas = False
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
+    onlooks = False  # a newcomer further into the round under way than `join_within_steps` trains the rest
+    # of it as an onlooker (see `_fetch_to_join`) instead of waiting for its end
     error_feedback = False  # keeps what a codec did not send and sends it again (see Transport.error_feedback)
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
     outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
@@ -95,6 +97,7 @@ class SyncProtocol:
         self._round_start = 0  # the inner step at which the current round began
         self.join_within_steps = 0  # a newcomer joins a round its donor is at most this many steps into
         self.donor: str | None = None  # the peer whose state we joined the swarm with, if any
+        self.onlooking = False  # a newcomer training the round under way without being a member of it
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -129,14 +132,14 @@ class SyncProtocol:
         are the swarm's), offer our own, announce the coming rounds."""
         self._round_start = self.step
         if self.shares_state:
-            self._take_swarm_state()
+            self._take_swarm_state(onlook=self.onlooks)
             self._offer()
-        self.transport.join_rounds(self.round)
+        self.transport.join_rounds(self.round + 1 if self.onlooking else self.round)
 
-    def _take_swarm_state(self) -> bool:
+    def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None) -> bool:
         """Go on from the swarm's state, round and inner step when the swarm is ahead of us (see
         `_fetch_to_join`); False when it is not."""
-        got = self._fetch_to_join()
+        got = self._fetch_to_join(onlook=onlook, after_round=after_round)
         if got is None:
             return False
         self.donor, meta, tensors, step = got
@@ -231,7 +234,8 @@ class SyncProtocol:
         self.transport.set_progress(self.step, self.round, digest)
         return digest
 
-    def _fetch_to_join(self, poll_s: float = 0.25) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
+    def _fetch_to_join(self, *, onlook: bool = False, after_round: int | None = None, poll_s: float = 0.25
+                       ) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
         """(donor, meta, tensors, step): the swarm's state of a round and the inner step we go on from,
         when the swarm is ahead of us. A donor's snapshot is the state its current round began from.
 
@@ -239,10 +243,15 @@ class SyncProtocol:
         step (its heartbeat's, when that is further than when it served us), training its remaining
         steps from the round's starting state, so the round ends for us when it ends for the others and
         nobody waits for us; our announcement has the rest of the round to reach the members. A donor
-        further in: we announce the rounds from the next one on and wait for the donor's snapshot of it.
-        When the donor has gone past that round before we fetch, we join at the snapshot it offers then:
-        the rounds we announced and miss go on without us (we answer their pushes "not in this round")."""
-        target = None  # the round we announced and wait for
+        further in: we announce the rounds from the next one on; with `onlook` we go on from the donor's
+        step as an onlooker (`self.onlooking`: we train the rest of the round from its starting state, no
+        member of it, and `_end_onlooking` takes the members' state of the next round at its end), else
+        we wait for the donor's snapshot of the next round. `after_round`: only the state of a later
+        round will do (we announced the one after it), waited for.
+        When the donor has gone past the round we wait for before we fetch, we join at the snapshot it
+        offers then: the rounds we announced and miss go on without us (we answer their pushes "not in
+        this round")."""
+        target = None if after_round is None else after_round + 1  # the round we announced and wait for
         while True:
             got = self.transport.fetch_state(have=self.snapshot())
             if got is None:
@@ -261,7 +270,11 @@ class SyncProtocol:
                 donor_step = max(int(meta.get("donor_step", snapshot_step)), live if isinstance(live, int) else 0)
                 if donor_step <= snapshot_step + self.join_within_steps:
                     return donor, meta, tensors, max(donor_step, snapshot_step)
-            target = snapshot_round + 1
+                if onlook:
+                    self.transport.join_rounds(snapshot_round + 1, first=True)
+                    self.onlooking = True
+                    return donor, meta, tensors, donor_step
+            target = max(target or 0, snapshot_round + 1)
             self.transport.join_rounds(target, first=True)
             start = time.perf_counter()
             while heartbeat_round(self.transport.progress().get(donor), target) < target:
@@ -370,6 +383,7 @@ class OuterProtocol(SyncProtocol):
 
     shares_state = True
     weights_key = "slow"
+    onlooks = True
 
     def __init__(self, model, optimizer, transport: Transport, *, every: int, outer_on_device: bool = False):
         super().__init__(model, optimizer, transport)
@@ -477,10 +491,27 @@ class OuterProtocol(SyncProtocol):
     def after_step(self) -> SyncReport | None:
         if self.step - self._round_start < self.every:
             return None
+        if self.onlooking:
+            self._end_onlooking()
+            return None
         report = self.outer_step(self._finite_fast())
         if not report.rolled_back:
             self._load_fast(self.round_start_weights())
         return self._close_round(report)
+
+    def _end_onlooking(self) -> None:
+        """At the end of the round we trained as an onlooker (`_fetch_to_join`): take the members' state of
+        the next round, waiting for it as a newcomer at a boundary does, and keep our progress on top of it
+        as a repair does (it goes into our first outer gradient with them); announce the rounds after it."""
+        self.onlooking = False
+        before, onlooked = self.snapshot(), self.round
+        if self._take_swarm_state(after_round=self.round):
+            self._on_repaired(before)
+        else:  # nobody serves a later state (the members are gone): we go on into the next round on our own
+            log.warning("round %d: no member served the state of the round after it; going on from ours", onlooked)
+            self.round, self._round_start = self.round + 1, self.step
+        self._offer()
+        self.transport.join_rounds(self.round + 1)
 
     def _close_round(self, report: SyncReport) -> SyncReport:
         """At a round boundary, once φ holds the round: count it, offer the state the next round starts

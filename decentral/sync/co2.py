@@ -62,6 +62,8 @@ class InFlight:
 class CO2(OuterProtocol):
     name = "co2"
     identical_replicas = True
+    onlooks = False  # a newcomer late in a round waits for its end: it then takes the members' state once
+    # they applied the average in flight without it (`_behind`), which an onlooker's start would not set up
     error_feedback = True
 
     def __init__(

@@ -55,6 +55,8 @@ class StreamingDiLoCo(DiLoCo):
     weights' share when it lands), as in the module docstring; the outer optimizer's arguments are DiLoCo's."""
 
     name = "streaming"
+    onlooks = False  # a newcomer past the join window waits for the round's end: an onlooker would launch
+    # fragments of a round it is no member of
 
     def __init__(
         self,
