@@ -502,6 +502,41 @@ def test_a_co2_average_that_did_not_commit_goes_out_again_so_nothing_trained_is_
     torch.testing.assert_close(alone.slow, phi0 - sum(grads), rtol=0, atol=1e-5)
 
 
+def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once_they_applied_what_it_missed(
+        make_peers):
+    transports = make_peers(3)
+    protocols = make_protocols(transports[:2], CO2, every=10)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    for p in protocols:  # 6 of round 2's 10 inner steps done: past the half a newcomer may join
+        p.step = p._round_start + 6
+        p.transport.set_progress(p.step, p.round)
+    model = tiny_model(9)
+    late = CO2(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=10)
+    late.start()
+    assert (late.round, late.step, late.onlooking) == (2, 26, True)
+    assert torch.equal(late.slow, protocols[0].slow) and torch.equal(flat(late.model), late.slow)
+    late_id = late.transport.peer_id
+    wait_until(lambda: all(late_id in p.transport.members(3) for p in protocols), 30,
+               "the incumbents seeing the onlooker's announcement of round 3")
+    assert all(late_id not in p.transport.members(2) for p in protocols)
+    reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    assert [len(r.group) for r in reports] == [2, 2]  # round 2 ends without it
+    set_flat(late.model, late.slow + 0.1 * torch.randn(late.slow.numel(), generator=gen))
+    late.step = 30
+    assert late.after_step() is None  # its round's end: the members' state of round 3
+    assert (late.round, late.step, late.onlooking) == (3, 30, False)
+    everyone = [*protocols, late]
+    for round in (3, 4):
+        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
+        assert [len(r.group) for r in reports] == ([2, 2, 1] if round == 3 else [3, 3, 3])  # what each applied
+        assert reports[2].repaired == (round == 3)
+        for p in everyone:
+            assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
+        assert len({r.digest for r in reports}) == 1
+
+
 def test_a_co2_newcomer_takes_the_members_state_once_they_applied_the_average_it_missed(make_peers):
     transports = make_peers(3)
     protocols = make_protocols(transports[:2], CO2, every=10)

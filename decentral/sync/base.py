@@ -70,8 +70,6 @@ class SyncProtocol:
     shares_state = False
     identical_replicas = False
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
-    onlooks = False  # a newcomer further into the round under way than `join_within_steps` trains the rest
-    # of it as an onlooker (see `_fetch_to_join`) instead of waiting for its end
     error_feedback = False  # keeps what a codec did not send and sends it again (see Transport.error_feedback)
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
     outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
@@ -132,7 +130,7 @@ class SyncProtocol:
         are the swarm's), offer our own, announce the coming rounds."""
         self._round_start = self.step
         if self.shares_state:
-            self._take_swarm_state(onlook=self.onlooks)
+            self._take_swarm_state(onlook=True)
             self._offer()
         self.transport.join_rounds(self.round + 1 if self.onlooking else self.round)
 
@@ -243,10 +241,10 @@ class SyncProtocol:
         step (its heartbeat's, when that is further than when it served us), training its remaining
         steps from the round's starting state, so the round ends for us when it ends for the others and
         nobody waits for us; our announcement has the rest of the round to reach the members. A donor
-        further in: we announce the rounds from the next one on; with `onlook` we go on from the donor's
-        step as an onlooker (`self.onlooking`: we train the rest of the round from its starting state, no
-        member of it, and `_end_onlooking` takes the members' state of the next round at its end), else
-        we wait for the donor's snapshot of the next round. `after_round`: only the state of a later
+        further in: we announce the rounds from the next one on; with `onlook`, where the protocol
+        `_can_onlook`, we go on from the donor's step as an onlooker (`self.onlooking`: we train the rest
+        of the round from its starting state, no member of it, and `_end_onlooking` takes the members'
+        state of the next round at its end), else we wait for the donor's snapshot of the next round. `after_round`: only the state of a later
         round will do (we announced the one after it), waited for.
         When the donor has gone past the round we wait for before we fetch, we join at the snapshot it
         offers then: the rounds we announced and miss go on without us (we answer their pushes "not in
@@ -270,7 +268,7 @@ class SyncProtocol:
                 donor_step = max(int(meta.get("donor_step", snapshot_step)), live if isinstance(live, int) else 0)
                 if donor_step <= snapshot_step + self.join_within_steps:
                     return donor, meta, tensors, max(donor_step, snapshot_step)
-                if onlook:
+                if onlook and self._can_onlook(snapshot_step, donor_step):
                     self.transport.join_rounds(snapshot_round + 1, first=True)
                     self.onlooking = True
                     return donor, meta, tensors, donor_step
@@ -280,6 +278,12 @@ class SyncProtocol:
             while heartbeat_round(self.transport.progress().get(donor), target) < target:
                 time.sleep(poll_s)  # polling the donor's heartbeat until its round ends (or it is gone)
             self.wait_s += time.perf_counter() - start
+
+    def _can_onlook(self, round_start: int, donor_step: int) -> bool:
+        """Whether a newcomer whose donor is at `donor_step` of the round that began at `round_start` (past
+        `join_within_steps` of it) trains the rest of that round as an onlooker; if not, it waits for the
+        round's end."""
+        return False
 
     def _check_replicas(self, group: list[str], report: SyncReport) -> None:
         """At a boundary, once our snapshot of `self.round` is offered: compare our digest of the round
@@ -383,7 +387,6 @@ class OuterProtocol(SyncProtocol):
 
     shares_state = True
     weights_key = "slow"
-    onlooks = True
 
     def __init__(self, model, optimizer, transport: Transport, *, every: int, outer_on_device: bool = False):
         super().__init__(model, optimizer, transport)
@@ -498,6 +501,10 @@ class OuterProtocol(SyncProtocol):
         if not report.rolled_back:
             self._load_fast(self.round_start_weights())
         return self._close_round(report)
+
+    def _can_onlook(self, round_start: int, donor_step: int) -> bool:
+        """While steps of the round are left to train (a donor at its end is about to offer the next one)."""
+        return donor_step < round_start + self.every
 
     def _end_onlooking(self) -> None:
         """At the end of the round we trained as an onlooker (`_fetch_to_join`): take the members' state of

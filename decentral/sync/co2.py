@@ -62,8 +62,6 @@ class InFlight:
 class CO2(OuterProtocol):
     name = "co2"
     identical_replicas = True
-    onlooks = False  # a newcomer late in a round waits for its end: it then takes the members' state once
-    # they applied the average in flight without it (`_behind`), which an onlooker's start would not set up
     error_feedback = True
 
     def __init__(
@@ -129,6 +127,12 @@ class CO2(OuterProtocol):
         round they are in is in flight without us: take their state once they applied it."""
         self.in_flight, self._unsent, self._behind = None, None, True
         super()._on_rejoined()
+
+    def _end_onlooking(self) -> None:
+        """As a newcomer that waited for this boundary: the members' average launched here is without us;
+        take their state once they applied it."""
+        super()._end_onlooking()
+        self._behind = True
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         outer_grad = self._with_residual(self.round_start_weights() - fast)

@@ -55,8 +55,6 @@ class StreamingDiLoCo(DiLoCo):
     weights' share when it lands), as in the module docstring; the outer optimizer's arguments are DiLoCo's."""
 
     name = "streaming"
-    onlooks = False  # a newcomer past the join window waits for the round's end: an onlooker would launch
-    # fragments of a round it is no member of
 
     def __init__(
         self,
@@ -98,6 +96,11 @@ class StreamingDiLoCo(DiLoCo):
     def memory_copies(self) -> list[str]:
         return [*super().memory_copies(), "fragment in flight (its outer gradient, our input and its average: "
                                           "3/fragments of a copy)"]
+
+    def _can_onlook(self, round_start: int, donor_step: int) -> bool:
+        """Never: an onlooker would launch fragments of a round it is no member of; a newcomer past the join
+        window waits for the round's end."""
+        return False
 
     def after_step(self) -> SyncReport | None:
         done = self.step - self._round_start  # inner steps of this round done
