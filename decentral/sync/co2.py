@@ -128,12 +128,6 @@ class CO2(OuterProtocol):
         self.in_flight, self._unsent, self._behind = None, None, True
         super()._on_rejoined()
 
-    def _end_onlooking(self) -> None:
-        """As a newcomer that waited for this boundary: the members' average launched here is without us;
-        take their state once they applied it."""
-        super()._end_onlooking()
-        self._behind = True
-
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         outer_grad = self._with_residual(self.round_start_weights() - fast)
         if self._unsent is not None:
