@@ -244,8 +244,8 @@ class SyncProtocol:
         further in: we announce the rounds from the next one on; with `onlook`, where the protocol
         `_can_onlook`, we go on from the donor's step as an onlooker (`self.onlooking`: we train the rest
         of the round from its starting state, no member of it, and `_end_onlooking` takes the members'
-        state of the next round at its end), else we wait for the donor's snapshot of the next round. `after_round`: only the state of a later
-        round will do (we announced the one after it), waited for.
+        state of the next round at its end), else we wait for the donor's snapshot of the next round.
+        `after_round`: only the state of a later round will do (we announced the one after it), waited for.
         When the donor has gone past the round we wait for before we fetch, we join at the snapshot it
         offers then: the rounds we announced and miss go on without us (we answer their pushes "not in
         this round")."""
