@@ -6,9 +6,9 @@ recipe, seed and `--steps`):
 - churn: every `--kill-every` seconds one worker is SIGKILLed (chosen at random, seeded, among all but
   the first `--keep`, which are never killed) and restarted at once on its host with the same output
   folder (so the same peer id), joining through w0 as a stranger would: it downloads the swarm's state
-  and continues its step. Killing stops after `--minutes`, or once a worker has finished (the swarm is
-  ending: a restarted worker would find nobody to join); the run ends when every worker has reached
-  `--steps` (the swarm's total).
+  and continues its step. Killing stops after `--minutes`, or once a worker has finished or w0 has
+  trained its last step (the swarm is ending: a restarted worker would find nobody to join); the run
+  ends when every worker has reached `--steps` (the swarm's total).
 
 What it reports (issue #10's targets):
 - waiting: each never-killed worker's `wait_s` over its training wall time;
@@ -146,7 +146,9 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
             for r in restarts:
                 if r.trained_at is None and not r.killed_again and swarm.trained_steps(r.worker) > r.steps_before:
                     r.trained_at = now - started
-            ending = any(p.poll() is not None for p in swarm.procs.values())  # nobody left to rejoin through
+            # nobody left to rejoin through: a worker has ended, or w0 (restarts join through it) trained its last
+            # step and is finishing (a restart then found it gone: exit 2)
+            ending = any(p.poll() is not None for p in swarm.procs.values()) or swarm.trained_steps(0) >= steps
             if now >= next_kill and now < churn_ends and not ending:
                 running = [i for i in killable if swarm.procs[i].poll() is None]
                 if running:
