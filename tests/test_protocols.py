@@ -155,16 +155,26 @@ def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
     assert torch.equal(flat(late.model), protocols[0].slow)
 
 
+def into_round(protocols, steps: int) -> None:
+    """As if each protocol had done `steps` inner steps of its round, and said so in its heartbeat."""
+    for p in protocols:
+        p.step = p._round_start + steps
+        p.transport.set_progress(p.step, p.round)
+
+
+def two_rounds_then_into_the_third(protocols, gen, steps: int) -> None:
+    """Two outer rounds of random progress (from `gen`), then `steps` inner steps into round 2."""
+    for _ in range(2):
+        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    into_round(protocols, steps)
+
+
 def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_trains_it_as_an_onlooker(
         make_swarm):
     transports = make_swarm(4)
     protocols = make_protocols(transports[:2], DiLoCo, every=10)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(2):
-        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
-    for p in protocols:  # 4 of round 2's 10 inner steps done
-        p.step = p._round_start + 4
-        p.transport.set_progress(p.step, p.round)
+    two_rounds_then_into_the_third(protocols, gen, 4)  # 4 of round 2's 10 inner steps done
     near = []
     joining = threading.Thread(target=lambda: near.extend(make_protocols(transports[2:3], DiLoCo, seeds=[7], every=10)),
                                daemon=True)
@@ -176,9 +186,7 @@ def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_el
                "the incumbents seeing the near newcomer's announcement of round 2")
     assert (near.round, near.step, near.donor is not None, near.onlooking) == (2, 24, True, False)  # the donor's step
     assert torch.equal(near.slow, protocols[0].slow) and torch.equal(flat(near.model), near.slow)
-    for p in [*protocols, near]:  # 6 of 10 done (the near newcomer too: it may be the donor)
-        p.step = p._round_start + 6
-        p.transport.set_progress(p.step, p.round)
+    into_round([*protocols, near], 6)  # 6 of 10 done (the near newcomer too: it may be the donor)
     model = tiny_model(8)
     far = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[3], every=10)
     far.start()  # does not wait for round 3: trains the rest of round 2 from its φ, no member of it
@@ -501,16 +509,25 @@ def test_a_co2_average_that_did_not_commit_goes_out_again_so_nothing_trained_is_
     torch.testing.assert_close(alone.slow, phi0 - sum(grads), rtol=0, atol=1e-5)
 
 
+def co2_newcomer_takes_the_members_state_at_its_first_boundary(everyone, gen) -> None:
+    """Two rounds of CO2 incumbents and a newcomer (`everyone[-1]`, in its first round as a member): at the
+    first boundary the incumbents apply the average launched without it and it takes their state; at the
+    next all three apply the same average. All hold the same state after each."""
+    for first in (True, False):
+        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
+        assert [len(r.group) for r in reports] == ([2, 2, 1] if first else [3, 3, 3])  # what each applied
+        assert reports[2].repaired == first
+        for p in everyone:
+            assert torch.equal(p.slow, everyone[0].slow) and torch.equal(p.momentum, everyone[0].momentum)
+        assert len({r.digest for r in reports}) == 1
+
+
 def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once_they_applied_what_it_missed(
         make_peers):
     transports = make_peers(3)
     protocols = make_protocols(transports[:2], CO2, every=10)
     gen = torch.Generator().manual_seed(8)
-    for _ in range(2):
-        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
-    for p in protocols:  # 6 of round 2's 10 inner steps done: past the half a newcomer may join
-        p.step = p._round_start + 6
-        p.transport.set_progress(p.step, p.round)
+    two_rounds_then_into_the_third(protocols, gen, 6)  # 6 of round 2's 10 inner steps: past the half a newcomer joins
     model = tiny_model(9)
     late = CO2(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=10)
     late.start()
@@ -527,14 +544,7 @@ def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once
     assert late.after_step() is None  # its round's end: the members' state of round 3
     assert (late.round, late.step, late.onlooking) == (3, 30, False)
     assert torch.equal(late.slow, protocols[0].slow) and torch.equal(flat(late.model), late.slow)
-    everyone = [*protocols, late]
-    for round in (3, 4):
-        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
-        assert [len(r.group) for r in reports] == ([2, 2, 1] if round == 3 else [3, 3, 3])  # what each applied
-        assert reports[2].repaired == (round == 3)
-        for p in everyone:
-            assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
-        assert len({r.digest for r in reports}) == 1
+    co2_newcomer_takes_the_members_state_at_its_first_boundary([*protocols, late], gen)
 
 
 def test_a_co2_newcomer_takes_the_members_state_once_they_applied_the_average_it_missed(make_peers):
@@ -547,11 +557,4 @@ def test_a_co2_newcomer_takes_the_members_state_once_they_applied_the_average_it
     assert late.round == 2 and torch.equal(late.slow, protocols[0].slow)
     wait_until(lambda: all(late.transport.peer_id in p.transport.members(2) for p in protocols), 30,
                "the incumbents seeing the newcomer's announcement of round 2")
-    everyone = [*protocols, late]
-    for round in (2, 3):
-        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
-        assert [len(r.group) for r in reports] == ([2, 2, 1] if round == 2 else [3, 3, 3])  # what each applied
-        assert reports[2].repaired == (round == 2)
-        for p in everyone:
-            assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
-        assert len({r.digest for r in reports}) == 1
+    co2_newcomer_takes_the_members_state_at_its_first_boundary([*protocols, late], gen)
