@@ -142,17 +142,10 @@ def test_noloco_lone_peer_applies_its_own_delta(make_peers):
     torch.testing.assert_close(p.slow, phi + 0.7 * (fast - phi), rtol=0, atol=1e-6)
 
 
-def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
-    transports = make_peers(3)
-    protocols = make_protocols(transports[:2], DiLoCo, every=10)
-    gen = torch.Generator().manual_seed(2)
+def two_random_rounds(protocols, gen) -> None:
+    """Two outer rounds, each worker's fast weights its φ plus noise from `gen`."""
     for _ in range(2):
         outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
-    (late,) = make_protocols(transports[2:], DiLoCo, seeds=[99], every=10)
-    assert late.round == protocols[0].round == 2
-    assert torch.equal(late.slow, protocols[0].slow)
-    assert torch.equal(late.momentum, protocols[0].momentum)
-    assert torch.equal(flat(late.model), protocols[0].slow)
 
 
 def into_round(protocols, steps: int) -> None:
@@ -162,11 +155,16 @@ def into_round(protocols, steps: int) -> None:
         p.transport.set_progress(p.step, p.round)
 
 
-def two_rounds_then_into_the_third(protocols, gen, steps: int) -> None:
-    """Two outer rounds of random progress (from `gen`), then `steps` inner steps into round 2."""
-    for _ in range(2):
-        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
-    into_round(protocols, steps)
+def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
+    transports = make_peers(3)
+    protocols = make_protocols(transports[:2], DiLoCo, every=10)
+    gen = torch.Generator().manual_seed(2)
+    two_random_rounds(protocols, gen)
+    (late,) = make_protocols(transports[2:], DiLoCo, seeds=[99], every=10)
+    assert late.round == protocols[0].round == 2
+    assert torch.equal(late.slow, protocols[0].slow)
+    assert torch.equal(late.momentum, protocols[0].momentum)
+    assert torch.equal(flat(late.model), protocols[0].slow)
 
 
 def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_trains_it_as_an_onlooker(
@@ -174,7 +172,8 @@ def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_el
     transports = make_swarm(4)
     protocols = make_protocols(transports[:2], DiLoCo, every=10)
     gen = torch.Generator().manual_seed(5)
-    two_rounds_then_into_the_third(protocols, gen, 4)  # 4 of round 2's 10 inner steps done
+    two_random_rounds(protocols, gen)
+    into_round(protocols, 4)  # 4 of round 2's 10 inner steps done
     near = []
     joining = threading.Thread(target=lambda: near.extend(make_protocols(transports[2:3], DiLoCo, seeds=[7], every=10)),
                                daemon=True)
@@ -527,7 +526,8 @@ def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once
     transports = make_peers(3)
     protocols = make_protocols(transports[:2], CO2, every=10)
     gen = torch.Generator().manual_seed(8)
-    two_rounds_then_into_the_third(protocols, gen, 6)  # 6 of round 2's 10 inner steps: past the half a newcomer joins
+    two_random_rounds(protocols, gen)
+    into_round(protocols, 6)  # 6 of round 2's 10 inner steps: past the half a newcomer joins
     model = tiny_model(9)
     late = CO2(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=10)
     late.start()
@@ -551,8 +551,7 @@ def test_a_co2_newcomer_takes_the_members_state_once_they_applied_the_average_it
     transports = make_peers(3)
     protocols = make_protocols(transports[:2], CO2, every=10)
     gen = torch.Generator().manual_seed(8)
-    for _ in range(2):
-        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    two_random_rounds(protocols, gen)
     (late,) = make_protocols(transports[2:], CO2, seeds=[9], every=10)  # round 1's average is in flight
     assert late.round == 2 and torch.equal(late.slow, protocols[0].slow)
     wait_until(lambda: all(late.transport.peer_id in p.transport.members(2) for p in protocols), 30,
