@@ -111,6 +111,11 @@ class Swarm:
         path = self.out / f"w{index}" / "metrics.jsonl"
         return path.read_text().count('"loss"') if path.exists() else 0
 
+    def ending(self) -> bool:
+        """Nobody left to rejoin through: a worker has ended, or w0 (restarts join through it) trained its last
+        step and is finishing (a restart then found it gone: exit 2)."""
+        return any(p.poll() is not None for p in self.procs.values()) or self.trained_steps(0) >= self.steps
+
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -146,10 +151,7 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
             for r in restarts:
                 if r.trained_at is None and not r.killed_again and swarm.trained_steps(r.worker) > r.steps_before:
                     r.trained_at = now - started
-            # nobody left to rejoin through: a worker has ended, or w0 (restarts join through it) trained its last
-            # step and is finishing (a restart then found it gone: exit 2)
-            ending = any(p.poll() is not None for p in swarm.procs.values()) or swarm.trained_steps(0) >= steps
-            if now >= next_kill and now < churn_ends and not ending:
+            if now >= next_kill and now < churn_ends and not swarm.ending():
                 running = [i for i in killable if swarm.procs[i].poll() is None]
                 if running:
                     victim = rng.choice(running)
