@@ -69,3 +69,44 @@ def test_a_member_restarted_after_taking_our_part_is_found_by_the_probe(make_swa
     for r in (ra, rb):
         assert r.complete and r.absent == [c.peer_id]
         torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+
+
+def test_a_newcomer_that_meant_to_join_a_round_a_member_finished_before_it_joined_stalls_nobody(make_swarm):
+    """A newcomer's donor can report a stale step, so it means to join round 5 under way when a member has
+    already ended it: that member pushed to it before it joined, heard "not in this round" and went on
+    without it. The newcomer then takes part from round 6 on, answers the others' pushes for round 5 so
+    and does not average round 5 itself, so every member of round 5 redoes it without the newcomer within
+    seconds instead of the newcomer and the member who counted on it waiting out the timeout."""
+    timeout = 10.0
+    a, b, newcomer = make_swarm(3, timeout=timeout)
+    for p in (a, b):
+        p.join_rounds(5)
+    group = sorted(p.peer_id for p in (a, b, newcomer))
+    xs = [torch.randn(300) for _ in range(3)]
+    finished = {}
+
+    def late_newcomer_and_b():
+        wait_until(lambda: newcomer.peer_id in a.averager.mailbox.senders("stale/x"), 10,
+                   "a hearing that the newcomer takes no part in round 5")
+        newcomer.join_rounds(5, first=True)  # as its stale donor step made it mean to
+        return run_in_threads([lambda: timed_average(finished, "b", b, xs[1], group, "stale"),
+                               lambda: timed_average(finished, "newcomer", newcomer, xs[2], group, "stale")])
+
+    start = time.monotonic()
+    ra, (rb, rn) = run_in_threads([lambda: timed_average(finished, "a", a, xs[0], group, "stale"),
+                                   late_newcomer_and_b])
+    assert newcomer.averager.first_round == 6
+    assert max(finished.values()) - start < timeout / 2
+    for r in (ra, rb):
+        assert r.complete and r.absent == [newcomer.peer_id]
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    assert not rn.complete and torch.equal(rn.tensor, xs[2])
+    wait_until(lambda: newcomer.peer_id in a.members(6), 10, "the newcomer announced round 6")
+    assert newcomer.peer_id not in a.members(5)
+
+
+def timed_average(finished: dict, name: str, peer, x, group, tag):
+    """peer.average(x) for round 5 over `group`, noting in finished[name] when it returned."""
+    result = peer.average(x, group, tag, round=5)
+    finished[name] = time.monotonic()
+    return result

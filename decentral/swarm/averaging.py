@@ -201,7 +201,8 @@ class GroupAverager:
         self.probe_s = probe_s
         self.member_refresh_s = member_refresh_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
-        self.first_round: int | None = None  # the first round this process announced (see `average`)
+        self.first_round: int | None = None  # the first round this process takes part in (see `take_part_from`)
+        self._turned_away: int | None = None  # the latest round whose pushes or probes we answered "not in it"
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
@@ -228,9 +229,24 @@ class GroupAverager:
         await write_frame(writer, answer, self.peer.stats)
 
     def _not_in(self, round: object) -> bool:
-        """Whether this process takes no part in `round`: one before the first it announced (or any, before
-        it announced one). An earlier process under our peer id may have announced it; nobody should wait for us."""
-        return isinstance(round, int) and (self.first_round is None or round < self.first_round)
+        """Whether this process takes no part in `round`: one before the first it takes part in (or any, before
+        it joined one). An earlier process under our peer id may have announced it; nobody should wait for us."""
+        if not isinstance(round, int) or (self.first_round is not None and round >= self.first_round):
+            return False
+        self._turned_away = round if self._turned_away is None else max(self._turned_away, round)
+        return True
+
+    def take_part_from(self, round: int) -> int:
+        """We take part in rounds from `round` on; returns the first we take part in: `round`, or the one after
+        the latest we told a member we take no part in (a newcomer whose donor's step was stale can mean to
+        join a round a member has already finished: it pushed to us before we joined and went on without us,
+        so that round must go on without us for every member, not stall the ones that count on us)."""
+        if self._turned_away is not None and round <= self._turned_away:
+            log.info("round %d: a member finished it before we joined and heard that we take no part in it; we "
+                     "take part from round %d on", round, self._turned_away + 1)
+            round = self._turned_away + 1
+        self.first_round = round
+        return round
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if sender in self.banned:
@@ -421,7 +437,8 @@ class GroupAverager:
 
         `round`, when given, travels with every push: a member that takes no part in it (a restarted
         process whose predecessor announced it, or a newcomer that missed it: its `first_round` is
-        later) says so at once, and the average is redone without it.
+        later) says so at once, and the average is redone without it. When we take no part in `round`
+        ourselves (`take_part_from`), our input comes back at once, rolled back.
 
         Excluded members are left out (every member saw them misbehave, so every member leaves them out).
         When the average does not commit and members were absent, elsewhere (another member list) or
@@ -431,6 +448,11 @@ class GroupAverager:
         pushes "left out" (`AverageResult.left_out`)."""
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
+        if self._not_in(round):  # see `take_part_from`: the members average it without us
+            log.info("%s: we take no part in round %d; not averaging", tag, round)
+            self._finish(tag)
+            flat = flat.detach().float().reshape(-1).cpu()
+            return AverageResult(flat, flat, sorted(group), False, 1)
         alive = [p for p in group if p not in self.banned]
         result = await self._average_once(flat, alive, tag, timeout, round)
         dropped = [p for p in alive if p in result.absent or p in result.rejected or p in self.banned]

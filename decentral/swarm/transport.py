@@ -105,7 +105,7 @@ class SwarmTransport:
         boundaries) leave them to the heartbeat thread, so training never waits on the DHT for them."""
         joining = first or self.averager.first_round is None
         if joining:
-            self.averager.first_round = round
+            round = self.averager.take_part_from(round)
         for r in range(round, round + self.lookahead + 1):
             self.membership.announce(r, wait=joining)
 
