@@ -4,8 +4,9 @@ integration tests: decentral.swarm).
 
 Every transport of a hub sees the others' announcements, progress and offers at once. An average is
 done when every member of its group has started the same tag with the same group: each then holds
-the exact mean. When a member has closed, or has not started it within the hub's `timeout_s`, the
-average rolls back for those that did (each keeps its own input; `absent` names who was missing), as
+the exact mean. When a member has closed, takes no part in the average's round (its first round is
+later: a newcomer, or a replica that rejoined further on), or has not started it within the hub's
+`timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who was missing), as
 a swarm average that cannot commit does.
 """
 
@@ -35,6 +36,8 @@ class LoopbackHub:
         self._offers: dict[str, tuple[dict, dict[str, torch.Tensor], str]] = {}
         self._pending: dict[tuple[str, tuple[str, ...]], dict[str, tuple[torch.Tensor, Future]]] = {}
         self._timers: dict[tuple[str, tuple[str, ...]], threading.Timer] = {}
+        self._rounds: dict[tuple[str, tuple[str, ...]], int | None] = {}  # the round of each pending average
+        self._first: dict[str, int] = {}  # peer -> the first round it takes part in (join_rounds(first=True))
 
     def transport(self) -> LoopbackTransport:
         with self._cond:
@@ -45,13 +48,17 @@ class LoopbackHub:
         return LoopbackTransport(self, peer)
 
     # ----- averages -----
-    def start_average(self, peer: str, tensor: torch.Tensor, group: list[str], tag: str) -> Future[AverageResult]:
+    def start_average(self, peer: str, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
+                      ) -> Future[AverageResult]:
         if peer not in group:
             raise ValueError(f"{peer} averages over a group it is not in: {group}")
         flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu", copy=True)
         members = tuple(sorted(set(group)))
         if members == (peer,):
             return finished(AverageResult(flat, flat.clone(), [peer], True, 1))
+        with self._cond:
+            if self._not_in(peer, round):  # as the swarm's averager: we do not average a round we take no part in
+                return finished(AverageResult(flat, flat.clone(), list(members), False, 1))
         key = (tag, members)
         future: Future[AverageResult] = Future()
         with self._cond:
@@ -60,13 +67,14 @@ class LoopbackHub:
                 timer = self._timers[key] = threading.Timer(self.timeout_s, self._give_up, (key,))
                 timer.daemon = True
                 timer.start()
+                self._rounds[key] = round
             started[peer] = (flat, future)
             self._settle(key)
         return future
 
     def _settle(self, key: tuple[str, tuple[str, ...]], give_up: bool = False) -> None:
         """Finish average `key` when every member started it (the mean), or roll it back for those that
-        did when a member is closed or `give_up` (under the lock)."""
+        did when a member is closed or takes no part in its round, or on `give_up` (under the lock)."""
         started, members = self._pending.get(key), key[1]
         if started is None:
             return
@@ -76,13 +84,23 @@ class LoopbackHub:
             for m in members:
                 flat, future = started[m]
                 future.set_result(AverageResult(mean.clone(), flat, list(members), True, len(members)))
-        elif give_up or any(m not in self._open for m in missing):
+        elif give_up or any(m not in self._open or self._not_in(m, self._rounds[key]) for m in missing):
             for flat, future in started.values():
                 future.set_result(AverageResult(flat.clone(), flat, list(members), False, 1, absent=missing))
         else:
             return
-        del self._pending[key]
+        del self._pending[key], self._rounds[key]
         self._timers.pop(key).cancel()
+
+    def _not_in(self, peer: str, round: int | None) -> bool:
+        return round is not None and round < self._first.get(peer, round)
+
+    def take_part_from(self, peer: str, round: int) -> None:
+        """`peer` takes part in no round before `round`: averages of earlier rounds that wait for it roll back."""
+        with self._cond:
+            self._first[peer] = round
+            for key in [k for k in self._pending if peer in k[1]]:
+                self._settle(key)
 
     def _give_up(self, key: tuple[str, tuple[str, ...]]) -> None:
         with self._cond:
@@ -114,6 +132,7 @@ class LoopbackTransport:
                 for r, peers in self.hub._announced.items():
                     if r < round:
                         peers.discard(self.peer_id)
+                self.hub.take_part_from(self.peer_id, round)
             for r in range(round, round + LOOKAHEAD + 1):
                 self.hub._announced.setdefault(r, set()).add(self.peer_id)
             self.hub._cond.notify_all()
@@ -147,7 +166,7 @@ class LoopbackTransport:
         if len(set(group)) > 1:
             self.bytes_sent += 4 * tensor.numel()
             self.bytes_received += 4 * tensor.numel()
-        return self.hub.start_average(self.peer_id, tensor, group, tag)
+        return self.hub.start_average(self.peer_id, tensor, group, tag, round)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Until `count` open transports announced `round`: a peer that has not joined yet would otherwise

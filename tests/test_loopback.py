@@ -39,6 +39,21 @@ def test_a_closed_member_rolls_the_average_back_at_once_and_a_silent_one_after_t
     assert c.peer_id not in a.members(0) and c.peer_id not in a.progress()
 
 
+def test_a_member_whose_first_round_is_later_rolls_an_earlier_average_back_at_once_and_averages_none():
+    """As the swarm's averager does for a newcomer or a replica that rejoined further on (see GroupAverager.take_part_from)."""
+    hub = LoopbackHub(timeout_s=60.0)
+    a, b = hub.transport(), hub.transport()
+    group = sorted([a.peer_id, b.peer_id])
+    pending = a.average_async(torch.ones(4), group, "r1", round=1)
+    later = a.average_async(torch.ones(4), group, "r2", round=2)
+    b.join_rounds(2, first=True)
+    assert pending.done() and not later.done()  # no timeout waited for round 1
+    assert not pending.result().complete and pending.result().absent == [b.peer_id]
+    assert not b.average(torch.zeros(4), group, "r1", round=1).complete  # b itself averages no round before 2
+    done = b.average(torch.full((4,), 3.0), group, "r2", round=2)
+    assert done.complete and torch.equal(done.tensor, torch.full((4,), 2.0))
+
+
 def test_members_progress_and_state_are_what_the_peers_announced():
     hub = LoopbackHub()
     a, b = hub.transport(), hub.transport()
