@@ -57,8 +57,9 @@ class LoopbackHub:
         if members == (peer,):
             return finished(AverageResult(flat, flat.clone(), [peer], True, 1))
         with self._cond:
-            if self._not_in(peer, round):  # as the swarm's averager: we do not average a round we take no part in
-                return finished(AverageResult(flat, flat.clone(), list(members), False, 1))
+            if self._not_in(peer, round):  # as the swarm's averager: the others average a round we take no part in
+                others = [m for m in members if m != peer]  # without us
+                return finished(AverageResult(flat, flat.clone(), list(members), False, 1, absent=others, left_out=others))
         key = (tag, members)
         future: Future[AverageResult] = Future()
         with self._cond:

@@ -49,7 +49,8 @@ def test_a_member_whose_first_round_is_later_rolls_an_earlier_average_back_at_on
     b.join_rounds(2, first=True)
     assert pending.done() and not later.done()  # no timeout waited for round 1
     assert not pending.result().complete and pending.result().absent == [b.peer_id]
-    assert not b.average(torch.zeros(4), group, "r1", round=1).complete  # b itself averages no round before 2
+    alone = b.average(torch.zeros(4), group, "r1", round=1)  # b itself averages no round before 2
+    assert not alone.complete and alone.left_out == [a.peer_id]  # a averages it without b
     done = b.average(torch.full((4,), 3.0), group, "r2", round=2)
     assert done.complete and torch.equal(done.tensor, torch.full((4,), 2.0))
 

@@ -547,6 +547,32 @@ def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once
     co2_newcomer_takes_the_members_state_at_its_first_boundary([*protocols, late], gen)
 
 
+@pytest.mark.parametrize("cls", [DiLoCo, CO2])
+def test_a_newcomer_that_takes_no_part_in_the_round_it_joined_takes_the_members_state_once_they_averaged_it(
+        make_peers, cls):
+    """It joined round 2 under way, then found that it takes part from round 3 on only (in the swarm: a member
+    that had finished round 2 pushed to it before it joined, see GroupAverager.take_part_from). The members
+    average round 2 without it; its own average of round 2 comes back at once, saying so, and it takes their
+    state once they applied that average: DiLoCo at this boundary, CO2 (whose round-2 average is applied a
+    round later) at the next. No member waits for it, and after each boundary all three hold one state."""
+    transports = make_peers(3)
+    protocols = make_protocols(transports[:2], cls, every=10)
+    gen = torch.Generator().manual_seed(12)
+    two_random_rounds(protocols, gen)
+    into_round(protocols, 4)
+    (late,) = make_protocols(transports[2:], cls, seeds=[9], every=10)
+    assert (late.round, late.step, late.onlooking) == (2, 24, False)
+    late.transport.join_rounds(3, first=True)
+    everyone = [*protocols, late]
+    for boundary in (1, 2) if cls is CO2 else (1,):
+        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
+        for p in everyone:
+            assert torch.equal(p.slow, everyone[0].slow) and torch.equal(p.momentum, everyone[0].momentum), boundary
+        assert len({r.digest for r in reports}) == 1
+        assert reports[2].repaired  # CO2's first: the state after the average launched before it joined (as ever)
+    assert all(r.complete for r in reports[:2])
+
+
 def test_a_co2_newcomer_takes_the_members_state_once_they_applied_the_average_it_missed(make_peers):
     transports = make_peers(3)
     protocols = make_protocols(transports[:2], CO2, every=10)

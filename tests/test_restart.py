@@ -101,6 +101,7 @@ def test_a_newcomer_that_meant_to_join_a_round_a_member_finished_before_it_joine
         assert r.complete and r.absent == [newcomer.peer_id]
         torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
     assert not rn.complete and torch.equal(rn.tensor, xs[2])
+    assert rn.left_out == sorted([a.peer_id, b.peer_id])  # they averaged it without the newcomer: it takes their state
     wait_until(lambda: newcomer.peer_id in a.members(6), 10, "the newcomer announced round 6")
     assert newcomer.peer_id not in a.members(5)
 

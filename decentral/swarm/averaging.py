@@ -438,7 +438,8 @@ class GroupAverager:
         `round`, when given, travels with every push: a member that takes no part in it (a restarted
         process whose predecessor announced it, or a newcomer that missed it: its `first_round` is
         later) says so at once, and the average is redone without it. When we take no part in `round`
-        ourselves (`take_part_from`), our input comes back at once, rolled back.
+        ourselves (`take_part_from`), our input comes back at once, rolled back, and the other members as
+        having averaged without us (`left_out`: a protocol that keeps replicas identical takes their state).
 
         Excluded members are left out (every member saw them misbehave, so every member leaves them out).
         When the average does not commit and members were absent, elsewhere (another member list) or
@@ -452,7 +453,8 @@ class GroupAverager:
             log.info("%s: we take no part in round %d; not averaging", tag, round)
             self._finish(tag)
             flat = flat.detach().float().reshape(-1).cpu()
-            return AverageResult(flat, flat, sorted(group), False, 1)
+            others = sorted(p for p in group if p != self.peer.peer_id)
+            return AverageResult(flat, flat, sorted(group), False, 1, absent=others, left_out=others)
         alive = [p for p in group if p not in self.banned]
         result = await self._average_once(flat, alive, tag, timeout, round)
         dropped = [p for p in alive if p in result.absent or p in result.rejected or p in self.banned]
