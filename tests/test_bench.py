@@ -122,20 +122,19 @@ def test_a_failed_worker_marks_the_method_failed():
 
 
 def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
-    """Each kind of method the bench launches: the reference, DDP, an outer protocol averaging in the
-    foreground (diloco), hivemind's optimizer (whose two baseline processes must learn and average), and one
-    averaging in the background with a codec (co2+topk). DDP runs its own number of steps (ddp@20), and its
-    final loss there is the target.
-    NoLoCo and Streaming DiLoCo go through the same launcher as DiLoCo (their training: test_swarm_training)."""
+    """Each kind of method the bench launches: the reference, DDP, hivemind's optimizer (whose two baseline
+    processes must learn and average), and an outer protocol with a codec (co2+topk). DDP runs its own number
+    of steps (ddp@20), and its final loss there is the target.
+    DiLoCo, NoLoCo and Streaming DiLoCo go through the same launcher as CO2 (their training: test_swarm_training)."""
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     train = {**TINY_TRAIN, "eval_every": 10}
     for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
-                           "co2": {"name": "co2", "every": 10}}.items():
+                           "co2": {"name": "co2", "every": 10}}.items():  # hivemind's baseline borrows diloco.yaml
         (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
             {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
     out = tmp_path / "out"
-    methods = ["ddp@20", "diloco", "hivemind", "co2+topk"]
+    methods = ["ddp@20", "hivemind", "co2+topk"]
     done = prefork.run(["bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
                         "--protocols", ",".join(methods), "--recipes", str(recipes), "--out", str(out),
                         "--data", str(small_corpus)], tmp_path, timeout=600)
@@ -162,13 +161,13 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
         assert [r["step"] for r in baseline if "loss" in r] == list(range(1, 31))
         assert baseline[-1]["final"] and baseline[-1]["step"] == 30
         assert (out / "hivemind" / f"w{i}" / "checkpoint" / "meta.json").is_file()
-    ddp, diloco = results["methods"]["ddp@20"], results["methods"]["diloco"]
+    ddp, topk = results["methods"]["ddp@20"], results["methods"]["co2+topk"]
     ddp_records = map(json.loads, (out / "ddp@20" / "w0" / "metrics.jsonl").read_text().splitlines())
     ddp_steps = [r["step"] for r in ddp_records if "loss" in r]
     assert ddp_steps[-1] == 20 and results["config"]["target_loss"] == ddp["final_val_loss"]
-    assert diloco["bytes_sent_per_worker"] < ddp["bytes_sent_per_worker"]  # H=10: an order of magnitude less
-    topk = results["methods"]["co2+topk"]  # 1% of the outer gradient (probes and votes stay: a tiny model)
-    assert topk["stream_bytes_sent_per_worker"] < diloco["stream_bytes_sent_per_worker"]
+    # every 10 steps, 1% of the outer gradient (probes and votes stay) against every step's whole gradient; in
+    # float32, H=10 alone sends about 1/7 of DDP's stream here
+    assert topk["stream_bytes_sent_per_worker"] < ddp["stream_bytes_sent_per_worker"] / 100
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (out / "bench.png").unlink()
     again = prefork.run(["bench", "--report", str(out)], tmp_path, timeout=60)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -249,7 +247,8 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus,
         assert (tmp_path / "run" / name / "stage" / "meta.json").exists()
 
 
-def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus, local_pipeline):
+def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus, local_pipeline,
+                                                                              prefork):
     """The lead of a 2-stage run (its only head) is killed after its checkpoint at iteration 4: no head
     can take over, so the other node says so in one line and exits 2. `pipeline train --resume` goes on
     from there with every node's weights and AdamW state: its iterations 5.. have the losses the killed
@@ -272,9 +271,8 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
         assert run.log("a").count("no head is left to take over") == 1
     killed = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert 6 <= len(killed) < 8, len(killed)  # it died between the checkpoints of iterations 4 and 8
-    done = subprocess.run([sys.executable, "-m", "decentral.cli", "pipeline", "train", "--recipe", str(recipe_path),
-                           "--out", str(out), "--data", str(small_corpus), "--steps", "12", "--resume"],
-                          capture_output=True, text=True, timeout=240)
+    done = prefork.run(["pipeline", "train", "--recipe", str(recipe_path), "--out", str(out), "--data", str(small_corpus),
+                        "--steps", "12", "--resume"], tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumes stage 0 at iteration 4" in (out / "h.log").read_text()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
