@@ -158,7 +158,11 @@ class SwarmPeer:
         self.stats = TrafficStats()
         self.swarm_key = swarm_key
         self._identity_dir = None if identity_path else tempfile.mkdtemp(prefix="decentral-identity-")
-        identity_path = ensure_identity(identity_path or Path(self._identity_dir) / "identity.key")
+        identity_path = Path(identity_path or Path(self._identity_dir) / "identity.key")
+        # an identity of an earlier life may still be in use (its daemon shutting down): hivemind checks that
+        # with a daemon of its own, a second start's CPU seconds; one made just now is nobody else's
+        earlier_life = identity_path.exists()
+        ensure_identity(identity_path)
         self._refused: set[str] = set()  # peers whose keyless stream we logged already
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
         deadline = time.monotonic() + IDENTITY_RELEASE_S
@@ -172,6 +176,7 @@ class SwarmPeer:
                     startup_timeout=startup_timeout,
                     await_ready=True,
                     identity_path=str(identity_path),
+                    check_if_identity_free=earlier_life,
                     record_validators=[SignedRecords(identity_path, swarm_key)],
                     wait_timeout=DHT_RPC_TIMEOUT_S,
                 )
