@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -83,12 +82,12 @@ def test_sharded_is_compared_with_the_leader_of_the_same_k():
 
 
 @needs_netns
-def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, lab_name):
+def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, lab_name, prefork):
     """Part B, tiny: 2 islands of 2 ranks, each rank its own 50 Mbit/s uplink, the island's ranks on a LAN."""
     out = tmp_path / "islands"
-    cmd = [sys.executable, "-m", "decentral.cli", "bench", "islands", "--parts", "b", "--ks", "2", "--numel", "200000",
-           "--rounds", "2", "--bandwidth", "50mbit", "--mode", "netns", "--timeout", "120", "--lab-name", lab_name, "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = prefork.run(["bench", "islands", "--parts", "b", "--ks", "2", "--numel", "200000", "--rounds", "2",
+                        "--bandwidth", "50mbit", "--mode", "netns", "--timeout", "120", "--lab-name", lab_name,
+                        "--out", str(out)], tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     points = {p["mode"]: p for p in json.loads((out / "results.json").read_text())["b"]["points"]}
     leader, sharded = points["leader"], points["sharded"]

@@ -108,12 +108,14 @@ def test_baselines_obey_the_constraints_too(seed):
 
 
 def test_planned_beats_the_baselines_on_the_regions_network():
+    """A tenth of the default search effort already plans an iteration at least 20% shorter than either
+    baseline (about 38% here); `decentral bench pipeline` measures the default effort (BENCHMARKS.md)."""
     network = regions_network(nodes=20, regions=5, seed=0)
-    planned = plan(network, seed=0)
+    planned = plan(network, seed=0, effort=0.1)
     blind = network_blind(network, seed=0)
     full = full_pipeline(network, seed=0)
-    assert planned.makespan_ms <= blind.makespan_ms
-    assert planned.makespan_ms < full.makespan_ms
+    assert planned.makespan_ms < 0.8 * blind.makespan_ms
+    assert planned.makespan_ms < 0.8 * full.makespan_ms
 
 
 def test_pinned_nodes_keep_their_stage():
