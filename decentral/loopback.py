@@ -6,8 +6,8 @@ Every transport of a hub sees the others' announcements, progress and offers at 
 done when every member of its group has started the same tag with the same group: each then holds
 the exact mean. When a member has closed, takes no part in the average's round (its first round is
 later: a newcomer, or a replica that rejoined further on), or has not started it within the hub's
-`timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who was missing), as
-a swarm average that cannot commit does.
+`timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who
+was missing), as a swarm average that cannot commit does.
 """
 
 from __future__ import annotations
@@ -56,13 +56,12 @@ class LoopbackHub:
         members = tuple(sorted(set(group)))
         if members == (peer,):
             return finished(AverageResult(flat, flat.clone(), [peer], True, 1))
+        key = (tag, members)
+        future: Future[AverageResult] = Future()
         with self._cond:
             if self._not_in(peer, round):  # as the swarm's averager: the others average a round we take no part in
                 others = [m for m in members if m != peer]  # without us
                 return finished(AverageResult(flat, flat.clone(), list(members), False, 1, absent=others, left_out=others))
-        key = (tag, members)
-        future: Future[AverageResult] = Future()
-        with self._cond:
             started = self._pending.setdefault(key, {})
             if not started:
                 timer = self._timers[key] = threading.Timer(self.timeout_s, self._give_up, (key,))
