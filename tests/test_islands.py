@@ -75,20 +75,21 @@ def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(wor
     assert "The island left the swarm" in w.log(0)
 
     # the other island goes on alone, without waiting out the timeout for the one that left
-    wait_until(lambda: sum(r.get("group_size") == 1 for r in w.metrics(1)) >= 2, 120, "island 1 went on alone")
+    wait_until(lambda: any(r.get("group_size") == 1 for r in w.metrics(1)), 120, "island 1 went on alone")
     alone = [r for r in w.metrics(1) if r.get("group_size") == 1]
     assert alone[-1]["wait_s"] - waited_before < 10.0, "island 1 waited a timeout for the island that left"
 
     # restarted with --resume, the island joins at the swarm's step and trains with the other again
     before = len(w.metrics(0))
     w.start(0, extra=[*island, "--resume"], join=(w.root / "w1.maddrs").read_text().split(), min_peers=1)
-    wait_until(lambda: sum(r.get("group_size") == 2 for r in w.metrics(0)[before:]) >= 2, 240,
-               "the restarted island synced twice with the other")
+    wait_until(lambda: any(r.get("group_size") == 2 for r in w.metrics(0)[before:]), 240,
+               "the restarted island synced with the other")
     rejoined = w.metrics(0)[before:]
     assert rejoined[0]["step"] > killed_at  # it continued the swarm's step, not its own checkpoint's
-    both = [r for r in syncs(rejoined) if r["group_size"] == 2]
+    joint = next(r for r in syncs(rejoined) if r["group_size"] == 2)
+    wait_until(lambda: any(r["round"] == joint["round"] for r in syncs(w.metrics(1))), 60, "island 1 ending that round")
     theirs = {r["round"]: r["digest"] for r in syncs(w.metrics(1))}
-    assert all(theirs.get(r["round"]) in (None, r["digest"]) for r in both)  # identical again
+    assert theirs[joint["round"]] == joint["digest"]  # identical again
 
     ranks = [pid for p in w.procs.values() for pid in children(p.pid)]
     w.kill_all()  # SIGKILL the launchers: the kernel sends their ranks SIGTERM, and they stop too
