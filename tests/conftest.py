@@ -82,6 +82,13 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
         time.sleep(0.01)  # polling another peer's state
 
 
+def timed_average(finished: dict, name: str, peer, x, group, tag, round: int | None = None):
+    """peer.average(x) over `group` (for `round`), noting in finished[name] when it returned."""
+    result = peer.average(x, sorted(group), tag, round=round)
+    finished[name] = time.monotonic()
+    return result
+
+
 @pytest.fixture
 def make_swarm():
     """make_swarm(n, **transport_kwargs) -> n SwarmTransports joined into one swarm, each seeing every

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from conftest import run_in_threads, wait_until
+from conftest import run_in_threads, timed_average, wait_until
 from decentral.swarm import check_part, wire
 from decentral.swarm.wire import LinkShaper
 from decentral.swarm.averaging import check_owner_result, clip, norm_bound
@@ -132,13 +132,6 @@ def test_a_member_done_with_an_average_whose_part_to_us_was_lost_is_not_waited_f
         lambda: (wait_until(lambda: a.peer_id in b.averager.mailbox.senders("lost/r")), b.averager._finish("lost"))])
     assert finished["a"] - start < timeout / 4
     assert not ra.complete and not ra.absent  # B is done with this average, not gone: a redo would count on it
-
-
-def timed_average(finished: dict, name: str, peer, x, group, tag):
-    """peer.average(x) over `group`, noting in finished[name] when it returned."""
-    result = peer.average(x, sorted(group), tag)
-    finished[name] = time.monotonic()
-    return result
 
 
 def test_a_connection_reset_between_live_members_costs_a_resend_not_the_round(make_swarm, monkeypatch, caplog):

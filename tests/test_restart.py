@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from conftest import run_in_threads, wait_until
+from conftest import run_in_threads, timed_average, wait_until
 from decentral.swarm import SwarmPeer
 
 
@@ -89,11 +89,11 @@ def test_a_newcomer_that_meant_to_join_a_round_a_member_finished_before_it_joine
         wait_until(lambda: newcomer.peer_id in a.averager.mailbox.senders("stale/x"), 10,
                    "a hearing that the newcomer takes no part in round 5")
         newcomer.join_rounds(5, first=True)  # as its stale donor step made it mean to
-        return run_in_threads([lambda: timed_average(finished, "b", b, xs[1], group, "stale"),
-                               lambda: timed_average(finished, "newcomer", newcomer, xs[2], group, "stale")])
+        return run_in_threads([lambda: timed_average(finished, "b", b, xs[1], group, "stale", 5),
+                               lambda: timed_average(finished, "newcomer", newcomer, xs[2], group, "stale", 5)])
 
     start = time.monotonic()
-    ra, (rb, rn) = run_in_threads([lambda: timed_average(finished, "a", a, xs[0], group, "stale"),
+    ra, (rb, rn) = run_in_threads([lambda: timed_average(finished, "a", a, xs[0], group, "stale", 5),
                                    late_newcomer_and_b])
     assert newcomer.averager.first_round == 6
     assert max(finished.values()) - start < timeout / 2
@@ -104,10 +104,3 @@ def test_a_newcomer_that_meant_to_join_a_round_a_member_finished_before_it_joine
     assert rn.left_out == sorted([a.peer_id, b.peer_id])  # they averaged it without the newcomer: it takes their state
     wait_until(lambda: newcomer.peer_id in a.members(6), 10, "the newcomer announced round 6")
     assert newcomer.peer_id not in a.members(5)
-
-
-def timed_average(finished: dict, name: str, peer, x, group, tag):
-    """peer.average(x) for round 5 over `group`, noting in finished[name] when it returned."""
-    result = peer.average(x, group, tag, round=5)
-    finished[name] = time.monotonic()
-    return result
