@@ -230,7 +230,8 @@ class GroupAverager:
 
     def _not_in(self, round: object) -> bool:
         """Whether this process takes no part in `round`: one before the first it takes part in (or any, before
-        it joined one). An earlier process under our peer id may have announced it; nobody should wait for us."""
+        it joined one). An earlier process under our peer id may have announced it; nobody should wait for us.
+        A round we say so of is remembered (`take_part_from`)."""
         if not isinstance(round, int) or (self.first_round is not None and round >= self.first_round):
             return False
         self._turned_away = round if self._turned_away is None else max(self._turned_away, round)
@@ -449,10 +450,10 @@ class GroupAverager:
         pushes "left out" (`AverageResult.left_out`)."""
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
+        flat = flat.detach().float().reshape(-1).cpu()
         if self._not_in(round):  # see `take_part_from`: the members average it without us
             log.info("%s: we take no part in round %d; not averaging", tag, round)
             self._finish(tag)
-            flat = flat.detach().float().reshape(-1).cpu()
             others = sorted(p for p in group if p != self.peer.peer_id)
             return AverageResult(flat, flat, sorted(group), False, 1, absent=others, left_out=others)
         alive = [p for p in group if p not in self.banned]
@@ -480,6 +481,7 @@ class GroupAverager:
 
     async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
                             round: int | None) -> AverageResult:
+        """One attempt at the average of `flat` (flat, float32, on the CPU: see `average`)."""
         me = self.peer.peer_id
         group = sorted(group)
         view = view_fingerprint(group)
@@ -490,7 +492,6 @@ class GroupAverager:
 
         def note_silent(expected: set[str], got: dict) -> None:
             silent.update(expected - set(got) - self.mailbox.senders(f"{tag}/x"))
-        flat = flat.detach().float().reshape(-1).cpu()
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
         raw = torch.tensor_split(flat, len(group))  # chunk j goes to member j, encoded on its own
