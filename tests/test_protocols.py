@@ -142,10 +142,15 @@ def test_noloco_lone_peer_applies_its_own_delta(make_peers):
     torch.testing.assert_close(p.slow, phi + 0.7 * (fast - phi), rtol=0, atol=1e-6)
 
 
+def random_round(protocols, gen) -> list:
+    """One outer round, each worker's fast weights its φ plus noise from `gen`; the reports."""
+    return outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+
+
 def two_random_rounds(protocols, gen) -> None:
-    """Two outer rounds, each worker's fast weights its φ plus noise from `gen`."""
+    """Two outer rounds of `random_round`."""
     for _ in range(2):
-        outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+        random_round(protocols, gen)
 
 
 def into_round(protocols, steps: int) -> None:
@@ -248,12 +253,12 @@ def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_peers):
     protocols = make_protocols(make_peers(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
     gen = torch.Generator().manual_seed(3)
     n = protocols[0].slow.numel()
-    outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    random_round(protocols, gen)
     split = protocols[2]  # as if it had missed the commit of round 0: other φ and momentum than the others
     split.slow += 0.05 * torch.randn(n, generator=gen)
     split.momentum.zero_()
     split._offer()  # it publishes the digest of what it holds after round 1, as at its boundary
-    reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    reports = random_round(protocols, gen)
     assert [r.repaired for r in reports] == [False, False, True]
     assert reports[0].spread == reports[1].spread == 0.0 and reports[2].spread > 0.0
     for p in protocols[1:]:
@@ -266,7 +271,7 @@ def fall_a_round_behind(protocols, gen) -> None:
     """Protocols 0 and 1 end round 1 between themselves while protocol 2, a round behind, holds another state
     than theirs of round 1 (as if it had missed round 0's commit) and has not reached its boundary."""
     n = protocols[0].slow.numel()
-    outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    random_round(protocols, gen)
     ahead, late = protocols[:2], protocols[2]
     late.slow += 0.05 * torch.randn(n, generator=gen)
     late._offer()
@@ -274,7 +279,7 @@ def fall_a_round_behind(protocols, gen) -> None:
     for p in ahead:
         members = p._members
         p._members = lambda round, members=members: pair if round == 1 else members(round)
-    outer_round(ahead, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in ahead])
+    random_round(ahead, gen)
     assert [p.round for p in protocols] == [2, 2, 1]
 
 
@@ -292,8 +297,7 @@ def test_a_replica_a_round_behind_the_majority_joins_them_where_they_are(make_pe
     assert spread is not None and spread > 0
     assert (late.round, late.step) == (2, protocols[0].step)
     assert torch.equal(late.slow, protocols[0].slow) and torch.equal(late.momentum, protocols[0].momentum)
-    n = late.slow.numel()
-    reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(n, generator=gen) for p in protocols])
+    reports = random_round(protocols, gen)
     assert [p.round for p in protocols] == [3, 3, 3]
     assert len({r.digest for r in reports}) == 1
     assert all(torch.equal(p.slow, protocols[0].slow) for p in protocols)
@@ -480,7 +484,7 @@ def test_a_co2_average_looks_up_its_members_off_the_training_thread(make_swarm):
     lookups, trainers = record_lookups(protocols)
     gen = torch.Generator().manual_seed(3)
     for round in range(3):
-        reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+        reports = random_round(protocols, gen)
         assert all(r.complete and len(r.group) == (2 if round else 1) for r in reports)  # round 0: nothing applied
     run_in_threads([p.finish for p in protocols])
     assert lookups and not trainers & set(lookups)
@@ -513,7 +517,7 @@ def co2_newcomer_takes_the_members_state_at_its_first_boundary(everyone, gen) ->
     first boundary the incumbents apply the average launched without it and it takes their state; at the
     next all three apply the same average. All hold the same state after each."""
     for first in (True, False):
-        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
+        reports = random_round(everyone, gen)
         assert [len(r.group) for r in reports] == ([2, 2, 1] if first else [3, 3, 3])  # what each applied
         assert reports[2].repaired == first
         for p in everyone:
@@ -537,7 +541,7 @@ def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once
     wait_until(lambda: all(late_id in p.transport.members(3) for p in protocols), 30,
                "the incumbents seeing the onlooker's announcement of round 3")
     assert all(late_id not in p.transport.members(2) for p in protocols)
-    reports = outer_round(protocols, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in protocols])
+    reports = random_round(protocols, gen)
     assert [len(r.group) for r in reports] == [2, 2]  # round 2 ends without it
     set_flat(late.model, late.slow + 0.1 * torch.randn(late.slow.numel(), generator=gen))
     late.step = 30
@@ -565,7 +569,7 @@ def test_a_newcomer_that_takes_no_part_in_the_round_it_joined_takes_the_members_
     late.transport.join_rounds(3, first=True)
     everyone = [*protocols, late]
     for boundary in (1, 2) if cls is CO2 else (1,):
-        reports = outer_round(everyone, [p.slow + 0.1 * torch.randn(p.slow.numel(), generator=gen) for p in everyone])
+        reports = random_round(everyone, gen)
         for p in everyone:
             assert torch.equal(p.slow, everyone[0].slow) and torch.equal(p.momentum, everyone[0].momentum), boundary
         assert len({r.digest for r in reports}) == 1
