@@ -42,7 +42,7 @@ ISLAND_PORT = 29512
 
 
 def split_method(method: str) -> tuple[str, str | None]:
-    """`diloco+int8` → ("diloco", "int8"): a method of METHODS, and the codec that replaces its recipe's
+    """`diloco+int4` → ("diloco", "int4"): a method of METHODS, and the codec that replaces its recipe's
     (an `@STEPS` suffix ignored: `method_steps`)."""
     name, _, codec = method.partition("@")[0].partition("+")
     return name, codec or None
@@ -381,7 +381,7 @@ def run_bench(args: argparse.Namespace) -> int:
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
         print(f"bench: unknown method(s) {unknown}; choose from {list(METHODS)}, those of the swarm optionally "
-              "with +CODEC (e.g. diloco+int8), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
+              "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
     bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
@@ -455,7 +455,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--protocols", default=",".join(METHODS),
                         help=f"comma-separated, from {','.join(METHODS)}; METHOD+CODEC runs a method with another "
-                             "swarm.codec (e.g. diloco+topk, diloco+int8); METHOD@STEPS gives a method its own "
+                             "swarm.codec (e.g. diloco+topk, diloco+float16); METHOD@STEPS gives a method its own "
                              "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target)")
     parser.add_argument("--steps", type=int, default=300,
                         help="inner steps per worker (the same for every method without @STEPS)")
