@@ -268,7 +268,8 @@ EXIT_CODES = """exit codes:
   1    it ran, and something in it failed: a benchmark's method or point, a demo's worker, a host's
        command (netlab -- CMD), a pipeline node left without commands; or a bug (with a traceback)
   2    it could not run as asked: one line on stderr says why (an argument, recipe, data path,
-       --join address, port, registry, network file, island rendezvous, netlab setup)
+       --join address or a swarm that would not hand over its state, port, registry, network file,
+       island rendezvous, netlab setup)
   3    training diverged (train)
   4    an island stopped: one of its ranks failed or left (train); the rest of the swarm goes on
   130  interrupted (Ctrl-C; SIGTERM makes train save its checkpoint first)"""
@@ -438,11 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.pipeline import NetworkError
     from decentral.ranks import LaunchError
     from decentral.swarm import AdmissionError, SwarmError
+    from decentral.transport import StateUnavailable
 
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
-            AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError) as e:
+            AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError,
+            StateUnavailable) as e:
         if args.verbose:
             traceback.print_exc()
         print("decentral: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message

@@ -6,8 +6,9 @@ recipe, seed and `--steps`):
 - churn: every `--kill-every` seconds one worker is SIGKILLed (chosen at random, seeded, among all but
   the first `--keep`, which are never killed) and restarted at once on its host with the same output
   folder (so the same peer id), joining through w0 as a stranger would: it downloads the swarm's state
-  and continues its step. Killing stops after `--minutes`, or once a worker has finished or w0 has
-  trained its last step (the swarm is ending: a restarted worker would find nobody to join); the run
+  and continues its step. Killing stops after `--minutes`, or once a worker has finished or w0 is in
+  the swarm's last round (a restart takes about a round to come up, and would find the swarm ended:
+  it then stops with exit code 2, as a newcomer of an ended swarm does); the run
   ends when every worker has reached `--steps` (the swarm's total).
 
 What it reports (issue #10's targets):
@@ -77,8 +78,9 @@ class Run:
 class Swarm:
     """The workers of one run on the lab's hosts."""
 
-    def __init__(self, lab: NetLab, recipe_file: Path, out: Path, steps: int):
+    def __init__(self, lab: NetLab, recipe_file: Path, out: Path, steps: int, last_round_steps: int):
         self.lab, self.recipe_file, self.out, self.steps = lab, recipe_file, out, steps
+        self.last_round_steps = last_round_steps
         self.procs: dict[int, subprocess.Popen] = {}
         self.bootstrap: list[str] = []
         self._logs: list = []
@@ -112,9 +114,10 @@ class Swarm:
         return path.read_text().count('"loss"') if path.exists() else 0
 
     def ending(self) -> bool:
-        """Nobody left to rejoin through: a worker has ended, or w0 (restarts join through it) trained its last
-        step and is finishing (a restart then found it gone: exit 2)."""
-        return any(p.poll() is not None for p in self.procs.values()) or self.trained_steps(0) >= self.steps
+        """Nobody left to rejoin through once a restart is up: a worker has ended, or w0 (restarts join through
+        it) is in the swarm's last round."""
+        return (any(p.poll() is not None for p in self.procs.values())
+                or self.trained_steps(0) >= self.steps - self.last_round_steps)
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -132,7 +135,8 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
     out.mkdir(parents=True)
     recipe_file = out / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    swarm = Swarm(lab, recipe_file, out, steps)
+    protocol = recipe["protocol"]
+    swarm = Swarm(lab, recipe_file, out, steps, protocol.get("every") or protocol.get("membership_every") or 0)
     rng = random.Random(seed)
     restarts: list[Restart] = []
     started = time.monotonic()

@@ -46,6 +46,11 @@ def with_digest(digests: dict[str, str], round: int, digest: str) -> dict[str, s
     return {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
 
 
+class StateUnavailable(RuntimeError):
+    """Peers offered the swarm's state, and none of them handed it over (each left, refused or closed the
+    stream): unlike a swarm that offers none, there is state we should have and do not."""
+
+
 @dataclass
 class AverageResult:
     """Outcome of one group average: committed (`complete`: every member that answered holds exactly
@@ -128,7 +133,8 @@ class Transport(Protocol):
         """(donor, (meta, tensors)) from a live peer (one of `donors` when given), or None when nobody
         serves one. `meta` is what the donor offered, plus `donor_step` (its inner step when it served
         the snapshot) where the transport knows it. `have` is the state we would offer ourselves: a
-        transport may return None when the donor holds exactly that and has not trained since."""
+        transport may return None when the donor holds exactly that and has not trained since. Raises
+        StateUnavailable when peers offered state and every download of it failed."""
 
     def close(self) -> None: ...
 

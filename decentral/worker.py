@@ -214,6 +214,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
 
             net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
+        protocol.join_timeout_s = recipe.swarm.timeout  # as long as one average may take
         protocol.step = lineage["start_step"]
         if opts.resume:
             lineage = _restore(protocol, opts, transport)

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from conftest import wait_until
 from decentral.checkpoint import load_checkpoint
 from decentral.cpu import descendants
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
@@ -149,6 +151,31 @@ def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     # incumbents' member list) was left out and took their state of that round: from then on it holds theirs.
     digests = [{r["round"]: r["digest"] for r in w.metrics(i) if "digest" in r} for i in range(3)]
     assert all(digests[2][r] == digests[0][r] == digests[1][r] for r in digests[2] if r >= joined), digests
+
+
+def test_a_newcomer_that_cannot_get_the_swarms_state_stops_with_an_error_and_trains_nothing(workers, prefork, tmp_path):
+    """The swarm's one trainer is SIGKILLed and its heartbeat outlives it: a newcomer joining through an
+    entry peer (DHT only) sees the swarm ahead of it and cannot download its state. It asks again until
+    that heartbeat expires, then stops with exit code 2 and a line that says why, having trained nothing
+    (before, it went on from step 0 and trained the whole run on its own: the last restart of a soak)."""
+    timeout = 15.0  # the swarm's timeout: how long the newcomer asks, and about how long a heartbeat lives
+    w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=2, timeout=timeout)
+    run = yaml.safe_load(w.recipe.read_text())["swarm"]["run"]
+    entry_log = tmp_path / "entry.log"
+    entry = prefork.spawn(["swarm", "start", "--run", run, "--host", "127.0.0.1"], entry_log)
+    try:
+        wait_until(lambda: entry_log.exists() and "--join" in entry_log.read_text(), 120, "the entry peer's multiaddr")
+        join = [re.search(r"--join (\S+)", entry_log.read_text()).group(1)]
+        trainer = w.start(0, min_peers=1, join=join)
+        wait_for_round(w, 0, 2, trainer)
+        trainer.kill()
+        trainer.wait()
+        newcomer = w.start(1, min_peers=1, join=join)
+        assert newcomer.wait(timeout=3 * timeout + 60) == 2, w.log(1)
+    finally:
+        entry.kill()
+    assert "handed over its state" in w.log(1), w.log(1)
+    assert not [r for r in w.metrics(1) if "loss" in r]  # not one step trained alone
 
 
 def test_resume_continues_from_the_checkpoint(workers):

@@ -25,7 +25,7 @@ from safetensors.torch import save as save_tensors
 
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import MAX_HEADER, read_frame, read_message, write_frame, write_message
-from decentral.transport import state_digest
+from decentral.transport import StateUnavailable, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,10 @@ class StateExchange:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}) that claim the highest round
         (at most one past their lower median), in random order.
 
-        Returns (donor, snapshot), or None when no candidate could serve one within `timeout` each, or
-        when the first that could holds exactly `have` (the state we would offer ourselves) and has not
-        trained since. The snapshot's meta gains `donor_step`, the donor's inner step when it served it.
+        Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
+        could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
+        StateUnavailable when a download failed (within `timeout` each) and none succeeded. The snapshot's meta gains
+        `donor_step`, the donor's inner step when it served it.
         """
         have_digest = state_digest(have) if have is not None else None
         rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
@@ -99,16 +100,21 @@ class StateExchange:
         top = max(r for r in rounds.values() if r <= ceiling)
         order = [p for p, r in rounds.items() if r == top]  # a peer behind the others (restarted) is no donor
         random.shuffle(order)
+        failed = []
         for donor in order:
             try:
                 got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest), timeout)).result()
-            except Exception as e:
-                log.warning("state download from %s failed: %r", donor[-8:], e)
+            except Exception as e:  # reported in StateUnavailable, once every donor failed
+                log.info("state download from %s failed: %r", donor[-8:], e)
+                failed.append(f"{donor[-8:]}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
                 continue
             if got == "same":
                 return None
             if got is not None:
                 return donor, got
+        if failed:  # the others (if any) have no snapshot yet
+            raise StateUnavailable(f"none of the {len(order)} peers at round {top} handed over its state "
+                                   f"({'; '.join(failed)})")
         return None
 
 

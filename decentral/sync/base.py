@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decentral.transport import AverageResult, Transport, state_digest, with_us
+from decentral.transport import AverageResult, StateUnavailable, Transport, state_digest, with_us
 
 log = logging.getLogger(__name__)
+
+ASK_STATE_AGAIN_S = 1.0  # a newcomer whose state downloads all failed asks again this much later
 
 KEPT_DIGESTS = 3  # rounds whose digest of our own state we remember
 
@@ -72,6 +74,7 @@ class SyncProtocol:
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
     error_feedback = False  # keeps what a codec did not send and sends it again (see Transport.error_feedback)
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
+    join_timeout_s = 60.0  # how long a newcomer asks again when the swarm's state downloads fail
     outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
     hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
     # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)
@@ -130,14 +133,17 @@ class SyncProtocol:
         are the swarm's), offer our own, announce the coming rounds."""
         self._round_start = self.step
         if self.shares_state:
-            self._take_swarm_state(onlook=True)
+            self._take_swarm_state(onlook=True, keep_asking_s=self.join_timeout_s)
             self._offer()
         self.transport.join_rounds(self.round + 1 if self.onlooking else self.round)
 
-    def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None) -> bool:
+    def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0
+                          ) -> bool:
         """Go on from the swarm's state, round and inner step when the swarm is ahead of us (see
-        `_fetch_to_join`); False when it is not."""
-        got = self._fetch_to_join(onlook=onlook, after_round=after_round)
+        `_fetch_to_join`); False when it is not. StateUnavailable when peers offered their state and
+        none handed it over, asked again for `keep_asking_s` (a newcomer that went on from step 0 instead
+        would train the whole run on its own)."""
+        got = self._fetch_to_join(onlook=onlook, after_round=after_round, keep_asking_s=keep_asking_s)
         if got is None:
             return False
         self.donor, meta, tensors, step = got
@@ -232,8 +238,8 @@ class SyncProtocol:
         self.transport.set_progress(self.step, self.round, digest)
         return digest
 
-    def _fetch_to_join(self, *, onlook: bool = False, after_round: int | None = None, poll_s: float = 0.25
-                       ) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
+    def _fetch_to_join(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0,
+                       poll_s: float = 0.25) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
         """(donor, meta, tensors, step): the swarm's state of a round and the inner step we go on from,
         when the swarm is ahead of us. A donor's snapshot is the state its current round began from.
 
@@ -246,13 +252,29 @@ class SyncProtocol:
         of the round from its starting state, no member of it, and `_end_onlooking` takes the members'
         state of the next round at its end), else we wait for the donor's snapshot of the next round.
         `after_round`: only the state of a later round will do (we announced the one after it), waited for.
+        Downloads that all fail are asked again for `keep_asking_s`, then StateUnavailable; so too when
+        every peer has left since (we would otherwise go on from step 0, alone).
         When the donor has gone past the round we wait for before we fetch, we join at the snapshot it
         offers then: the rounds we announced and miss go on without us (we answer their pushes "not in
         this round")."""
         target = None if after_round is None else after_round + 1  # the round we announced and wait for
+        deadline, failed = time.monotonic() + keep_asking_s, None
         while True:
-            got = self.transport.fetch_state(have=self.snapshot())
+            try:
+                got = self.transport.fetch_state(have=self.snapshot())
+            except StateUnavailable as e:
+                if time.monotonic() >= deadline:
+                    raise StateUnavailable(f"{e}; asked for {keep_asking_s:.0f}s: the swarm may have ended its run, "
+                                           "or its peers cannot reach us") from None
+                if failed is None:
+                    log.warning("%s; asking again for up to %.0fs", e, keep_asking_s)
+                failed = e
+                time.sleep(ASK_STATE_AGAIN_S)  # the donors were busy, or left: their heartbeats say who is alive
+                continue
             if got is None:
+                if failed is not None and set(self.transport.progress()) <= {self.transport.peer_id}:
+                    raise StateUnavailable(f"{failed}; since then every peer has left (the swarm ended its run, or "
+                                           "died): nothing to join")
                 return None
             donor, (meta, tensors) = got
             if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
@@ -337,7 +359,10 @@ class SyncProtocol:
                 theirs = {p: d for p, d in theirs.items() if d is not None}
                 if theirs:
                     digest = majority_digest(theirs)
-                    got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
+                    try:
+                        got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
+                    except StateUnavailable:
+                        got = None
                     served = -1 if got is None else int(got[1][0].get("round", -1))
                     if served > self.round:
                         break
@@ -365,7 +390,11 @@ class SyncProtocol:
         state does not hold is lost, as in a repair). Returns the RMS distance of our `weights_key` tensor
         from theirs, or None when nobody served their state."""
         before, behind = self.snapshot(), self.round
-        if not self._take_swarm_state():
+        try:
+            if not self._take_swarm_state():
+                return None
+        except StateUnavailable as e:
+            log.warning("round %d: the members went on without us and %s", behind, e)
             return None
         log.warning("round %d: the members went on to round %d without us; joined them there at step %d",
                     behind, self.round, self.step)
@@ -515,7 +544,12 @@ class OuterProtocol(SyncProtocol):
         above the members' at the boundary in a soak, BENCHMARKS.md)."""
         self.onlooking = False
         onlooked = self.round
-        if self._take_swarm_state(after_round=self.round):
+        try:
+            joined = self._take_swarm_state(after_round=self.round)
+        except StateUnavailable as e:
+            log.warning("round %d: %s", onlooked, e)
+            joined = False
+        if joined:
             self._on_rejoined()
         else:  # nobody serves a later state (the members are gone): we go on into the next round on our own
             log.warning("round %d: no member served the state of the round after it; going on from ours", onlooked)
