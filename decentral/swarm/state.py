@@ -88,8 +88,8 @@ class StateExchange:
 
         Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
-        StateUnavailable when a download failed (within `timeout` each) and none succeeded. The snapshot's meta gains
-        `donor_step`, the donor's inner step when it served it.
+        StateUnavailable when a download failed (within `timeout` each) and none succeeded. The
+        snapshot's meta gains `donor_step`, the donor's inner step when it served it.
         """
         have_digest = state_digest(have) if have is not None else None
         rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
