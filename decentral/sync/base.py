@@ -140,9 +140,9 @@ class SyncProtocol:
     def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0
                           ) -> bool:
         """Go on from the swarm's state, round and inner step when the swarm is ahead of us (see
-        `_fetch_to_join`); False when it is not. StateUnavailable when peers offered their state and
-        none handed it over, asked again for `keep_asking_s` (a newcomer that went on from step 0 instead
-        would train the whole run on its own)."""
+        `_fetch_to_join`); False when it is not, or when nobody handed over the state offered. With
+        `keep_asking_s`, StateUnavailable then instead, once asked again for that long (a newcomer that went
+        on from step 0 would train the whole run on its own)."""
         got = self._fetch_to_join(onlook=onlook, after_round=after_round, keep_asking_s=keep_asking_s)
         if got is None:
             return False
@@ -252,8 +252,8 @@ class SyncProtocol:
         of the round from its starting state, no member of it, and `_end_onlooking` takes the members'
         state of the next round at its end), else we wait for the donor's snapshot of the next round.
         `after_round`: only the state of a later round will do (we announced the one after it), waited for.
-        Downloads that all fail are asked again for `keep_asking_s`, then StateUnavailable; so too when
-        every peer has left since (we would otherwise go on from step 0, alone).
+        Downloads that all fail: None without `keep_asking_s`; with it, asked again for that long, then
+        StateUnavailable; so too when every peer has left since (we would otherwise go on from step 0, alone).
         When the donor has gone past the round we wait for before we fetch, we join at the snapshot it
         offers then: the rounds we announced and miss go on without us (we answer their pushes "not in
         this round")."""
@@ -263,6 +263,9 @@ class SyncProtocol:
             try:
                 got = self.transport.fetch_state(have=self.snapshot())
             except StateUnavailable as e:
+                if not keep_asking_s:  # in mid-run: nobody served it this time
+                    log.warning("%s", e)
+                    return None
                 if time.monotonic() >= deadline:
                     raise StateUnavailable(f"{e}; asked for {keep_asking_s:.0f}s: the swarm may have ended its run, "
                                            "or its peers cannot reach us") from None
@@ -390,11 +393,7 @@ class SyncProtocol:
         state does not hold is lost, as in a repair). Returns the RMS distance of our `weights_key` tensor
         from theirs, or None when nobody served their state."""
         before, behind = self.snapshot(), self.round
-        try:
-            if not self._take_swarm_state():
-                return None
-        except StateUnavailable as e:
-            log.warning("round %d: the members went on without us and %s", behind, e)
+        if not self._take_swarm_state():
             return None
         log.warning("round %d: the members went on to round %d without us; joined them there at step %d",
                     behind, self.round, self.step)
@@ -544,12 +543,7 @@ class OuterProtocol(SyncProtocol):
         above the members' at the boundary in a soak, BENCHMARKS.md)."""
         self.onlooking = False
         onlooked = self.round
-        try:
-            joined = self._take_swarm_state(after_round=self.round)
-        except StateUnavailable as e:
-            log.warning("round %d: %s", onlooked, e)
-            joined = False
-        if joined:
+        if self._take_swarm_state(after_round=self.round):
             self._on_rejoined()
         else:  # nobody serves a later state (the members are gone): we go on into the next round on our own
             log.warning("round %d: no member served the state of the round after it; going on from ours", onlooked)
