@@ -60,6 +60,7 @@ from decentral.pipeline.links import CONTROL, SEND, SERVICE, Links, channel_opti
 from decentral.pipeline.network import PipelineError
 from decentral.pipeline.recipe import PipelineRecipe
 from decentral.pipeline.stages import Stage
+from decentral.vml import resolve_kernels
 from decentral.worker import inner_lr
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class StageNode:
         self.links = Links(max_message, recipe.pipeline.link_timeout, shared_uplink=shared_uplink,
                            key=key)
         self.coordinator = None  # the lead node's Coordinator, which takes the reports
+        resolve_kernels()  # the server's threads compute several microbatches at once: decentral.vml
         self.server = grpc.server(ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-rpc"),
                                   options=channel_options(max_message))
         handlers = {"Send": grpc.unary_unary_rpc_method_handler(self._on_send),

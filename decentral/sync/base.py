@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decentral.transport import AverageResult, StateUnavailable, Transport, state_digest, with_us
+from decentral.vml import resolve_kernels
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class SyncProtocol:
         if transport.error_feedback and not self.error_feedback:
             raise ValueError(f"the transport's codec sends a small part of each tensor; {self.name} keeps no "
                              "error feedback for the rest: use a dense codec (float16, int8, ...)")
+        resolve_kernels()  # before our averages' threads (and our peers', in tests) compute: decentral.vml
         self.model = model
         self.optimizer = optimizer
         self.transport = transport
