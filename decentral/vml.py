@@ -1,7 +1,7 @@
 """torch sends float unary ops on the CPU (sqrt, exp, log, erf, tanh, ...) to MKL's vector math library,
 which picks each function's kernel on its first call. When threads make that first call at the same
 time, one of them can run a low-accuracy kernel for it (pytorch/pytorch#188792): a thread's first
-`sqrt` of a float32 came out 1.75e-4 too large, relative, in about one fresh process in 2000 here,
+`sqrt` of a float32 came out 1.75e-4 too large, relative, in about one fresh process in 3000 here,
 once as a NoLoCo test's spread. Replicas that must stay bit-identical, and the stages of a pipeline
 serving several microbatches at once, start threads that compute; `resolve_kernels()` makes those
 first calls once, on one thread, before they do."""

@@ -4,7 +4,6 @@ import sys
 import pytest
 import torch
 
-from decentral.vml import MKL_UNARY_OPS
 
 # Forks processes whose two threads each make the first call of every MKL unary op at once, and counts
 # the processes where a thread's result differs from a later call's. Without `resolve_kernels()` in the
