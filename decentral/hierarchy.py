@@ -195,29 +195,39 @@ class HierarchicalTransport:
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None):
         return self._from_leader(lambda: self.swarm.fetch_state(have, donors))
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
-        return self.average_async(tensor, group, tag, round).result()
+    def request_join(self, donor: str) -> None:
+        """An island joins DDP's averages at an epoch boundary only (its ranks take one snapshot together)."""
+        return None
 
-    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
+    def join_requests(self) -> list:
+        """Never taken (a request to our leader is refused at once): an island's state at a step is every rank's."""
+        return []
+
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                note: dict | None = None) -> AverageResult:
+        return self.average_async(tensor, group, tag, round, note).result()
+
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
         """The three steps of the module docstring, on the island's averaging thread; every rank calls it
         with the same group, tag and round (`group` None: the leader looks the members up on that thread)."""
         check_group(group, round)
         values = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32, copy=True)
-        return self._averages.submit(self._average, values, None if group is None else list(group), tag, round)
+        return self._averages.submit(self._average, values, None if group is None else list(group), tag, round, note)
 
-    def _average(self, values: torch.Tensor, group: list[str] | None, tag: str, round: int | None) -> AverageResult:
+    def _average(self, values: torch.Tensor, group: list[str] | None, tag: str, round: int | None,
+                 note: dict | None) -> AverageResult:
         if group is None:
             group = self._from_leader(lambda: with_us(self.swarm.members(round), self.peer_id), self._data)
         self._collective(dist.all_reduce, values, group=self._data)
         mean = values / self.size
         if self.mode == "sharded":
-            return self._sharded_average(mean, group, tag, round)
+            return self._sharded_average(mean, group, tag, round, note)
         result = None
 
         def leader_average() -> dict:
             nonlocal result
-            result = self.swarm.average(mean, group, tag, round)
+            result = self.swarm.average(mean, group, tag, round, note)
             return _without_tensors(result)
 
         meta = self._from_leader(leader_average, self._data)
@@ -225,7 +235,8 @@ class HierarchicalTransport:
         self._collective(dist.broadcast, both, src=0, group=self._data)  # one collective for the two tensors
         return AverageResult(tensor=both[:mean.numel()], sent=both[mean.numel():], **meta)
 
-    def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None) -> AverageResult:
+    def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None,
+                         note: dict | None) -> AverageResult:
         """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers."""
         shard_groups = self._from_leader(lambda: self._shard_groups(group), self._data)
         island_of = {conn: island for island, conns in shard_groups[-1].items() for conn in conns}
@@ -234,7 +245,7 @@ class HierarchicalTransport:
 
         def shard_average() -> dict:
             nonlocal result
-            result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round)
+            result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round, note)
             return _without_tensors(result, island_of)
 
         metas = self._on_every_rank(shard_average, self._data)
@@ -250,6 +261,7 @@ class HierarchicalTransport:
             tensor=tensor if complete else mean, sent=sent if complete else mean, group=list(group),
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
+            notes={p: n for m in metas for p, n in m["notes"].items()} if complete else {},
             **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")})
 
     def _shard_groups(self, group: list[str]) -> list:
@@ -293,4 +305,4 @@ def _without_tensors(result: AverageResult, rename: dict[str, str] | None = None
     return dict(group=[name(p) for p in result.group], complete=result.complete, contributors=result.contributors,
                 rejected={name(p): why for p, why in result.rejected.items()},
                 absent=[name(p) for p in result.absent], disagree=[name(p) for p in result.disagree],
-                left_out=[name(p) for p in result.left_out])
+                left_out=[name(p) for p in result.left_out], notes={name(p): n for p, n in result.notes.items()})

@@ -94,11 +94,12 @@ class IslandTransport:
     def set_card(self, now: bool = True, **fields) -> None:
         """No heartbeat to carry them: the fields are dropped."""
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                note: dict | None = None) -> AverageResult:
         """Mean of a flat tensor over all ranks: one all-reduce of the sum, divided by the rank count.
 
         `group` must be all ranks (islands average over all ranks); `tag` and `round` are unused since
-        collectives match by call order. Every rank must call it. The byte counters grow by the bandwidth-optimal
+        collectives match by call order, and a collective carries no `note`. Every rank must call it. The byte counters grow by the bandwidth-optimal
         ring estimate 2 (k-1)/k * numel * 4 each way. Raises RuntimeError when the mean is not finite:
         a collective cannot drop one rank's part.
         """
@@ -121,8 +122,8 @@ class IslandTransport:
             raise RuntimeError(f"island average {tag!r} is not finite")
         return AverageResult(tensor=mean, sent=values.cpu(), group=list(self._ids), complete=True, contributors=k)
 
-    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
         """`average` as an asynchronous all-reduce (`async_op`): returns at once; the future is done when the
         collective is. Every rank must start its averages in the same order (`group` None: all ranks)."""
         values, buffer = self._prepare(tensor, self._ids if group is None else group)
@@ -163,6 +164,13 @@ class IslandTransport:
         snapshot = self._broadcast(None)
         self._state_shared = True
         return self._ids[0], snapshot
+
+    def request_join(self, donor: str) -> None:
+        """An island's ranks are fixed when it forms: nobody joins one later."""
+        return None
+
+    def join_requests(self) -> list:
+        return []
 
     def _broadcast(self, snapshot: Snapshot | None) -> Snapshot:
         box = [snapshot]

@@ -18,7 +18,9 @@ from concurrent.futures import Future
 
 import torch
 
-from decentral.transport import AverageResult, check_group, finished, state_digest, with_digest, with_us
+from decentral.transport import (
+    AverageResult, JoinRequest, check_group, finished, own_note, state_digest, with_digest, with_us,
+)
 
 LOOKAHEAD = 2  # rounds past the one joined that `join_rounds` announces, as the swarm does
 
@@ -34,10 +36,12 @@ class LoopbackHub:
         self._announced: dict[int, set[str]] = {}
         self._progress: dict[str, dict] = {}
         self._offers: dict[str, tuple[dict, dict[str, torch.Tensor], str]] = {}
-        self._pending: dict[tuple[str, tuple[str, ...]], dict[str, tuple[torch.Tensor, Future]]] = {}
+        self._pending: dict[tuple[str, tuple[str, ...]], dict[str, tuple[torch.Tensor, Future, dict | None]]] = {}
         self._timers: dict[tuple[str, tuple[str, ...]], threading.Timer] = {}
         self._rounds: dict[tuple[str, tuple[str, ...]], int | None] = {}  # the round of each pending average
         self._first: dict[str, int] = {}  # peer -> the first round it takes part in (join_rounds(first=True))
+        self._joins: dict[str, list[JoinRequest]] = {}  # donor -> newcomers' requests it has not taken yet
+        # (only donors that take requests: they called `join_requests`)
 
     def transport(self) -> LoopbackTransport:
         with self._cond:
@@ -48,14 +52,14 @@ class LoopbackHub:
         return LoopbackTransport(self, peer)
 
     # ----- averages -----
-    def start_average(self, peer: str, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
+    def start_average(self, peer: str, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
         if peer not in group:
             raise ValueError(f"{peer} averages over a group it is not in: {group}")
         flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu", copy=True)
         members = tuple(sorted(set(group)))
         if members == (peer,):
-            return finished(AverageResult(flat, flat.clone(), [peer], True, 1))
+            return finished(AverageResult(flat, flat.clone(), [peer], True, 1, notes=own_note(peer, note)))
         key = (tag, members)
         future: Future[AverageResult] = Future()
         with self._cond:
@@ -68,7 +72,7 @@ class LoopbackHub:
                 timer.daemon = True
                 timer.start()
                 self._rounds[key] = round
-            started[peer] = (flat, future)
+            started[peer] = (flat, future, note)
             self._settle(key)
         return future
 
@@ -81,11 +85,12 @@ class LoopbackHub:
         missing = [m for m in members if m not in started]
         if not missing:
             mean = torch.stack([started[m][0] for m in members]).mean(0)
+            notes = {m: started[m][2] for m in members if started[m][2]}
             for m in members:
-                flat, future = started[m]
-                future.set_result(AverageResult(mean.clone(), flat, list(members), True, len(members)))
+                flat, future, _ = started[m]
+                future.set_result(AverageResult(mean.clone(), flat, list(members), True, len(members), notes=dict(notes)))
         elif give_up or any(m not in self._open or self._not_in(m, self._rounds[key]) for m in missing):
-            for flat, future in started.values():
+            for flat, future, _ in started.values():
                 future.set_result(AverageResult(flat.clone(), flat, list(members), False, 1, absent=missing))
         else:
             return
@@ -155,18 +160,19 @@ class LoopbackTransport:
     def set_card(self, now: bool = True, **fields) -> None:
         """Nobody watches a hub: the fields are dropped."""
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
-        return self.average_async(tensor, group, tag, round).result()
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                note: dict | None = None) -> AverageResult:
+        return self.average_async(tensor, group, tag, round, note).result()
 
-    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
         check_group(group, round)
         if group is None:
             group = with_us(self.members(round), self.peer_id)
         if len(set(group)) > 1:
             self.bytes_sent += 4 * tensor.numel()
             self.bytes_received += 4 * tensor.numel()
-        return self.hub.start_average(self.peer_id, tensor, group, tag, round)
+        return self.hub.start_average(self.peer_id, tensor, group, tag, round, note)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Until `count` open transports announced `round`: a peer that has not joined yet would otherwise
@@ -199,6 +205,25 @@ class LoopbackTransport:
         if have is not None and state_digest(have) == digest and step_now <= int(meta.get("step", 0)):
             return None
         return donor, ({**meta, "donor_step": step_now}, {k: v.clone() for k, v in tensors.items()})
+
+    def request_join(self, donor: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """Queue our request with `donor` and wait up to the hub's timeout for what it grants."""
+        request = JoinRequest(self.peer_id, Future())
+        with self.hub._cond:
+            if donor not in self.hub._open or donor not in self.hub._joins:  # it takes no requests
+                return None
+            self.hub._joins[donor].append(request)
+        try:
+            return request.answer.result(timeout=self.hub.timeout_s)
+        except TimeoutError:
+            request.answer.cancel()
+            return None
+
+    def join_requests(self) -> list[JoinRequest]:
+        """From the first call on, requests to us are queued (before it, refused)."""
+        with self.hub._cond:
+            taken, self.hub._joins[self.peer_id] = self.hub._joins.get(self.peer_id, []), []
+            return taken
 
     def close(self) -> None:
         self.hub.leave(self.peer_id)

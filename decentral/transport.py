@@ -9,7 +9,7 @@ torch.distributed, `LoopbackTransport` (decentral.loopback) between peers of one
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,6 +68,29 @@ class AverageResult:
     # gone, silent, or left us out
     disagree: list[str] = field(default_factory=list)  # members that ended with another result than ours
     left_out: list[str] = field(default_factory=list)  # absent members that said they average without us
+    notes: dict[str, dict] = field(default_factory=dict)  # member -> the note it sent with its input
+    # (`average(note=...)`), for every member a committed average counted, ours included, where the transport
+    # carries notes (an island's collectives carry none)
+
+
+@dataclass
+class JoinRequest:
+    """A newcomer that asks to average with us from our next step on (`Transport.join_requests`). The
+    protocol answers with the state the newcomer goes on from, `(meta, tensors)`, or None to refuse."""
+
+    peer: str
+    answer: Future  # cancelled when the newcomer stopped waiting
+
+    @property
+    def waiting(self) -> bool:
+        return not self.answer.done()
+
+    def grant(self, state: tuple[dict, dict[str, torch.Tensor]] | None) -> None:
+        """Hand `state` over (None: refuse), unless the newcomer stopped waiting."""
+        try:
+            self.answer.set_result(state)
+        except InvalidStateError:
+            pass
 
 
 class Transport(Protocol):
@@ -103,14 +126,17 @@ class Transport(Protocol):
         same name), which the others see in `progress()`; `now`: published at once, else with the next
         regular heartbeat (nothing waits on the network). A transport without heartbeats ignores them."""
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                note: dict | None = None) -> AverageResult:
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
         Weights are the protocol's to fix, never a member's to claim: in every round each member has done
         the same number of inner steps. `round`: the outer round the average belongs to (a member that
-        does not take part in it is left out at once rather than waited for)."""
+        does not take part in it is left out at once rather than waited for). `note`: a small JSON object
+        that travels with our input; a committed average hands every member the notes of all the members
+        it counted (`AverageResult.notes`), so what they say is known to each member that committed."""
 
-    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
         """`average` started in the background: returns at once, and training may go on while it runs
         (the result is the future's). `tensor` must not change until the future is done. `group` None:
         `round`'s members (`with_us`), looked up in the background too, as the average starts (`check_group`)."""
@@ -135,6 +161,14 @@ class Transport(Protocol):
         the snapshot) where the transport knows it. `have` is the state we would offer ourselves: a
         transport may return None when the donor holds exactly that and has not trained since. Raises
         StateUnavailable when peers offered state and every download of it failed."""
+
+    def request_join(self, donor: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """Ask `donor` to take us into its averages from its next step on, and wait for the state it grants
+        (its own when it gets there, see `join_requests`); None when it refused, did not answer within the
+        transport's timeout, or the transport cannot do this."""
+
+    def join_requests(self) -> list[JoinRequest]:
+        """The `request_join`s that newcomers sent us since the last call (each answered at most once)."""
 
     def close(self) -> None: ...
 
@@ -166,13 +200,15 @@ class SoloTransport:
     def set_card(self, now: bool = True, **fields) -> None:
         pass
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                note: dict | None = None) -> AverageResult:
         flat = tensor.detach().float().reshape(-1).clone()
-        return AverageResult(tensor=flat, sent=flat.clone(), group=[self.peer_id], complete=True, contributors=1)
+        return AverageResult(tensor=flat, sent=flat.clone(), group=[self.peer_id], complete=True, contributors=1,
+                             notes=own_note(self.peer_id, note))
 
-    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
-        return finished(self.average(tensor, [self.peer_id], tag, round))
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
+        return finished(self.average(tensor, [self.peer_id], tag, round, note))
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Nobody to wait for: training alone (the compute reference of a benchmark) starts at once."""
@@ -183,11 +219,22 @@ class SoloTransport:
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None) -> None:
         return None
 
+    def request_join(self, donor: str) -> None:
+        return None
+
+    def join_requests(self) -> list[JoinRequest]:
+        return []
+
     def multiaddrs(self) -> list[str]:
         return []
 
     def close(self) -> None:
         pass
+
+
+def own_note(peer_id: str, note: dict | None) -> dict[str, dict]:
+    """`AverageResult.notes` of an average that counted only us."""
+    return {peer_id: note} if note else {}
 
 
 def finished(result: AverageResult) -> Future[AverageResult]:

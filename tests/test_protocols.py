@@ -303,42 +303,77 @@ def test_a_replica_a_round_behind_the_majority_joins_them_where_they_are(make_pe
     assert all(torch.equal(p.slow, protocols[0].slow) for p in protocols)
 
 
-def test_a_ddp_peer_joining_mid_run_continues_the_swarms_step_and_ends_bit_identical(make_swarm):
-    transports = make_swarm(3)
-    every, steps = 5, 60
+def test_a_join_request_waits_for_the_donors_answer_and_a_peer_that_takes_none_refuses_it(make_peers):
+    """A peer whose protocol never asked for join requests (not DDP) refuses one without queuing it; once it
+    takes them, the newcomer gets what it grants: a refusal, or the state."""
+    donor, newcomer = make_peers(2)
+    assert newcomer.request_join(donor.peer_id) is None
+    assert donor.join_requests() == []  # the refused request was never queued
+    state = ({"protocol": "ddp", "joined_step": 7}, {"weights": torch.arange(5.0)})
+    for answer in (None, state):
+        got, requests = [], []
+        asking = threading.Thread(target=lambda: got.append(newcomer.request_join(donor.peer_id)))
+        asking.start()
+        wait_until(lambda: requests.extend(donor.join_requests()) or requests, 30, "the request reaching the donor")
+        assert [r.peer for r in requests] == [newcomer.peer_id] and requests[0].waiting
+        requests[0].grant(answer)
+        asking.join(timeout=30)
+        assert got[0] is None if answer is None else (got[0][0]["joined_step"] == 7
+                                                      and torch.equal(got[0][1]["weights"], state[1]["weights"]))
+
+
+def test_a_ddp_newcomer_joins_at_the_next_step_continues_the_swarms_step_and_ends_bit_identical(make_peers):
+    """Two members train; a newcomer (its own weights differ) arrives in the middle of an epoch. Its donor
+    takes its request at some step and names it in that step's average; the newcomer's first step is the
+    next one, long before the next epoch boundary, and from then on all three hold one state."""
+    transports = make_peers(3)
+    every, steps, arrive = 20, 60, 22
     data = torch.Generator().manual_seed(4)
     batches = [(torch.randn(16, 5, generator=data), torch.randn(16, 3, generator=data)) for _ in range(steps)]
-    midway = threading.Event()
-    made = {}
-    for index, seed in enumerate((0, 0, 7)):  # the newcomer's own weights differ; models made here, the RNG is global
+    started, midway, asked = threading.Barrier(2), threading.Barrier(3), threading.Event()
+    made, taken = {}, []
+    for index, seed in enumerate((0, 0, 7)):  # models made here, one after the other: the RNG is global
         model = tiny_model(seed)
         made[index] = DDP(model, torch.optim.AdamW(model.parameters(), lr=1e-2), transports[index], membership_every=every)
+    for ddp in made.values():
+        requests = ddp.transport.join_requests
+        ddp.transport.join_requests = lambda ddp=ddp, requests=requests: (
+            lambda got: (taken.append(ddp.step) if got else None, got)[1])(requests())
+    request_join = made[2].transport.request_join
+    made[2].transport.request_join = lambda donor: (asked.set(), request_join(donor))[1]
 
     def train(index):
         ddp = made[index]
-        model, optimizer = ddp.model, ddp.optimizer
-        repaired = False
+        reports = {}
         with ddp:
             first = ddp.step
+            if index < 2:  # neither trains before both started: they begin as members of epoch 0
+                started.wait(timeout=60)
             while ddp.step < steps:
+                if index < 2 and ddp.step == arrive:
+                    midway.wait(timeout=60)
+                    assert asked.wait(60)
                 x, y = batches[ddp.step]
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(ddp.model(x), y).backward()
+                ddp.optimizer.step()
+                ddp.optimizer.zero_grad()
                 report = ddp.pop_report()
-                repaired |= bool(report and report.repaired)
-                if ddp.step == 2 * every + 2:
-                    midway.set()
-        return first, repaired
+                if report is not None:
+                    reports[ddp.round] = report
+        return first, reports
 
     def late():
-        assert midway.wait(60)
+        midway.wait(timeout=60)
         return train(2)
 
-    (first0, _), (first1, _), (joined, repaired) = run_in_threads([lambda: train(0), lambda: train(1), late], timeout=120)
+    (first0, reports0), (first1, _), (joined, reports) = run_in_threads(
+        [lambda: train(0), lambda: train(1), late], timeout=120)
     assert first0 == first1 == 0
-    assert joined > 2 * every + 2 and joined % every == 0  # at the epoch boundary after it arrived
-    assert not repaired  # it held the others' weights and optimizer state from its first step
+    assert len(taken) == 1 and joined == taken[0] + 1  # the step after the donor took its request
+    assert arrive < joined < 2 * every  # not the next epoch boundary (40), where it joined before
+    assert len(reports0[2].group) == len(reports[2].group) == 3 and reports[2].complete
+    assert not any(r.repaired for r in [*reports0.values(), *reports.values()])  # one state from its first step
+    assert len({r.digest for r in (reports0[3], reports[3])}) == 1
     for index in (1, 2):
         assert made[index].step == steps
         assert torch.equal(flat(made[index].model), flat(made[0].model))

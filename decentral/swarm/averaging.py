@@ -433,7 +433,7 @@ class GroupAverager:
 
     # ----- averaging -----
     async def average(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
-                      round: int | None = None) -> AverageResult:
+                      round: int | None = None, note: dict | None = None) -> AverageResult:
         """Mean of `flat` over `group` (peer ids including ours). Never raises for peer failures.
 
         `round`, when given, travels with every push: a member that takes no part in it (a restarted
@@ -447,7 +447,8 @@ class GroupAverager:
         excluded, it is redone once without them (`tag/again`), so the others commit a common result
         rather than roll back; those who did commit answer a redo's pushes with "no part in it", so a
         member that redoes alone finds out at once. A member that averages without us answers our
-        pushes "left out" (`AverageResult.left_out`)."""
+        pushes "left out" (`AverageResult.left_out`). `note` travels in the header of each of our phase-1
+        parts; an average that commits counted every member's part, so it hands each member the same notes."""
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
         flat = flat.detach().float().reshape(-1).cpu()
@@ -457,13 +458,13 @@ class GroupAverager:
             others = sorted(p for p in group if p != self.peer.peer_id)
             return AverageResult(flat, flat, sorted(group), False, 1, absent=others, left_out=others)
         alive = [p for p in group if p not in self.banned]
-        result = await self._average_once(flat, alive, tag, timeout, round)
+        result = await self._average_once(flat, alive, tag, timeout, round, note)
         dropped = [p for p in alive if p in result.absent or p in result.rejected or p in self.banned]
         if not result.complete and dropped and len(alive) - len(dropped) >= 2:
             log.info("%s: redoing the average without %d member(s) absent, elsewhere or excluded", tag, len(dropped))
             self._finish(tag)
             survivors = [p for p in alive if p not in dropped]
-            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round)
+            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round, note)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
                              absent=sorted(set(result.absent) | set(retry.absent)),
                              left_out=sorted(set(result.left_out) | set(retry.left_out)))
@@ -480,7 +481,7 @@ class GroupAverager:
             self._finished.popitem(last=False)
 
     async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
-                            round: int | None) -> AverageResult:
+                            round: int | None, note: dict | None) -> AverageResult:
         """One attempt at the average of `flat` (flat, float32, on the CPU: see `average`)."""
         me = self.peer.peer_id
         group = sorted(group)
@@ -520,13 +521,15 @@ class GroupAverager:
 
         try:
             # phase 1: reduce-scatter. Parts are clipped to the group's norm bound, ours included.
-            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", encoded[group.index(p)], deadline, view, round=round))
+            sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", encoded[group.index(p)], deadline, view,
+                                                      {"note": note} if note else None, round))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
             note_silent(set(others), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             parts = {me: own[mine], **{s: m.tensor for s, m in received.items()
                                        if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}}
+            notes = {s: received[s].meta.get("note") if s != me else note for s in parts}
             sizes = {s: float(t.norm()) for s, t in parts.items()}
             bound = norm_bound(list(sizes.values()), self.max_norm_ratio, own[mine].numel())
             for sender in sizes:
@@ -618,6 +621,7 @@ class GroupAverager:
             absent=absent,
             disagree=disagree,
             left_out=left_out,
+            notes={p: n for p, n in notes.items() if isinstance(n, dict)} if agreed else {},
         )
 
 

@@ -9,6 +9,10 @@ fingerprint and gets no payload: on a slow uplink, N peers starting together wou
 a full copy of the model from someone, and the congestion delays the DHT traffic of the first round.
 A peer that claims a round far ahead of the others (by mistake or to become everyone's donor) is
 passed over: donors are those at most one round past the candidates' lower median.
+
+A newcomer can also ask a donor to take it into the group's averages from the donor's next step
+(`join`, on the `join` stream): the request waits for the donor's protocol (`join_requests`), which
+answers with the state it holds at that step, streamed back on the same stream.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import asyncio
 import json
 import logging
 import random
+import threading
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -25,11 +31,12 @@ from safetensors.torch import save as save_tensors
 
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import MAX_HEADER, read_frame, read_message, write_frame, write_message
-from decentral.transport import StateUnavailable, state_digest
+from decentral.transport import JoinRequest, StateUnavailable, state_digest
 
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
+MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more are refused
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -37,11 +44,15 @@ Snapshot = tuple[dict, dict[str, torch.Tensor]]
 class StateExchange:
     """Serve our snapshot on the `state` stream and download others'."""
 
-    def __init__(self, peer: SwarmPeer, live_step: Callable[[], int] | None = None):
+    def __init__(self, peer: SwarmPeer, live_step: Callable[[], int] | None = None, join_timeout: float = 60.0):
         self.peer = peer
         self.live_step = live_step  # our inner step now (the snapshot may be older)
+        self.join_timeout = join_timeout  # how long a join request waits for our protocol's answer
         self._snapshot: tuple[dict, dict[str, torch.Tensor], str] | None = None
+        self._joins: list[JoinRequest] | None = None  # not yet taken by our protocol; None: it takes none
+        self._joins_lock = threading.Lock()
         peer.add_handler("state", self._on_request)
+        peer.add_handler("join", self._on_join)
 
     def offer(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         """Make (meta, tensors) what we hand out; the tensors must not be modified afterwards. `digest`:
@@ -62,6 +73,53 @@ class StateExchange:
             return
         payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
         await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, payload, self.peer.stats)
+
+    async def _on_join(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Queue the sender's request for our protocol and stream back the state it grants, or a refusal
+        (when it refuses, does not answer within `join_timeout`, takes no requests (it never asked for
+        them: not DDP, or not started), or too many wait already)."""
+        await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
+        request = JoinRequest(sender, Future())
+        with self._joins_lock:
+            queued = self._joins is not None and len(self._joins) < MAX_JOIN_REQUESTS
+            if queued:
+                self._joins.append(request)
+        try:
+            granted = await asyncio.wait_for(asyncio.wrap_future(request.answer), self.join_timeout) if queued else None
+        except TimeoutError:  # wait_for cancelled the request: our protocol passes over it
+            granted = None
+        if granted is None:
+            await write_message(writer, {"ok": False}, b"", self.peer.stats)
+            return
+        meta, tensors = granted
+        payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
+        await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
+
+    def join_requests(self) -> list[JoinRequest]:
+        """The join requests that arrived since the last call (from the first call on, requests are queued)."""
+        with self._joins_lock:
+            taken, self._joins = self._joins or [], []
+        return taken
+
+    def join(self, donor: str, timeout: float) -> Snapshot | None:
+        """Ask `donor` to average with us from its next step on: the state it grants, or None when it refused
+        or failed (waiting at most twice `timeout`: its answer, then the download)."""
+        try:
+            return self.peer.call(asyncio.wait_for(self._ask_to_join(donor), 2 * timeout)).result()
+        except Exception as e:
+            log.info("asking %s to join its averages failed: %r", donor[-8:], e)
+            return None
+
+    async def _ask_to_join(self, donor: str) -> Snapshot | None:
+        reader, writer = await self.peer.open_stream(donor, "join")
+        try:
+            await write_frame(writer, b"{}", self.peer.stats)
+            header, payload = await read_message(reader, self.peer.stats)
+        finally:
+            writer.close()
+        if not header.get("ok"):
+            return None
+        return dict(header["meta"]), load_tensors(payload)
 
     async def _download(self, donor: str, have: str | None) -> Snapshot | str | None:
         """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none."""

@@ -17,7 +17,7 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.config import HEARTBEAT_S
-from decentral.transport import AverageResult, check_group, with_us
+from decentral.transport import AverageResult, JoinRequest, check_group, with_us
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
@@ -76,7 +76,7 @@ class SwarmTransport:
         self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
                                       read_timeout=1.5 * timeout)
-        self.state = StateExchange(self.peer, live_step=lambda: self.membership.step)
+        self.state = StateExchange(self.peer, live_step=lambda: self.membership.step, join_timeout=timeout)
 
     @property
     def peer_id(self) -> str:
@@ -122,23 +122,24 @@ class SwarmTransport:
         """Fields our heartbeat carries from now on, which the others see in `progress()` (Membership.set_card)."""
         self.membership.set_card(now, **fields)
 
-    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None) -> AverageResult:
+    def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
+                note: dict | None = None) -> AverageResult:
         """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
-        return self.average_async(tensor, group, tag, round).result()
+        return self.average_async(tensor, group, tag, round, note).result()
 
-    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None
-                      ) -> Future[AverageResult]:
+    def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
+                      note: dict | None = None) -> Future[AverageResult]:
         """The same average on the swarm's event loop, returning at once (`group` None: the members' lookup,
         a DHT read, runs in a thread of that loop's first)."""
         check_group(group, round)
-        return self.peer.call(self._average(tensor, group, tag, round))
+        return self.peer.call(self._average(tensor, group, tag, round, note))
 
-    async def _average(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None
-                       ) -> AverageResult:
+    async def _average(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None,
+                       note: dict | None) -> AverageResult:
         if group is None:
             members = await asyncio.get_running_loop().run_in_executor(None, self.members, round)
             group = with_us(members, self.peer_id)
-        return await self.averager.average(tensor, group, tag, self.timeout, round)
+        return await self.averager.average(tensor, group, tag, self.timeout, round, note)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Block until `count` peers (us included) with a live heartbeat announced `round`; SwarmError
@@ -160,6 +161,13 @@ class SwarmTransport:
         if donors is not None:
             candidates = {p: info for p, info in candidates.items() if p in donors}
         return self.state.fetch(candidates, timeout=self.timeout, have=have)
+
+    def request_join(self, donor: str) -> Snapshot | None:
+        """Ask `donor` to average with us from its next step (StateExchange.join)."""
+        return self.state.join(donor, self.timeout)
+
+    def join_requests(self) -> list[JoinRequest]:
+        return self.state.join_requests()
 
     def close(self) -> None:
         self.membership.close()

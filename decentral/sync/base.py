@@ -199,10 +199,12 @@ class SyncProtocol:
         self._round_start = self.step
 
     # ----- helpers -----
-    def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str) -> tuple[AverageResult, float]:
-        """The group's average of `flat` for this round, waited for; (result, seconds waited)."""
+    def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str, note: dict | None = None
+                       ) -> tuple[AverageResult, float]:
+        """The group's average of `flat` for this round (`note`: see Transport.average), waited for; (result,
+        seconds waited)."""
         start = time.perf_counter()
-        return self._counted(self.transport.average(flat, group, tag, self.round), group, start)
+        return self._counted(self.transport.average(flat, group, tag, self.round, note), group, start)
 
     def _await_average(self, future: Future[AverageResult]) -> tuple[AverageResult, float]:
         """The result of an average launched with `transport.average_async`, waited for."""
@@ -252,7 +254,8 @@ class SyncProtocol:
         further in: we announce the rounds from the next one on; with `onlook`, where the protocol
         `_can_onlook`, we go on from the donor's step as an onlooker (`self.onlooking`: we train the rest
         of the round from its starting state, no member of it, and `_end_onlooking` takes the members'
-        state of the next round at its end), else we wait for the donor's snapshot of the next round.
+        state of the next round at its end), or where it can `_join_next_step` we join the donor's group at
+        its next step with its state there (DDP), else we wait for the donor's snapshot of the next round.
         `after_round`: only the state of a later round will do (we announced the one after it), waited for.
         Downloads that all fail: None without `keep_asking_s`; with it, asked again for that long, then
         StateUnavailable; so too when every peer has left since (we would otherwise go on from step 0, alone).
@@ -299,12 +302,21 @@ class SyncProtocol:
                     self.transport.join_rounds(snapshot_round + 1, first=True)
                     self.onlooking = True
                     return donor, meta, tensors, donor_step
+                joined = self._join_next_step(donor, snapshot_round) if onlook else None
+                if joined is not None:
+                    return donor, *joined
             target = max(target or 0, snapshot_round + 1)
             self.transport.join_rounds(target, first=True)
             start = time.perf_counter()
             while heartbeat_round(self.transport.progress().get(donor), target) < target:
                 time.sleep(poll_s)  # polling the donor's heartbeat until its round ends (or it is gone)
             self.wait_s += time.perf_counter() - start
+
+    def _join_next_step(self, donor: str, round: int) -> tuple[dict, dict[str, torch.Tensor], int] | None:
+        """A newcomer whose donor is past `join_within_steps` of `round` (and that does not onlook): join the
+        group at the donor's next step where the protocol can, returning (meta, tensors, step); None: it waits
+        for the donor's next round."""
+        return None
 
     def _can_onlook(self, round_start: int, donor_step: int) -> bool:
         """Whether a newcomer whose donor is at `donor_step` of the round that began at `round_start` (past

@@ -5,9 +5,15 @@ are measured against. Members are re-read every `membership_every` steps (an epo
 "round"), and at once after an average that did not commit.
 
 Every replica must hold the same weights and the same inner optimizer state, or the same averaged
-gradient moves them apart: a rolled-back average is a zero gradient for every replica; the state a
-newcomer takes at an epoch boundary is the weights *and* the optimizer's state, so it steps exactly
-as the others from its first step; and replicas compare state digests every epoch (decentral.sync.base).
+gradient moves them apart: a rolled-back average is a zero gradient for every replica; a newcomer
+takes the weights *and* the optimizer's state, so it steps exactly as the others from its first step;
+and replicas compare state digests every epoch (decentral.sync.base).
+
+A newcomer joins at the next step, not the next epoch: it asks a member (its donor) to take it in
+(`Transport.request_join`); the donor names it in the note of its next average, and every member whose
+average commits knows every note it counted, so all of them add the newcomer to the group from the
+following step on. The donor hands the newcomer its state once that step's update is applied. A
+donor whose average did not commit names the newcomer again at its next step.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
 from decentral.sync.base import SyncProtocol, SyncReport
-from decentral.transport import Transport
+from decentral.transport import JoinRequest, Transport
+
+MAX_JOINS_PER_STEP = 8  # newcomers one member's note may name (more wait for later steps)
 
 
 class DDP(SyncProtocol):
@@ -32,6 +40,9 @@ class DDP(SyncProtocol):
         self.membership_every = membership_every
         self._group: list[str] = []
         self._step_report: SyncReport | None = None
+        self._joining: set[str] = set()  # newcomers every member averages with from the next step on
+        self._asking: list[JoinRequest] = []  # newcomers that asked us, not yet named in a committed average
+        self._handing: list[JoinRequest] = []  # named in this step's committed average: our state after it is theirs
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Weights and the inner optimizer's state (copies)."""
@@ -44,6 +55,21 @@ class DDP(SyncProtocol):
     def snapshot_meta(self) -> dict:
         return {"param_groups": self.optimizer.state_dict()["param_groups"]}
 
+    def _offer(self) -> str | None:
+        """Our state is the epoch's snapshot only at the epoch's first step: a newcomer that joined at a later
+        one offers (and publishes a digest) from the next epoch on."""
+        return super()._offer() if self.step == self._round_start else None
+
+    def _join_next_step(self, donor: str, round: int) -> tuple[dict, dict[str, torch.Tensor], int] | None:
+        """Ask `donor` to take us in from its next step, taking part in its rounds from `round` on (its members'
+        pushes of our first step may come before its state does); (meta, tensors, that step), or None."""
+        self.transport.join_rounds(round, first=True)
+        got = self.transport.request_join(donor)
+        if got is None or got[0].get("protocol") != self.name:
+            return None
+        meta, tensors = got
+        return meta, tensors, int(meta["joined_step"])
+
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         ours = parameters_to_vector(self.params)
         if tensors["weights"].shape != ours.shape:
@@ -52,14 +78,24 @@ class DDP(SyncProtocol):
         vector_to_parameters(tensors["weights"].to(ours, copy=True), self.params)
         inner = {k: v for k, v in tensors.items() if k.startswith("inner.")}
         self.optimizer.load_state_dict(optimizer_state_dict(inner, meta["param_groups"]))
+        group = meta.get("group")  # a donor of our next step names its members then; else we look them up
+        self._group = sorted(group) if isinstance(group, list) and all(isinstance(p, str) for p in group) else []
 
     def before_step(self) -> None:
         if self.step % self.membership_every == 0 or not self._group:
             self._group = self._members(self.round)
+        self._group, self._joining = sorted({*self._group, *self._joining}), set()
+        self._asking = [r for r in self._asking + self.transport.join_requests() if r.waiting]
+        naming = self._asking[:MAX_JOINS_PER_STEP]
+        note = {"join": [r.peer for r in naming]} if naming else None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = parameters_to_vector(grads).detach().float().cpu()
-        result, waited = self._timed_average(flat, self._group, f"ddp/{self.step}")
-        if not result.complete and len(result.group) > 1:
+        result, waited = self._timed_average(flat, self._group, f"ddp/{self.step}", note)
+        if result.complete:  # every member that committed counted the same notes: all add the same newcomers
+            self._joining = {p for n in result.notes.values() for p in _named(n)}
+            self._handing = [r for r in naming if r.peer in self._joining]
+            self._asking = [r for r in self._asking if r not in self._handing]
+        elif len(result.group) > 1:
             result.tensor.zero_()  # rolled back: every replica steps on a zero gradient, and none drifts
             self._group = []  # the members may see another list by the next step
         vector_to_parameters(result.tensor.to(grads[0]), grads)
@@ -68,10 +104,20 @@ class DDP(SyncProtocol):
         self._step_report = SyncReport(self.step, result.group, result.complete, result.contributors, waited, result.rejected)
 
     def after_step(self) -> SyncReport | None:
-        """At an epoch boundary: offer our state to newcomers, compare it with the others', announce the
-        next epochs; report the last step."""
-        if self.step % self.membership_every:
-            return None
+        """Hand our state to the newcomers named in this step's average. At an epoch boundary, first: offer
+        our state to newcomers, compare it with the others', announce the next epochs; report the last step."""
+        report = self._close_epoch() if self.step % self.membership_every == 0 else None
+        if self._handing:
+            meta = {"protocol": self.name, "round": self.round, "step": self._round_start, "joined_step": self.step,
+                    "group": sorted({*self._group, *self._joining}), **self.snapshot_meta()}
+            state = self.snapshot()
+            for request in self._handing:
+                request.grant((meta, state))
+            self._handing = []
+        return report
+
+    def _close_epoch(self) -> SyncReport | None:
+        """The epoch boundary's work (see `after_step`); the last step's report."""
         self.round, self._round_start = self.step // self.membership_every, self.step
         self._offer()
         report = self._step_report
@@ -80,3 +126,11 @@ class DDP(SyncProtocol):
             report.digest = self._digests[self.round]
         self.transport.join_rounds(self.round + 1)
         return report
+
+
+def _named(note: object) -> list[str]:
+    """The newcomers a member's note names (nothing, when it is malformed)."""
+    joins = note.get("join") if isinstance(note, dict) else None
+    if not isinstance(joins, list):
+        return []
+    return [p for p in joins[:MAX_JOINS_PER_STEP] if isinstance(p, str)]
