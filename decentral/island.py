@@ -99,9 +99,9 @@ class IslandTransport:
         """Mean of a flat tensor over all ranks: one all-reduce of the sum, divided by the rank count.
 
         `group` must be all ranks (islands average over all ranks); `tag` and `round` are unused since
-        collectives match by call order, and a collective carries no `note`. Every rank must call it. The byte counters grow by the bandwidth-optimal
-        ring estimate 2 (k-1)/k * numel * 4 each way. Raises RuntimeError when the mean is not finite:
-        a collective cannot drop one rank's part.
+        collectives match by call order, and a collective carries no `note`. Every rank must call it. The
+        byte counters grow by the bandwidth-optimal ring estimate 2 (k-1)/k * numel * 4 each way. Raises
+        RuntimeError when the mean is not finite: a collective cannot drop one rank's part.
         """
         values, buffer = self._prepare(tensor, group)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)

@@ -2,12 +2,14 @@
 arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
 
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from conftest import loss_step, run_in_threads, wait_until
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo
+from decentral.transport import JoinRequest
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -379,6 +381,35 @@ def test_a_ddp_newcomer_joins_at_the_next_step_continues_the_swarms_step_and_end
         assert torch.equal(flat(made[index].model), flat(made[0].model))
         ours, theirs = made[index].optimizer.state_dict()["state"], made[0].optimizer.state_dict()["state"]
         assert all(torch.equal(ours[i]["exp_avg_sq"], theirs[i]["exp_avg_sq"]) for i in theirs)
+
+
+def test_a_ddp_member_naming_a_made_up_newcomer_adds_nobody_to_the_group(make_peers):
+    """A member's note names a peer id that has no heartbeat: nobody adds it (no step waits for it), and the
+    request is refused."""
+    made = []
+    for t in make_peers(2):
+        model = tiny_model(0)
+        made.append(DDP(model, torch.optim.SGD(model.parameters(), lr=0.1), t, membership_every=100))
+    made_up = JoinRequest("QmNobodyHasThisPeerIdInTheSwarm", Future())
+    requests = made[0].transport.join_requests
+    made[0].transport.join_requests = lambda: requests() + ([made_up] if made[0].step == 1 else [])
+    data = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 5, generator=data) for _ in range(4)]
+    started = threading.Barrier(2)
+
+    def train(ddp):
+        groups = []
+        with ddp:
+            started.wait(timeout=30)  # neither trains before both started: both are members from step 0
+            while ddp.step < len(batches):
+                loss_step(ddp, batches[ddp.step])
+                groups.append((ddp._step_report.complete, len(ddp._step_report.group)))
+        return groups
+
+    for groups in run_in_threads([lambda p=p: train(p) for p in made], timeout=60):
+        assert groups == [(True, 2)] * len(batches)
+    assert made_up.answer.result(timeout=0) is None
+    assert torch.equal(flat(made[0].model), flat(made[1].model))
 
 
 def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_at_its_end(make_swarm):

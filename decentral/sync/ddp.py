@@ -18,6 +18,8 @@ donor whose average did not commit names the newcomer again at its next step.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -65,10 +67,11 @@ class DDP(SyncProtocol):
         pushes of our first step may come before its state does); (meta, tensors, that step), or None."""
         self.transport.join_rounds(round, first=True)
         got = self.transport.request_join(donor)
-        if got is None or got[0].get("protocol") != self.name:
+        if got is None or got[0].get("protocol") != self.name or not all(
+                isinstance(got[0].get(k), int) for k in ("round", "step", "joined_step")):
             return None
         meta, tensors = got
-        return meta, tensors, int(meta["joined_step"])
+        return meta, tensors, meta["joined_step"]
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         ours = parameters_to_vector(self.params)
@@ -92,9 +95,12 @@ class DDP(SyncProtocol):
         flat = parameters_to_vector(grads).detach().float().cpu()
         result, waited = self._timed_average(flat, self._group, f"ddp/{self.step}", note)
         if result.complete:  # every member that committed counted the same notes: all add the same newcomers
-            self._joining = {p for n in result.notes.values() for p in _named(n)}
+            self._joining = self._live({p for n in result.notes.values() for p in _named(n)})
             self._handing = [r for r in naming if r.peer in self._joining]
-            self._asking = [r for r in self._asking if r not in self._handing]
+            for request in naming:
+                if request.peer not in self._joining:
+                    request.grant(None)  # no live heartbeat: the others did not add it either
+            self._asking = [r for r in self._asking if r not in naming]
         elif len(result.group) > 1:
             result.tensor.zero_()  # rolled back: every replica steps on a zero gradient, and none drifts
             self._group = []  # the members may see another list by the next step
@@ -102,6 +108,17 @@ class DDP(SyncProtocol):
         for p, g in zip(self.params, grads):
             p.grad = g
         self._step_report = SyncReport(self.step, result.group, result.complete, result.contributors, waited, result.rejected)
+
+    def _live(self, named: set[str]) -> set[str]:
+        """Of the newcomers a committed average named, those in the group already or with a live heartbeat
+        (in the swarm, a record each peer signs for itself), looked up afresh: a member cannot add made-up
+        peers to everyone's group."""
+        if named <= set(self._group):
+            return named
+        start = time.perf_counter()
+        alive = self.transport.progress()
+        self.wait_s += time.perf_counter() - start
+        return {p for p in named if p in self._group or p in alive}
 
     def after_step(self) -> SyncReport | None:
         """Hand our state to the newcomers named in this step's average. At an epoch boundary, first: offer
