@@ -412,6 +412,38 @@ def test_a_ddp_member_naming_a_made_up_newcomer_adds_nobody_to_the_group(make_pe
     assert torch.equal(flat(made[0].model), flat(made[1].model))
 
 
+def test_a_ddp_member_that_left_costs_one_step_not_a_redo_at_every_step_of_the_epoch(make_swarm):
+    """Three members; one leaves after 4 steps, in the middle of a 100-step epoch. The first average without
+    it is redone by the other two; from then on their group is the two of them (before, it stayed three
+    until the epoch's end, and every step's average was tried with the gone member, then redone)."""
+    made = []
+    for t in make_swarm(3):
+        model = tiny_model(0)
+        made.append(DDP(model, torch.optim.SGD(model.parameters(), lr=0.1), t, membership_every=100))
+    data = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 5, generator=data) for _ in range(10)]
+    started = threading.Barrier(3)
+
+    def train(ddp, steps):
+        after = []  # (the step's average committed, its group's size, the group the next step uses)
+        with ddp:
+            started.wait(timeout=30)
+            while ddp.step < steps:
+                loss_step(ddp, batches[ddp.step])
+                after.append((ddp._step_report.complete, len(ddp._step_report.group), len(ddp._group)))
+        if steps < len(batches):
+            ddp.transport.close()
+        return after
+
+    stayed = run_in_threads([lambda p=p, n=n: train(p, n) for p, n in zip(made, (10, 10, 4))], timeout=120)
+    for after in stayed[:2]:
+        assert after[:4] == [(True, 3, 3)] * 4
+        assert all(complete for complete, _, _ in after)
+        first_without = next(i for i, (_, size, _) in enumerate(after) if size == 2)
+        assert after[first_without:] == [(True, 2, 2)] * (10 - first_without)
+    assert torch.equal(flat(made[0].model), flat(made[1].model))
+
+
 def test_a_ddp_peer_the_others_left_out_of_their_first_epoch_takes_their_state_at_its_end(make_swarm):
     """Peers 0 and 1 fixed the members of epoch 0 before peer 2's announcement reached them (forced
     here: their view of round 0 is {0, 1}); peer 2, sure of all three, is left out of every average of

@@ -2,7 +2,8 @@
 
 It sends the whole model's gradients every step, which is what the low-communication protocols
 are measured against. Members are re-read every `membership_every` steps (an epoch, the protocol's
-"round"), and at once after an average that did not commit.
+"round"), and at once after an average that did not commit; a member that an average committed without
+(gone or silent: the others redid it without that member) is out of the group from the next step on.
 
 Every replica must hold the same weights and the same inner optimizer state, or the same averaged
 gradient moves them apart: a rolled-back average is a zero gradient for every replica; a newcomer
@@ -95,6 +96,7 @@ class DDP(SyncProtocol):
         flat = parameters_to_vector(grads).detach().float().cpu()
         result, waited = self._timed_average(flat, self._group, f"ddp/{self.step}", note)
         if result.complete:  # every member that committed counted the same notes: all add the same newcomers
+            self._group = result.group  # without those a redo left out (gone or silent): they cost one step
             self._joining = self._live({p for n in result.notes.values() for p in _named(n)})
             self._handing = [r for r in naming if r.peer in self._joining]
             for request in naming:
