@@ -291,6 +291,7 @@ def recipe_path(name_or_file: str) -> Path:
         return path
     path = default_recipe_path(name_or_file)
     if not path.is_file():
-        shipped = sorted(p.stem for p in path.parent.glob("*.yaml") if p.stem in PROTOCOLS)
+        shipped = sorted(p.stem for p in path.parent.glob("*.yaml")  # a variant is named PROTOCOL-WHAT
+                         if p.stem.partition("-")[0] in PROTOCOLS)
         raise RecipeError(f"no protocol {name_or_file!r}: give one of {', '.join(shipped)} or a recipe file (.yaml)")
     return path

@@ -5,7 +5,7 @@ import inspect
 import pytest
 
 from decentral.cli import main
-from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe, parse_settings
+from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe, parse_settings, recipe_path
 from decentral.sync import DiLoCo, NoLoCo
 
 
@@ -31,6 +31,11 @@ def test_shipped_recipes_carry_the_papers_outer_defaults_or_say_why_not():
     if (diloco.protocol_args["outer_lr"], diloco.protocol_args["outer_momentum"]) != (0.7, 0.9):
         assert "measured" in default_recipe_path("diloco").read_text()
     assert load_recipe(default_recipe_path("ddp")).protocol == "ddp"
+    long = load_recipe(recipe_path("diloco-long"))  # the long-run variant: diloco.yaml but for H and the codec
+    assert long.protocol == "diloco" and (long.protocol_args["every"], long.swarm.codec) == (25, "int4")
+    assert {k: v for k, v in long.protocol_args.items() if k != "every"} == {
+        k: v for k, v in diloco.protocol_args.items() if k != "every"}
+    assert (long.model, long.swarm.timeout) == (diloco.model, diloco.swarm.timeout)
 
 
 def test_numbers_are_coerced_and_defaults_fill_in():
