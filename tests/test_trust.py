@@ -96,10 +96,14 @@ def test_survivors_redo_the_average_without_a_dead_member_and_agree(make_swarm):
     a, b = make_swarm(2, timeout=30.0)
     dead = killed_peer(a)
     group = sorted([a.peer_id, b.peer_id, dead])
-    xs = [torch.randn(900), torch.randn(900)]
-    start = time.monotonic()
+    n = 300_000
+    xs = [torch.randn(n), torch.randn(n)]
+    start, received = time.monotonic(), [a.bytes_received, b.bytes_received]
     ra, rb = run_in_threads([lambda p=p, x=x: p.average(x, group, "redo") for p, x in zip((a, b), xs)])
     assert time.monotonic() - start < 5.0
+    for p, before in zip((a, b), received):  # from the other survivor: a third of the tensor, then the redo's
+        assert p.bytes_received - before < 1.03 * 4 * n * (1 / 3 + 1)  # two halves. Missing the dead one's part,
+        # neither sends phase 2's results of an average that cannot commit (another third)
     for r in (ra, rb):  # without the redo each would keep its own values for the dead member's chunk
         assert r.complete and r.absent == [dead] and r.group == sorted([a.peer_id, b.peer_id])
         torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)

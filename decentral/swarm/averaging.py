@@ -54,7 +54,9 @@ others still commit a common result; a member a probe found done with the averag
 be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or
 `timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after phase 2. A member
 silent through phase 1 leaves our chunk without its part, so the average cannot commit: phases 2 and 3
-are skipped and it is redone without that member at once (a frozen member costs one `timeout`).
+are skipped and it is redone without that member at once (a frozen member costs one `timeout`). So
+too when we lack a member's part for any other reason (it is gone, averages over another member list,
+or sent data we rejected): every member that lacks one goes straight to the redo.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -549,8 +551,9 @@ class GroupAverager:
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
-            if silent:  # a member sent us no part in time: no member can hold the group's whole mean of our
-                # chunk, so the average cannot commit; we skip phases 2 and 3 and it is redone without that member
+            if len(parts) < len(group):  # a member's part is missing (silent, gone, elsewhere or rejected): no
+                # member can hold the group's whole mean of our chunk, so the average cannot commit; we skip phases
+                # 2 and 3 (their bytes and round trips) and it is redone without that member
                 result, counts, disagree = list(own), [1] * len(group), []
             else:
                 # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
