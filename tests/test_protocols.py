@@ -337,12 +337,25 @@ def test_a_ddp_newcomer_joins_at_the_next_step_continues_the_swarms_step_and_end
     for index, seed in enumerate((0, 0, 7)):  # models made here, one after the other: the RNG is global
         model = tiny_model(seed)
         made[index] = DDP(model, torch.optim.AdamW(model.parameters(), lr=1e-2), transports[index], membership_every=every)
+
+    def noting_the_step(ddp):  # ddp's transport's join_requests, noting the step at which it took one
+        take = ddp.transport.join_requests
+
+        def join_requests():
+            got = take()
+            if got:
+                taken.append(ddp.step)
+            return got
+        return join_requests
+
     for ddp in made.values():
-        requests = ddp.transport.join_requests
-        ddp.transport.join_requests = lambda ddp=ddp, requests=requests: (
-            lambda got: (taken.append(ddp.step) if got else None, got)[1])(requests())
-    request_join = made[2].transport.request_join
-    made[2].transport.request_join = lambda donor: (asked.set(), request_join(donor))[1]
+        ddp.transport.join_requests = noting_the_step(ddp)
+    ask = made[2].transport.request_join
+
+    def request_join(donor):  # the members go on past `arrive` once the newcomer asks
+        asked.set()
+        return ask(donor)
+    made[2].transport.request_join = request_join
 
     def train(index):
         ddp = made[index]
