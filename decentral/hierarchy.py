@@ -192,8 +192,9 @@ class HierarchicalTransport:
         if self.rank == 0:
             self.swarm.offer_state(meta, tensors, digest)
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None):
-        return self._from_leader(lambda: self.swarm.fetch_state(have, donors))
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
+                    meta_if_past: bool = False):
+        return self._from_leader(lambda: self.swarm.fetch_state(have, donors, meta_if_past))
 
     def request_join(self, donor: str) -> None:
         """An island joins DDP's averages at an epoch boundary only (its ranks take one snapshot together)."""

@@ -154,11 +154,11 @@ class IslandTransport:
             self._broadcast((meta, tensors))
             self._state_shared = True
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
-                    ) -> tuple[str, Snapshot] | None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
+                    meta_if_past: bool = False) -> tuple[str, Snapshot] | None:
         """On ranks other than 0, the first call blocks until rank 0's first `offer_state()` and returns
-        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None. `have` and `donors` are not
-        used: the broadcast is a collective every rank joins."""
+        ("rank0", (meta, tensors)). Rank 0, and every later call, gets None. `have`, `donors` and
+        `meta_if_past` are not used: the broadcast is a collective every rank joins."""
         if self.rank == 0 or self._state_shared:
             return None
         snapshot = self._broadcast(None)

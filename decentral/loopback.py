@@ -189,11 +189,11 @@ class LoopbackTransport:
         with self.hub._cond:
             self.hub._offers[self.peer_id] = (dict(meta), copies, digest or state_digest(copies))
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
-                    ) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
+                    meta_if_past: bool = False) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
         """The offer of the open peer with the highest round (the lowest id among equals), with `donor_step`
         its step now; None when nobody offers one, or when it is exactly `have` and the donor has not
-        trained since."""
+        trained since; only its meta with `meta_if_past` when the donor trained past it."""
         with self.hub._cond:
             offers = {p: o for p, o in self.hub._offers.items()
                       if p != self.peer_id and p in self.hub._open and (donors is None or p in donors)}
@@ -204,7 +204,8 @@ class LoopbackTransport:
             step_now = self.hub._progress[donor]["step"]
         if have is not None and state_digest(have) == digest and step_now <= int(meta.get("step", 0)):
             return None
-        return donor, ({**meta, "donor_step": step_now}, {k: v.clone() for k, v in tensors.items()})
+        past = meta_if_past and step_now > int(meta.get("step", 0))
+        return donor, ({**meta, "donor_step": step_now}, {} if past else {k: v.clone() for k, v in tensors.items()})
 
     def request_join(self, donor: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """Queue our request with `donor` and wait up to the hub's timeout for what it grants."""

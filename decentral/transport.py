@@ -154,12 +154,14 @@ class Transport(Protocol):
         `state_digest`, when the caller has it already)."""
 
     def fetch_state(
-        self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
+        self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None, meta_if_past: bool = False
     ) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
         """(donor, (meta, tensors)) from a live peer (one of `donors` when given), or None when nobody
         serves one. `meta` is what the donor offered, plus `donor_step` (its inner step when it served
         the snapshot) where the transport knows it. `have` is the state we would offer ourselves: a
-        transport may return None when the donor holds exactly that and has not trained since. Raises
+        transport may return None when the donor holds exactly that and has not trained since. With
+        `meta_if_past`, a donor that has trained past its snapshot's step sends only the meta (tensors {}):
+        a caller that then joins at the donor's next step (`request_join`) needs no snapshot. Raises
         StateUnavailable when peers offered state and every download of it failed."""
 
     def request_join(self, donor: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
@@ -216,7 +218,8 @@ class SoloTransport:
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         pass
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None) -> None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
+                    meta_if_past: bool = False) -> None:
         return None
 
     def request_join(self, donor: str) -> None:

@@ -58,6 +58,11 @@ def test_a_newcomer_that_already_holds_the_donors_state_downloads_no_copy(make_s
     got = newcomer.fetch_state(have=changed)  # the same donor, a state that differs: a full download
     assert got is not None and torch.equal(got[1][1]["slow"], state["slow"])
     assert newcomer.bytes_received - before > 800_000
+    donor.set_progress(5, 0)  # the donor trained past its snapshot: one that asks for no more gets the meta only
+    before = newcomer.bytes_received
+    got = newcomer.fetch_state(have=changed, meta_if_past=True)
+    assert got is not None and got[1][1] == {} and got[1][0]["donor_step"] == 5
+    assert newcomer.bytes_received - before < 4_000
 
 
 def test_replicas_start_identical_even_from_different_seeds(make_peers):

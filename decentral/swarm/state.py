@@ -71,6 +71,10 @@ class StateExchange:
         if request.get("have") == digest and step_now <= int(meta.get("step", 0)):
             await write_message(writer, {"ok": True, "same": True, "meta": meta}, b"", self.peer.stats)
             return
+        if request.get("meta_if_past") is True and step_now > int(meta.get("step", 0)):
+            await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now, "meta_only": True}, b"",
+                                self.peer.stats)
+            return
         payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
         await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, payload, self.peer.stats)
 
@@ -121,11 +125,12 @@ class StateExchange:
             return None
         return dict(header["meta"]), load_tensors(payload)
 
-    async def _download(self, donor: str, have: str | None) -> Snapshot | str | None:
-        """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none."""
+    async def _download(self, donor: str, have: str | None, meta_if_past: bool = False) -> Snapshot | str | None:
+        """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none;
+        with `meta_if_past`, only its meta (tensors {}) when the donor trained past it."""
         reader, writer = await self.peer.open_stream(donor, "state")
         try:
-            await write_frame(writer, json.dumps({"have": have}).encode(), self.peer.stats)
+            await write_frame(writer, json.dumps({"have": have, "meta_if_past": meta_if_past}).encode(), self.peer.stats)
             header, payload = await read_message(reader, self.peer.stats)
         finally:
             writer.close()
@@ -136,10 +141,11 @@ class StateExchange:
         meta = dict(header["meta"])
         if isinstance(header.get("step_now"), int):
             meta["donor_step"] = header["step_now"]
-        return meta, load_tensors(payload)
+        return meta, {} if header.get("meta_only") else load_tensors(payload)
 
     def fetch(
-        self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None
+        self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None,
+        meta_if_past: bool = False,
     ) -> tuple[str, Snapshot] | None:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}) that claim the highest round
         (at most one past their lower median), in random order.
@@ -147,7 +153,8 @@ class StateExchange:
         Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
         StateUnavailable when a download failed (within `timeout` each) and none succeeded. The
-        snapshot's meta gains `donor_step`, the donor's inner step when it served it.
+        snapshot's meta gains `donor_step`, the donor's inner step when it served it. `meta_if_past`: see
+        `_download`.
         """
         have_digest = state_digest(have) if have is not None else None
         rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
@@ -161,7 +168,8 @@ class StateExchange:
         failed = []
         for donor in order:
             try:
-                got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest), timeout)).result()
+                got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest, meta_if_past), timeout)
+                                     ).result()
             except Exception as e:  # reported in StateUnavailable, once every donor failed
                 log.info("state download from %s failed: %r", donor[-8:], e)
                 failed.append(f"{donor[-8:]}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")

@@ -153,14 +153,14 @@ class SwarmTransport:
     def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
         self.state.offer(meta, tensors, digest)
 
-    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None
-                    ) -> tuple[str, Snapshot] | None:
+    def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
+                    meta_if_past: bool = False) -> tuple[str, Snapshot] | None:
         """Download outer state from a live peer (one of `donors` when given; most advanced first); None
         when nobody serves one, or when the donor's state is exactly `have` (nothing to download)."""
         candidates = self.membership.alive()
         if donors is not None:
             candidates = {p: info for p, info in candidates.items() if p in donors}
-        return self.state.fetch(candidates, timeout=self.timeout, have=have)
+        return self.state.fetch(candidates, timeout=self.timeout, have=have, meta_if_past=meta_if_past)
 
     def request_join(self, donor: str) -> Snapshot | None:
         """Ask `donor` to average with us from its next step (StateExchange.join)."""

@@ -77,6 +77,7 @@ class SyncProtocol:
     repair_timeout_s = 60.0  # how long a split replica waits for the majority's state of a round
     join_timeout_s = 60.0  # how long a newcomer asks again when the swarm's state downloads fail
     outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
+    joins_next_step = False  # a newcomer mid-round asks its donor to take it in at its next step (DDP)
     hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
     # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)
 
@@ -266,7 +267,8 @@ class SyncProtocol:
         deadline, failed = time.monotonic() + keep_asking_s, None
         while True:
             try:
-                got = self.transport.fetch_state(have=self.snapshot())
+                got = self.transport.fetch_state(  # a newcomer that joins at the next step needs no snapshot
+                    have=self.snapshot(), meta_if_past=onlook and target is None and self.joins_next_step)
             except StateUnavailable as e:
                 if not keep_asking_s:  # in mid-run: nobody served it this time
                     log.warning("%s", e)

@@ -35,6 +35,7 @@ class DDP(SyncProtocol):
     name = "ddp"
     shares_state = True
     identical_replicas = True
+    joins_next_step = True
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, transport: Transport, *, membership_every: int = 20):
         super().__init__(model, optimizer, transport)
