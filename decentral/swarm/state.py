@@ -141,7 +141,7 @@ class StateExchange:
         meta = dict(header["meta"])
         if isinstance(header.get("step_now"), int):
             meta["donor_step"] = header["step_now"]
-        return meta, {} if header.get("meta_only") else load_tensors(payload)
+        return meta, {} if meta_if_past and header.get("meta_only") else load_tensors(payload)
 
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None,
