@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 ASK_STATE_AGAIN_S = 1.0  # a newcomer whose state downloads all failed asks again this much later
 
 KEPT_DIGESTS = 3  # rounds whose digest of our own state we remember
+
+T = TypeVar("T")
 
 
 class DivergedError(RuntimeError):
@@ -226,11 +229,16 @@ class SyncProtocol:
                                          sent=result.sent.to(self.outer_device))
         return result, waited
 
-    def _members(self, round: int) -> list[str]:
+    def _waiting_on(self, call: Callable[[], T]) -> T:
+        """`call()` (a lookup on the network), its time counted in `wait_s`."""
         start = time.perf_counter()
-        members = self.transport.members(round)
-        self.wait_s += time.perf_counter() - start
-        return with_us(members, self.transport.peer_id)
+        try:
+            return call()
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def _members(self, round: int) -> list[str]:
+        return with_us(self._waiting_on(lambda: self.transport.members(round)), self.transport.peer_id)
 
     def _offer(self) -> str:
         """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""

@@ -19,8 +19,6 @@ donor whose average did not commit names the newcomer again at its next step.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -89,7 +87,7 @@ class DDP(SyncProtocol):
     def before_step(self) -> None:
         if self.step % self.membership_every == 0 or not self._group:
             self._group = self._members(self.round)
-        self._group, self._joining = sorted({*self._group, *self._joining}), set()
+        self._group, self._joining = self._next_group(), set()
         self._asking = [r for r in self._asking + self.transport.join_requests() if r.waiting]
         naming = self._asking[:MAX_JOINS_PER_STEP]
         note = {"join": [r.peer for r in naming]} if naming else None
@@ -118,10 +116,12 @@ class DDP(SyncProtocol):
         peers to everyone's group."""
         if named <= set(self._group):
             return named
-        start = time.perf_counter()
-        alive = self.transport.progress()
-        self.wait_s += time.perf_counter() - start
+        alive = self._waiting_on(self.transport.progress)
         return {p for p in named if p in self._group or p in alive}
+
+    def _next_group(self) -> list[str]:
+        """The members of our next step: this step's, and the newcomers its committed average named."""
+        return sorted({*self._group, *self._joining})
 
     def after_step(self) -> SyncReport | None:
         """Hand our state to the newcomers named in this step's average. At an epoch boundary, first: offer
@@ -129,7 +129,7 @@ class DDP(SyncProtocol):
         report = self._close_epoch() if self.step % self.membership_every == 0 else None
         if self._handing:
             meta = {"protocol": self.name, "round": self.round, "step": self._round_start, "joined_step": self.step,
-                    "group": sorted({*self._group, *self._joining}), **self.snapshot_meta()}
+                    "group": self._next_group(), **self.snapshot_meta()}
             state = self.snapshot()
             for request in self._handing:
                 request.grant((meta, state))
