@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from decentral.transport import (
-    AverageResult, JoinRequest, check_group, finished, own_note, state_digest, with_digest, with_us,
+    AverageResult, JoinRequest, check_group, finished, own_note, state_digest, trained_past, with_digest, with_us,
 )
 
 LOOKAHEAD = 2  # rounds past the one joined that `join_rounds` announces, as the swarm does
@@ -202,10 +202,11 @@ class LoopbackTransport:
             donor = min(offers, key=lambda p: (-int(offers[p][0].get("round", 0)), p))
             meta, tensors, digest = offers[donor]
             step_now = self.hub._progress[donor]["step"]
-        if have is not None and state_digest(have) == digest and step_now <= int(meta.get("step", 0)):
+        past = trained_past(meta, step_now)
+        if have is not None and state_digest(have) == digest and not past:
             return None
-        past = meta_if_past and step_now > int(meta.get("step", 0))
-        return donor, ({**meta, "donor_step": step_now}, {} if past else {k: v.clone() for k, v in tensors.items()})
+        return donor, ({**meta, "donor_step": step_now},
+                       {} if meta_if_past and past else {k: v.clone() for k, v in tensors.items()})
 
     def request_join(self, donor: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """Queue our request with `donor` and wait up to the hub's timeout for what it grants."""

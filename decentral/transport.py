@@ -46,6 +46,12 @@ def with_digest(digests: dict[str, str], round: int, digest: str) -> dict[str, s
     return {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
 
 
+def trained_past(meta: dict, step_now: int) -> bool:
+    """Whether a donor now at inner step `step_now` has trained since the snapshot whose meta is `meta` (its
+    step: where the snapshot's round began): then it no longer holds exactly that state."""
+    return step_now > int(meta.get("step", 0))
+
+
 class StateUnavailable(RuntimeError):
     """Peers offered the swarm's state, and none of them handed it over (each left, refused or closed the
     stream): unlike a swarm that offers none, there is state we should have and do not."""

@@ -31,7 +31,7 @@ from safetensors.torch import save as save_tensors
 
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import MAX_HEADER, read_frame, read_message, write_frame, write_message
-from decentral.transport import JoinRequest, StateUnavailable, state_digest
+from decentral.transport import JoinRequest, StateUnavailable, state_digest, trained_past
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,11 @@ class StateExchange:
             return
         meta, tensors, digest = snapshot
         step_now = self.live_step() if self.live_step is not None else int(meta.get("step", 0))
-        if request.get("have") == digest and step_now <= int(meta.get("step", 0)):
+        past = trained_past(meta, step_now)
+        if request.get("have") == digest and not past:
             await write_message(writer, {"ok": True, "same": True, "meta": meta}, b"", self.peer.stats)
             return
-        if request.get("meta_if_past") is True and step_now > int(meta.get("step", 0)):
+        if request.get("meta_if_past") is True and past:
             await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now, "meta_only": True}, b"",
                                 self.peer.stats)
             return
