@@ -2,12 +2,13 @@
 arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
 from conftest import loss_step, run_in_threads, wait_until
+from decentral.swarm import wire
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo
 from decentral.transport import JoinRequest
 
@@ -63,6 +64,21 @@ def test_a_newcomer_that_already_holds_the_donors_state_downloads_no_copy(make_s
     got = newcomer.fetch_state(have=changed, meta_if_past=True)
     assert got is not None and got[1][1] == {} and got[1][0]["donor_step"] == 5
     assert newcomer.bytes_received - before < 4_000
+
+
+def test_a_donor_that_leaves_first_finishes_the_state_download_under_way(make_swarm, monkeypatch):
+    """The swarm's last members ending their run must not cut off a newcomer's download of its final state."""
+    monkeypatch.setattr(wire, "LINK", wire.LinkShaper(rate_bps=16e6))  # our streams paced: 4 MB take 2 s
+    donor, newcomer = make_swarm(2)
+    state = {"slow": torch.randn(1_000_000)}
+    donor.offer_state({"protocol": "diloco", "round": 3}, {"slow": state["slow"].clone()})
+    before = newcomer.bytes_received
+    with ThreadPoolExecutor(1) as pool:
+        download = pool.submit(newcomer.fetch_state)
+        wait_until(lambda: newcomer.bytes_received > before, 30, "the state's header")  # its payload is on its way
+        donor.close()
+        got = download.result()
+    assert got is not None and torch.equal(got[1][1]["slow"], state["slow"])
 
 
 def test_replicas_start_identical_even_from_different_seeds(make_peers):

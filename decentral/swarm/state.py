@@ -13,11 +13,16 @@ passed over: donors are those at most one round past the candidates' lower media
 A newcomer can also ask a donor to take it into the group's averages from the donor's next step
 (`join`, on the `join` stream): the request waits for the donor's protocol (`join_requests`), which
 answers with the state it holds at that step, streamed back on the same stream.
+
+A peer that leaves finishes the transfers under way first (`close`): the last members of a run that ends
+would otherwise cut off a newcomer's download of the run's final state mid-transfer (seen in a CO2 soak:
+the newcomer then held another final state than everyone else).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -51,6 +56,8 @@ class StateExchange:
         self._snapshot: tuple[dict, dict[str, torch.Tensor], str] | None = None
         self._joins: list[JoinRequest] | None = None  # not yet taken by our protocol; None: it takes none
         self._joins_lock = threading.Lock()
+        self._sending: set[asyncio.Task] = set()  # answers whose state is being sent (see `close`)
+        self._closing = False
         peer.add_handler("state", self._on_request)
         peer.add_handler("join", self._on_join)
 
@@ -63,9 +70,15 @@ class StateExchange:
         request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
                              or b"{}")
         snapshot = self._snapshot
-        if snapshot is None:
+        if snapshot is None or self._closing:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
+        with self._sending_one():
+            await self._answer(request, snapshot, writer)
+            await _until_closed(reader)
+
+    async def _answer(self, request: dict, snapshot: tuple[dict, dict[str, torch.Tensor], str],
+                      writer: asyncio.StreamWriter) -> None:
         meta, tensors, digest = snapshot
         step_now = self.live_step() if self.live_step is not None else int(meta.get("step", 0))
         past = trained_past(meta, step_now)
@@ -93,12 +106,37 @@ class StateExchange:
             granted = await asyncio.wait_for(asyncio.wrap_future(request.answer), self.join_timeout) if queued else None
         except TimeoutError:  # wait_for cancelled the request: our protocol passes over it
             granted = None
-        if granted is None:
+        if granted is None or self._closing:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
         meta, tensors = granted
-        payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
-        await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
+        with self._sending_one():
+            payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
+            await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
+            await _until_closed(reader)
+
+    @contextlib.contextmanager
+    def _sending_one(self):
+        """Counts the calling handler among the answers under way while it sends our state."""
+        task = asyncio.current_task()
+        self._sending.add(task)
+        try:
+            yield
+        finally:
+            self._sending.discard(task)
+
+    def close(self, timeout: float) -> None:
+        """Refuse new requests, and wait (at most `timeout`) until the state we are sending has been sent."""
+        if self._closing:
+            return
+        self._closing = True
+        self.peer.call(self._finish_sending(timeout)).result()
+
+    async def _finish_sending(self, timeout: float) -> None:
+        if self._sending:
+            log.info("finishing %d state transfer(s) under way before leaving (at most %.0fs)", len(self._sending),
+                     timeout)
+            await asyncio.wait(set(self._sending), timeout=timeout)
 
     def join_requests(self) -> list[JoinRequest]:
         """The join requests that arrived since the last call (from the first call on, requests are queued)."""
@@ -183,6 +221,15 @@ class StateExchange:
             raise StateUnavailable(f"none of the {len(order)} peers at round {top} handed over its state "
                                    f"({'; '.join(failed)})")
         return None
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Until the requester closes the stream (it does once it has read our answer: only then has all of it
+    arrived, rather than left our process), at most REQUEST_TIMEOUT_S."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            while await reader.read(4096):
+                pass
 
 
 def _claimed_round(info: dict) -> int | None:

@@ -170,5 +170,7 @@ class SwarmTransport:
         return self.state.join_requests()
 
     def close(self) -> None:
+        """Leave the swarm, once the state transfers we serve are done (at most `timeout`)."""
+        self.state.close(self.timeout)
         self.membership.close()
         self.peer.shutdown()
