@@ -326,6 +326,20 @@ def test_a_replica_a_round_behind_the_majority_joins_them_where_they_are(make_pe
     assert all(torch.equal(p.slow, protocols[0].slow) for p in protocols)
 
 
+def test_a_repair_whose_donors_all_left_gives_up_without_waiting_out_its_timeout(make_peers):
+    """A newcomer in a run's last round finds the members gone once they have finished: nobody will serve
+    their state, and waiting out `repair_timeout_s` only delays the end of its run."""
+    protocols = make_protocols(make_peers(3), DiLoCo, every=10)
+    late = protocols[2]
+    late.slow += 1.0
+    late._offer()
+    late.repair_timeout_s = 60.0
+    for p in protocols[:2]:
+        p.transport.close()
+    assert late._repair({p.transport.peer_id for p in protocols[:2]}) is None
+    assert late.wait_s < late.repair_timeout_s / 2
+
+
 def test_a_join_request_waits_for_the_donors_answer_and_a_peer_that_takes_none_refuses_it(make_peers):
     """A peer whose protocol never asked for join requests (not DDP) refuses one without queuing it; once it
     takes them, the newcomer gets what it grants: a refusal, or the state."""

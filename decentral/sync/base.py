@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 ASK_STATE_AGAIN_S = 1.0  # a newcomer whose state downloads all failed asks again this much later
 
 KEPT_DIGESTS = 3  # rounds whose digest of our own state we remember
+DONORS_GONE_S = 2.0  # a repair whose donors have all been missing from the heartbeats this long gives up: they left
 
 T = TypeVar("T")
 
@@ -375,13 +376,20 @@ class SyncProtocol:
         """Take the state of round `self.round` that `donors` (the majority of the round before) publish
         the digest of, from one of them, checked against that digest; when they are past that round, join
         them where they are (`_rejoin`). Returns the RMS distance of our `weights_key` tensor from theirs, or
-        None when no donor served it within `repair_timeout_s`."""
+        None when no donor served it within `repair_timeout_s`, or once none of them has had a live heartbeat
+        for `DONORS_GONE_S` (they left: a newcomer in a run's last round)."""
         start = time.perf_counter()
         deadline = time.monotonic() + self.repair_timeout_s
-        why = "none of them published a digest of it"
+        why, listed_at = "none of them published a digest of it", time.monotonic()
         try:
             while time.monotonic() < deadline:
                 progress = self.transport.progress()
+                if donors & set(progress):
+                    listed_at = time.monotonic()
+                elif time.monotonic() - listed_at >= DONORS_GONE_S:
+                    log.warning("round %d: every peer that held the state to repair ours from has left (the "
+                                "run ended?); going on from ours", self.round)
+                    return None
                 theirs = {p: heartbeat_digest(progress.get(p), self.round) for p in donors}
                 theirs = {p: d for p, d in theirs.items() if d is not None}
                 if theirs:
