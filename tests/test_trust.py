@@ -112,6 +112,29 @@ def test_survivors_redo_the_average_without_a_dead_member_and_agree(make_swarm):
     assert ra.complete and rb.complete and ra.absent == [dead] and time.monotonic() - start < 5.0
 
 
+def test_members_that_find_a_member_gone_redo_at_once_without_waiting_for_the_slowest_first(make_swarm):
+    """A and B find the dead member's address refusing their parts: their first attempt cannot commit, so
+    they redo it at once, without waiting for the slowest member's part of it (S has not even begun: their
+    redo's parts reach it first). S, once it begins, finds the dead member gone too and redoes with them;
+    all three commit the mean of their three inputs. Before, A and B waited for S's part of the first
+    attempt, then both redid it after S arrived: a killed member cost every round it was in one more exchange."""
+    a, b, s = make_swarm(3, timeout=30.0)
+    dead = killed_peer(a, until_refused=True)
+    group = sorted([a.peer_id, b.peer_id, s.peer_id, dead])
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def slowest():
+        wait_until(lambda: {a.peer_id, b.peer_id} <= s.averager.mailbox.senders("slow/again/r"), 20,
+                   "A's and B's redo parts, before S begins")
+        return s.average(xs[2], group, "slow")
+
+    results = run_in_threads([lambda: a.average(xs[0], group, "slow"), lambda: b.average(xs[1], group, "slow"),
+                              slowest])
+    for r in results:
+        assert r.complete and r.group == sorted([a.peer_id, b.peer_id, s.peer_id]) and r.absent == [dead]
+        torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)
+
+
 def honest_and_bad(make_swarm, n=4, **kwargs):
     peers = make_swarm(n, **kwargs)
     group = sorted(p.peer_id for p in peers)

@@ -56,7 +56,12 @@ be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, o
 silent through phase 1 leaves our chunk without its part, so the average cannot commit: phases 2 and 3
 are skipped and it is redone without that member at once (a frozen member costs one `timeout`). So
 too when we lack a member's part for any other reason (it is gone, averages over another member list,
-or sent data we rejected): every member that lacks one goes straight to the redo.
+or sent data we rejected): every member that lacks one goes straight to the redo. A member found gone
+(its address refused our part, it takes no part in the round, it averages without us) ends phase 1 at
+once, without waiting for the others' parts: every member finds it gone the same way, and they meet in
+the redo (a killed member used to cost each survivor the first attempt's exchange after the slowest
+member arrived, then the redo's). A push that reaches a member done with the attempt is answered so
+(`_DONE`, as a probe is): its sender does not take it for absent, and they redo together.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -92,8 +97,8 @@ _ACK = b"\x01"
 _REFUSED = b"\x00"  # a live peer that will not take our part (it excluded us, or does not know us yet)
 _NOT_IN_ROUND = b"\x02"  # this process takes no part in the push's round (an earlier process of its peer id did)
 _LEFT_OUT = b"\x03"  # we average (or averaged) the push's average over a member list without the sender
-_DONE = b"\x04"  # (to a probe) we are done with this average and send nothing more for it; alive all the same
-_PUSH_ANSWERS = (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT)
+_DONE = b"\x04"  # we are done with this average and send nothing more for it; alive all the same
+_PUSH_ANSWERS = (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT, _DONE)
 _PING_ANSWERS = (_ACK, _NOT_IN_ROUND, _DONE)
 ASK_AGAIN_AFTER_S = 0.5  # the pause before a third stream: a reset's closing connections are gone by then
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
@@ -282,8 +287,11 @@ class GroupAverager:
         if average in self._groups and sender not in self._groups[average][0]:
             await write_frame(writer, _LEFT_OUT, self.peer.stats)
             return
-        if self._not_in(header.get("round")) or average in self._finished:
+        if self._not_in(header.get("round")):
             await write_frame(writer, _NOT_IN_ROUND, self.peer.stats)
+            return
+        if average in self._finished:
+            await write_frame(writer, _DONE, self.peer.stats)
             return
         try:
             part = self.codec.decode(payload, numel)
@@ -355,6 +363,9 @@ class GroupAverager:
         if answer == _LEFT_OUT:
             log.info("push %s to %s: it averages without us; not waiting for it", tag, target[-8:])
             await self._silent(target, average, left_out=True)
+        elif answer == _DONE:  # not gone: a redo of this average may count on it
+            log.info("push %s to %s: it is done with this average; not waiting for it", tag, target[-8:])
+            await self._silent(target, average, done=True)
         else:
             log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], "it takes no part in this average "
                      "(restarted, or done with it)" if answer == _NOT_IN_ROUND else "refused")
@@ -495,6 +506,11 @@ class GroupAverager:
 
         def note_silent(expected: set[str], got: dict) -> None:
             silent.update(expected - set(got) - self.mailbox.senders(f"{tag}/x"))
+
+        def gone() -> set[str]:
+            """Members that said (or whose address said) they send nothing for this attempt, and are not merely
+            done with it: without their parts it cannot commit."""
+            return {p for p, m in self.mailbox.peek(f"{tag}/x").items() if p != me and not m.meta.get("done")}
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
         raw = torch.tensor_split(flat, len(group))  # chunk j goes to member j, encoded on its own
@@ -526,8 +542,10 @@ class GroupAverager:
             sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", encoded[group.index(p)], deadline, view,
                                                       {"note": note} if note else None, round))
                      for p in others]
-            received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x")
-            note_silent(set(others), received)
+            received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
+                                                  stop=lambda: bool(gone()))
+            if not gone():  # else we stopped waiting at once: the parts not in yet are not silent, only late
+                note_silent(set(others), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             parts = {me: own[mine], **{s: m.tensor for s, m in received.items()
                                        if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -55,15 +56,19 @@ class Mailbox:
         """The messages waiting under `tag`, by sender (nothing is removed)."""
         return dict(self._messages.get(tag, {}))
 
-    async def collect(self, tag: str, senders: set[str], deadline: float, *, unless: str | None = None) -> dict[str, Message]:
+    async def collect(self, tag: str, senders: set[str], deadline: float, *, unless: str | None = None,
+                      stop: Callable[[], bool] | None = None) -> dict[str, Message]:
         """Wait until every sender in `senders` has a message under `tag` (or, when given, under `unless`:
-        a sender that says it will not send), or the loop time `deadline`.
+        a sender that says it will not send), or the loop time `deadline`, or (checked as messages arrive)
+        until `stop()` is true.
 
         Returns (and removes) the messages under `tag` that did arrive, keyed by sender.
         """
         loop = asyncio.get_running_loop()
         async with self._arrived:
             while not senders <= self.senders(tag) | (self.senders(unless) if unless else set()):
+                if stop is not None and stop():
+                    break
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
