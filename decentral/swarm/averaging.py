@@ -57,11 +57,11 @@ silent through phase 1 leaves our chunk without its part, so the average cannot 
 are skipped and it is redone without that member at once (a frozen member costs one `timeout`). So
 too when we lack a member's part for any other reason (it is gone, averages over another member list,
 or sent data we rejected): every member that lacks one goes straight to the redo. A member found gone
-(its address refused our part, it takes no part in the round, it averages without us) ends phase 1 at
-once, without waiting for the others' parts: every member finds it gone the same way, and they meet in
-the redo (a killed member used to cost each survivor the first attempt's exchange after the slowest
-member arrived, then the redo's). A push that reaches a member done with the attempt is answered so
-(`_DONE`, as a probe is): its sender does not take it for absent, and they redo together.
+(its address refused our part, or it takes no part in the round) ends phase 1 at once, without waiting
+for the others' parts: every member finds it gone the same way, and they meet in the redo (a killed
+member used to cost each survivor the first attempt's exchange after the slowest member arrived, then
+the redo's). A push that reaches a member done with the attempt is answered so (`_DONE`, as a probe
+is): its sender does not take it for absent, and they redo together.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -508,9 +508,11 @@ class GroupAverager:
             silent.update(expected - set(got) - self.mailbox.senders(f"{tag}/x"))
 
         def gone() -> set[str]:
-            """Members that said (or whose address said) they send nothing for this attempt, and are not merely
-            done with it: without their parts it cannot commit."""
-            return {p for p, m in self.mailbox.peek(f"{tag}/x").items() if p != me and not m.meta.get("done")}
+            """Members that said (or whose address said) they send nothing for this attempt: without their parts
+            it cannot commit. Not those merely done with it, nor those averaging without us: each of the latter
+            says so, and we wait for all of them to (`AverageResult.left_out`)."""
+            return {p for p, m in self.mailbox.peek(f"{tag}/x").items()
+                    if p != me and not m.meta.get("done") and not m.meta.get("left_out")}
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
         raw = torch.tensor_split(flat, len(group))  # chunk j goes to member j, encoded on its own
