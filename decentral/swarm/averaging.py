@@ -367,8 +367,8 @@ class GroupAverager:
             log.info("push %s to %s: it is done with this average; not waiting for it", tag, target[-8:])
             await self._silent(target, average, done=True)
         else:
-            log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], "it takes no part in this average "
-                     "(restarted, or done with it)" if answer == _NOT_IN_ROUND else "refused")
+            log.info("push %s to %s: %s; not waiting for it", tag, target[-8:], "it takes no part in this round "
+                     "(a restarted process, or a newcomer)" if answer == _NOT_IN_ROUND else "refused")
             await self._silent(target, average)
         return False
 
