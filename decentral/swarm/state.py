@@ -56,7 +56,7 @@ class StateExchange:
         self._snapshot: tuple[dict, dict[str, torch.Tensor], str] | None = None
         self._joins: list[JoinRequest] | None = None  # not yet taken by our protocol; None: it takes none
         self._joins_lock = threading.Lock()
-        self._sending: set[asyncio.Task] = set()  # answers whose state is being sent (see `close`)
+        self._transfers: set[asyncio.Task] = set()  # handlers sending our state (see `close`)
         self._closing = False
         peer.add_handler("state", self._on_request)
         peer.add_handler("join", self._on_join)
@@ -73,9 +73,8 @@ class StateExchange:
         if snapshot is None or self._closing:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
-        with self._sending_one():
+        async with self._transfer(reader):
             await self._answer(request, snapshot, writer)
-            await _until_closed(reader)
 
     async def _answer(self, request: dict, snapshot: tuple[dict, dict[str, torch.Tensor], str],
                       writer: asyncio.StreamWriter) -> None:
@@ -110,33 +109,34 @@ class StateExchange:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
         meta, tensors = granted
-        with self._sending_one():
+        async with self._transfer(reader):
             payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
             await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
-            await _until_closed(reader)
 
-    @contextlib.contextmanager
-    def _sending_one(self):
-        """Counts the calling handler among the answers under way while it sends our state."""
+    @contextlib.asynccontextmanager
+    async def _transfer(self, reader: asyncio.StreamReader):
+        """A transfer of our state that `close` waits for: the calling handler's answer, sent in the block,
+        and then until the requester has read all of it (`_until_closed`)."""
         task = asyncio.current_task()
-        self._sending.add(task)
+        self._transfers.add(task)
         try:
             yield
+            await _until_closed(reader)
         finally:
-            self._sending.discard(task)
+            self._transfers.discard(task)
 
     def close(self, timeout: float) -> None:
         """Refuse new requests, and wait (at most `timeout`) until the state we are sending has been sent."""
         if self._closing:
             return
         self._closing = True
-        self.peer.call(self._finish_sending(timeout)).result()
+        self.peer.call(self._finish_transfers(timeout)).result()
 
-    async def _finish_sending(self, timeout: float) -> None:
-        if self._sending:
-            log.info("finishing %d state transfer(s) under way before leaving (at most %.0fs)", len(self._sending),
+    async def _finish_transfers(self, timeout: float) -> None:
+        if self._transfers:
+            log.info("finishing %d state transfer(s) under way before leaving (at most %.0fs)", len(self._transfers),
                      timeout)
-            await asyncio.wait(set(self._sending), timeout=timeout)
+            await asyncio.wait(set(self._transfers), timeout=timeout)
 
     def join_requests(self) -> list[JoinRequest]:
         """The join requests that arrived since the last call (from the first call on, requests are queued)."""
