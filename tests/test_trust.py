@@ -14,7 +14,7 @@ import torch
 
 from conftest import run_in_threads, wait_until
 from decentral.swarm import SwarmPeer
-from decentral.swarm.averaging import chunk_digest
+from decentral.swarm.averaging import GroupAverager, chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import refuse_plain_dials
 from decentral.swarm.wire import read_frame, write_message
@@ -130,6 +130,42 @@ def test_members_that_find_a_member_gone_redo_at_once_without_waiting_for_the_sl
 
     results = run_in_threads([lambda: a.average(xs[0], group, "slow"), lambda: b.average(xs[1], group, "slow"),
                               slowest])
+    for r in results:
+        assert r.complete and r.group == sorted([a.peer_id, b.peer_id, s.peer_id]) and r.absent == [dead]
+        torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)
+
+
+def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(make_swarm, monkeypatch):
+    """S reads none of the first attempt's parts (its first two push streams are held unread until the end):
+    A and B, finding the dead member gone, stop sending theirs and redo at once, so all three commit the mean
+    of their three inputs while those streams are still held, in seconds. Before, each waited for S's answer
+    to its first-attempt part until the timeout before it redid the average."""
+    serve, held, release = GroupAverager._on_push, [], {}
+
+    async def held_first_two(averager, sender, reader, writer):
+        if averager is release.get("at") and len(held) < 2:
+            held.append(sender)
+            await release["event"].wait()
+        await serve(averager, sender, reader, writer)
+
+    monkeypatch.setattr(GroupAverager, "_on_push", held_first_two)
+    a, b, s = make_swarm(3, timeout=30.0)
+    dead = killed_peer(a, until_refused=True)
+    group = sorted([a.peer_id, b.peer_id, s.peer_id, dead])
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    async def hold():
+        release.update(at=s.averager, event=asyncio.Event())
+
+    async def let_go():
+        release["event"].set()
+
+    s.peer.call(hold()).result(timeout=10)
+    start = time.monotonic()
+    results = run_in_threads([lambda p=p, x=x: p.average(x, group, "held") for p, x in zip((a, b, s), xs)])
+    assert time.monotonic() - start < 10.0  # the timeout is 30 s
+    s.peer.call(let_go()).result(timeout=10)
+    assert sorted(held) == sorted([a.peer_id, b.peer_id])  # both first-attempt parts to S were held unread
     for r in results:
         assert r.complete and r.group == sorted([a.peer_id, b.peer_id, s.peer_id]) and r.absent == [dead]
         torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)

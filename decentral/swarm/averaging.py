@@ -58,9 +58,9 @@ are skipped and it is redone without that member at once (a frozen member costs 
 too when we lack a member's part for any other reason (it is gone, averages over another member list,
 or sent data we rejected): every member that lacks one goes straight to the redo. A member found gone
 (its address refused our part, or it takes no part in the round) ends phase 1 at once, without waiting
-for the others' parts: every member finds it gone the same way, and they meet in the redo (a killed
-member used to cost each survivor the first attempt's exchange after the slowest member arrived, then
-the redo's). A push that reaches a member done with the attempt is answered so (`_DONE`, as a probe
+for the others' parts, and our parts still on their way are no longer sent: every member finds it gone
+the same way, and they meet in the redo (a killed member used to cost each survivor the first attempt's
+exchange after the slowest member arrived, then the redo's). A push that reaches a member done with the attempt is answered so (`_DONE`, as a probe
 is): its sender does not take it for absent, and they redo together.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
@@ -573,7 +573,11 @@ class GroupAverager:
 
             if len(parts) < len(group):  # a member's part is missing (silent, gone, elsewhere or rejected): no
                 # member can hold the group's whole mean of our chunk, so the average cannot commit; we skip phases
-                # 2 and 3 (their bytes and round trips) and it is redone without that member
+                # 2 and 3 (their bytes and round trips) and it is redone without that member. Our parts still on
+                # their way are of no use to anyone either: we stop sending them (their receivers find the attempt
+                # failed as we did, and a probe finds us done with it), so the redo's parts get the link at once
+                for send in sends:
+                    send.cancel()
                 result, counts, disagree = list(own), [1] * len(group), []
             else:
                 # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
@@ -619,7 +623,7 @@ class GroupAverager:
                     if (isinstance(theirs, list) and len(theirs) == len(group) and digests[j] is not None
                             and theirs[j] != digests[j]):
                         accept(p, "its chunk's digest differs from the chunk it sent us")
-            await asyncio.gather(*sends)
+            await asyncio.gather(*sends, return_exceptions=True)  # cancelled ones: see above
         finally:
             probe.cancel()
         notices = self.mailbox.peek(f"{tag}/x")
