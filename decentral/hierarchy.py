@@ -166,6 +166,10 @@ class HierarchicalTransport:
     def members(self, round: int) -> list[str]:
         return self._from_leader(lambda: self.swarm.members(round))
 
+    def members_async(self, round: int) -> Future[list[str]]:
+        """On the island's averaging thread, in order with the averages (every rank calls it at the same step)."""
+        return self._averages.submit(self._from_leader, lambda: self.swarm.members(round), self._data)
+
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         if self.swarm:
             self.swarm.set_progress(step, round, digest)

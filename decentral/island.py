@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from decentral.transport import AverageResult
+from decentral.transport import AverageResult, finished
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -84,6 +84,9 @@ class IslandTransport:
     def members(self, round: int) -> list[str]:
         """All ranks' ids, rank0, rank1, … in numeric order."""
         return list(self._ids)
+
+    def members_async(self, round: int) -> Future[list[str]]:
+        return finished(self.members(round))
 
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         """Nothing to report: the collectives themselves keep the ranks in step (and identical)."""

@@ -146,6 +146,9 @@ class LoopbackTransport:
         with self.hub._cond:
             return sorted(self.hub._announced.get(round, set()) & self.hub._open)
 
+    def members_async(self, round: int) -> Future[list[str]]:
+        return finished(self.members(round))
+
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         with self.hub._cond:
             digests = self.hub._progress[self.peer_id]["digests"]

@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def state_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -118,6 +120,10 @@ class Transport(Protocol):
     def members(self, round: int) -> list[str]:
         """Sorted ids of the peers taking part in `round`; every peer derives the same list."""
 
+    def members_async(self, round: int) -> Future[list[str]]:
+        """`members` looked up in the background where the lookup waits on the network (a DHT read), so a
+        protocol can start it before it needs the list; done at once where the lookup is not."""
+
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         """Report our progress to the others (heartbeat); `digest`: the `state_digest` of the state we
         hold after `round` rounds, which the others see soon (a transport keeps the last few rounds')."""
@@ -199,6 +205,9 @@ class SoloTransport:
     def members(self, round: int) -> list[str]:
         return [self.peer_id]
 
+    def members_async(self, round: int) -> Future[list[str]]:
+        return finished(self.members(round))
+
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         pass
 
@@ -246,8 +255,8 @@ def own_note(peer_id: str, note: dict | None) -> dict[str, dict]:
     return {peer_id: note} if note else {}
 
 
-def finished(result: AverageResult) -> Future[AverageResult]:
-    """A future already done with `result` (a transport whose average is over when it returns)."""
-    future: Future[AverageResult] = Future()
+def finished(result: T) -> Future[T]:
+    """A future already done with `result` (a transport whose average or lookup is over when it returns)."""
+    future: Future[T] = Future()
     future.set_result(result)
     return future

@@ -637,6 +637,34 @@ def test_a_co2_average_looks_up_its_members_off_the_training_thread(make_swarm):
     assert torch.equal(protocols[0].slow, protocols[1].slow)
 
 
+@pytest.mark.parametrize("cls", [DiLoCo, NoLoCo])
+def test_an_outer_step_looks_up_its_members_during_the_rounds_last_inner_step(make_swarm, cls):
+    """DHT reads on the training thread at every boundary added to every member's wait: the lookup starts
+    after the round's second-to-last step, off the training thread, and the outer step averages over it."""
+    protocols = make_protocols(make_swarm(2), cls, every=4)
+    lookups, trainers = record_lookups(protocols)
+    started = []  # (protocol, its inner step) at each start of a lookup
+    for p in protocols:
+        members_async = p.transport.members_async
+        p.transport.members_async = lambda round, p=p, members_async=members_async: (
+            started.append((p, p.step)), members_async(round))[1]
+    x = torch.randn(8, 5)
+
+    def train(p):
+        reports = []
+        for _ in range(3 * p.every):
+            loss_step(p, x)
+            reports.append(p.pop_report())
+        return [r for r in reports if r is not None]
+
+    with protocols[0], protocols[1]:
+        results = run_in_threads([lambda p=p: train(p) for p in protocols])
+    for reports in results:
+        assert len(reports) == 3 and all(r.complete and len(r.group) == 2 for r in reports)
+    assert sorted((protocols.index(p), step) for p, step in started) == [(i, s) for i in (0, 1) for s in (3, 7, 11)]
+    assert len(lookups) == 6 and not trainers & set(lookups)
+
+
 def test_a_co2_average_that_did_not_commit_goes_out_again_so_nothing_trained_is_lost(make_loopback):
     transports = make_loopback(2)
     alone, leaving = make_protocols(transports, CO2, every=10, outer_lr=1.0, outer_momentum=0.0, clip=None)

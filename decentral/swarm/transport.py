@@ -112,6 +112,10 @@ class SwarmTransport:
     def members(self, round: int) -> list[str]:
         return self.membership.members(round)
 
+    def members_async(self, round: int) -> Future[list[str]]:
+        """The DHT reads of `members` in a thread of the swarm's event loop."""
+        return self.peer.call(asyncio.to_thread(self.members, round))
+
     def set_progress(self, step: int, round: int, digest: str | None = None) -> None:
         self.membership.set_progress(step, round, digest)
 

@@ -106,6 +106,7 @@ class SyncProtocol:
         self.join_within_steps = 0  # a newcomer joins a round its donor is at most this many steps into
         self.donor: str | None = None  # the peer whose state we joined the swarm with, if any
         self.onlooking = False  # a newcomer training the round under way without being a member of it
+        self._members_ahead: tuple[int, Future[list[str]]] | None = None  # (round, its members' lookup under way)
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -239,7 +240,17 @@ class SyncProtocol:
             self.wait_s += time.perf_counter() - start
 
     def _members(self, round: int) -> list[str]:
-        return with_us(self._waiting_on(lambda: self.transport.members(round)), self.transport.peer_id)
+        """`round`'s members, with us: the lookup `_look_up_members_ahead` started for it, else one now."""
+        ahead, self._members_ahead = self._members_ahead, None
+        look_up = ahead[1].result if ahead is not None and ahead[0] == round else lambda: self.transport.members(round)
+        return with_us(self._waiting_on(look_up), self.transport.peer_id)
+
+    def _look_up_members_ahead(self) -> None:
+        """Start the lookup of this round's members for `_members` at the round's end, so that its time (DHT
+        reads on a swarm) overlaps the round's last inner step instead of adding to every member's wait at
+        the boundary (the others wait for the slowest member's lookup too)."""
+        round = self.round
+        self._members_ahead = (round, self._waiting_on(lambda: self.transport.members_async(round)))
 
     def _offer(self) -> str:
         """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""
@@ -447,6 +458,8 @@ class OuterProtocol(SyncProtocol):
 
     shares_state = True
     weights_key = "slow"
+    looks_up_members = False  # the outer step averages over `_members(round)`: looked up during the round's last
+    # inner step (`_look_up_members_ahead`)
 
     def __init__(self, model, optimizer, transport: Transport, *, every: int, outer_on_device: bool = False):
         super().__init__(model, optimizer, transport)
@@ -552,7 +565,10 @@ class OuterProtocol(SyncProtocol):
         self._load_fast(self.round_start_weights())
 
     def after_step(self) -> SyncReport | None:
-        if self.step - self._round_start < self.every:
+        left = self._round_start + self.every - self.step
+        if left == 1 and self.looks_up_members and not self.onlooking:
+            self._look_up_members_ahead()
+        if left > 0:
             return None
         if self.onlooking:
             self._end_onlooking()

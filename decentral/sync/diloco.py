@@ -26,6 +26,7 @@ from decentral.transport import Transport
 class DiLoCo(OuterProtocol):
     name = "diloco"
     identical_replicas = True  # every member applies the same average to the same φ and momentum
+    looks_up_members = True
     error_feedback = True
 
     def __init__(

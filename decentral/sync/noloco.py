@@ -24,6 +24,7 @@ from decentral.transport import Transport
 
 class NoLoCo(OuterProtocol):
     name = "noloco"
+    looks_up_members = True
 
     def __init__(
         self,
