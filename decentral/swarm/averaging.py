@@ -60,8 +60,9 @@ or sent data we rejected): every member that lacks one goes straight to the redo
 (its address refused our part, or it takes no part in the round) ends phase 1 at once, without waiting
 for the others' parts, and our parts still on their way are no longer sent: every member finds it gone
 the same way, and they meet in the redo (a killed member used to cost each survivor the first attempt's
-exchange after the slowest member arrived, then the redo's). A push that reaches a member done with the attempt is answered so (`_DONE`, as a probe
-is): its sender does not take it for absent, and they redo together.
+exchange after the slowest member arrived, then the redo's). A push that reaches a member done with the
+attempt is answered so (`_DONE`, as a probe is): its sender does not take it for absent, and they redo
+together.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
