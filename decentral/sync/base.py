@@ -249,8 +249,7 @@ class SyncProtocol:
         """Start the lookup of this round's members for `_members` at the round's end, so that its time (DHT
         reads on a swarm) overlaps the round's last inner step instead of adding to every member's wait at
         the boundary (the others wait for the slowest member's lookup too)."""
-        round = self.round
-        self._members_ahead = (round, self._waiting_on(lambda: self.transport.members_async(round)))
+        self._members_ahead = (self.round, self.transport.members_async(self.round))  # started, not waited for
 
     def _offer(self) -> str:
         """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""
