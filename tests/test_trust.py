@@ -14,6 +14,7 @@ import torch
 
 from conftest import run_in_threads, wait_until
 from decentral.swarm import SwarmPeer
+from decentral.swarm import averaging
 from decentral.swarm.averaging import GroupAverager, chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import refuse_plain_dials
@@ -136,26 +137,33 @@ def test_members_that_find_a_member_gone_redo_at_once_without_waiting_for_the_sl
 
 
 def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(make_swarm, monkeypatch):
-    """S reads none of the first attempt's parts (its first two push streams are held unread until the end):
-    A and B, finding the dead member gone, stop sending theirs and redo at once, so all three commit the mean
-    of their three inputs while those streams are still held, in seconds. Before, each waited for S's answer
-    to its first-attempt part until the timeout before it redid the average."""
-    serve, held, release = GroupAverager._on_push, [], {}
+    """S reads the header of A's and B's first-attempt parts but not their payloads (held until the end), and
+    only then do A's and B's parts reach the dead member's address: A and B, finding it gone, stop sending
+    theirs and redo at once, so all three commit the mean of their three inputs while those parts are still
+    unread, in seconds. Before, each waited for S's answer to its first-attempt part until the timeout."""
+    read_header, push, held, release = averaging.read_header, GroupAverager._push, [], {}
 
-    async def held_first_two(averager, sender, reader, writer):
-        if averager is release.get("at") and len(held) < 2:
-            held.append(sender)
+    async def held_after_the_header(reader, stats):
+        header = await read_header(reader, stats)
+        if stats is release.get("at") and header.get("tag") == "held/r":
+            held.append(header)
             await release["event"].wait()
-        await serve(averager, sender, reader, writer)
+        return header
 
-    monkeypatch.setattr(GroupAverager, "_on_push", held_first_two)
+    async def to_the_dead_after_both_held(averager, target, tag, *args, **kwargs):
+        while target == release.get("dead") and tag == "held/r" and len(held) < 2:
+            await asyncio.sleep(0.01)  # polling S's state, from A's or B's loop
+        return await push(averager, target, tag, *args, **kwargs)
+
+    monkeypatch.setattr(averaging, "read_header", held_after_the_header)
+    monkeypatch.setattr(GroupAverager, "_push", to_the_dead_after_both_held)
     a, b, s = make_swarm(3, timeout=30.0)
     dead = killed_peer(a, until_refused=True)
     group = sorted([a.peer_id, b.peer_id, s.peer_id, dead])
     xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
 
     async def hold():
-        release.update(at=s.averager, event=asyncio.Event())
+        release.update(at=s.peer.stats, dead=dead, event=asyncio.Event())
 
     async def let_go():
         release["event"].set()
@@ -165,7 +173,7 @@ def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(
     results = run_in_threads([lambda p=p, x=x: p.average(x, group, "held") for p, x in zip((a, b, s), xs)])
     assert time.monotonic() - start < 10.0  # the timeout is 30 s
     s.peer.call(let_go()).result(timeout=10)
-    assert sorted(held) == sorted([a.peer_id, b.peer_id])  # both first-attempt parts to S were held unread
+    assert len(held) == 2  # both first-attempt parts to S were held unread
     for r in results:
         assert r.complete and r.group == sorted([a.peer_id, b.peer_id, s.peer_id]) and r.absent == [dead]
         torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)

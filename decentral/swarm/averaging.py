@@ -574,11 +574,14 @@ class GroupAverager:
 
             if len(parts) < len(group):  # a member's part is missing (silent, gone, elsewhere or rejected): no
                 # member can hold the group's whole mean of our chunk, so the average cannot commit; we skip phases
-                # 2 and 3 (their bytes and round trips) and it is redone without that member. Our parts still on
-                # their way are of no use to anyone either: we stop sending them (their receivers find the attempt
-                # failed as we did, and a probe finds us done with it), so the redo's parts get the link at once
-                for send in sends:
-                    send.cancel()
+                # 2 and 3 (their bytes and round trips) and it is redone without that member. When a member is
+                # gone, our parts still on their way are of no use to anyone either: we stop sending them (their
+                # receivers find it gone as we did, and a probe finds us done with the attempt), so the redo's
+                # parts get the link at once. Not for data we rejected: a receiver learns what is wrong with the
+                # sender's data from its own part of it, which may reach it only after ours
+                if gone():
+                    for send in sends:
+                        send.cancel()
                 result, counts, disagree = list(own), [1] * len(group), []
             else:
                 # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
