@@ -13,8 +13,7 @@ import time
 import torch
 
 from conftest import run_in_threads, wait_until
-from decentral.swarm import SwarmPeer
-from decentral.swarm import averaging
+from decentral.swarm import SwarmPeer, averaging
 from decentral.swarm.averaging import GroupAverager, chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import refuse_plain_dials
@@ -113,16 +112,28 @@ def test_survivors_redo_the_average_without_a_dead_member_and_agree(make_swarm):
     assert ra.complete and rb.complete and ra.absent == [dead] and time.monotonic() - start < 5.0
 
 
+def three_and_a_dead_member(make_swarm):
+    """Three live peers, a SIGKILLed one whose address refuses dials, the four's group, an input for each live one."""
+    peers = make_swarm(3, timeout=30.0)
+    dead = killed_peer(peers[0], until_refused=True)
+    group = sorted([p.peer_id for p in peers] + [dead])
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    return peers, dead, group, xs
+
+
+def all_committed_the_mean_of_three(results, peers, dead, xs) -> None:
+    for r in results:
+        assert r.complete and r.group == sorted(p.peer_id for p in peers) and r.absent == [dead]
+        torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)
+
+
 def test_members_that_find_a_member_gone_redo_at_once_without_waiting_for_the_slowest_first(make_swarm):
     """A and B find the dead member's address refusing their parts: their first attempt cannot commit, so
     they redo it at once, without waiting for the slowest member's part of it (S has not even begun: their
     redo's parts reach it first). S, once it begins, finds the dead member gone too and redoes with them;
     all three commit the mean of their three inputs. Before, A and B waited for S's part of the first
     attempt, then both redid it after S arrived: a killed member cost every round it was in one more exchange."""
-    a, b, s = make_swarm(3, timeout=30.0)
-    dead = killed_peer(a, until_refused=True)
-    group = sorted([a.peer_id, b.peer_id, s.peer_id, dead])
-    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    (a, b, s), dead, group, xs = three_and_a_dead_member(make_swarm)
 
     def slowest():
         wait_until(lambda: {a.peer_id, b.peer_id} <= s.averager.mailbox.senders("slow/again/r"), 20,
@@ -131,9 +142,7 @@ def test_members_that_find_a_member_gone_redo_at_once_without_waiting_for_the_sl
 
     results = run_in_threads([lambda: a.average(xs[0], group, "slow"), lambda: b.average(xs[1], group, "slow"),
                               slowest])
-    for r in results:
-        assert r.complete and r.group == sorted([a.peer_id, b.peer_id, s.peer_id]) and r.absent == [dead]
-        torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)
+    all_committed_the_mean_of_three(results, (a, b, s), dead, xs)
 
 
 def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(make_swarm, monkeypatch):
@@ -157,10 +166,7 @@ def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(
 
     monkeypatch.setattr(averaging, "read_header", held_after_the_header)
     monkeypatch.setattr(GroupAverager, "_push", to_the_dead_after_both_held)
-    a, b, s = make_swarm(3, timeout=30.0)
-    dead = killed_peer(a, until_refused=True)
-    group = sorted([a.peer_id, b.peer_id, s.peer_id, dead])
-    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    (a, b, s), dead, group, xs = three_and_a_dead_member(make_swarm)
 
     async def hold():
         release.update(at=s.peer.stats, dead=dead, event=asyncio.Event())
@@ -174,9 +180,7 @@ def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(
     assert time.monotonic() - start < 10.0  # the timeout is 30 s
     s.peer.call(let_go()).result(timeout=10)
     assert len(held) == 2  # both first-attempt parts to S were held unread
-    for r in results:
-        assert r.complete and r.group == sorted([a.peer_id, b.peer_id, s.peer_id]) and r.absent == [dead]
-        torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)
+    all_committed_the_mean_of_three(results, (a, b, s), dead, xs)
 
 
 def honest_and_bad(make_swarm, n=4, **kwargs):

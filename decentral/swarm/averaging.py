@@ -547,7 +547,8 @@ class GroupAverager:
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
                                                   stop=lambda: bool(gone()))
-            if not gone():  # else we stopped waiting at once: the parts not in yet are not silent, only late
+            found_gone = bool(gone())
+            if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
                 note_silent(set(others), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             parts = {me: own[mine], **{s: m.tensor for s, m in received.items()
@@ -579,7 +580,7 @@ class GroupAverager:
                 # receivers find it gone as we did, and a probe finds us done with the attempt), so the redo's
                 # parts get the link at once. Not for data we rejected: a receiver learns what is wrong with the
                 # sender's data from its own part of it, which may reach it only after ours
-                if gone():
+                if found_gone:
                     for send in sends:
                         send.cancel()
                 result, counts, disagree = list(own), [1] * len(group), []
