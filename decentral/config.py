@@ -63,6 +63,7 @@ class SwarmConfig:
     codec: str = "float32"  # how averages travel: float32, float16, bfloat16, int8, int4, topk[:DENSITY]
     max_norm_ratio: float = 2.0  # parts are clipped to this multiple of their chunk's lower-median norm
     aggregation: str = "mean"  # or "trimmed": each coordinate without its extremes, in groups of 3+
+    hang_s: float = 4.0  # a member silent this long in an average (no probe answered, no bytes) is taken for hung
     heartbeat_s: float = HEARTBEAT_S
     key_file: str = ""  # swarm key (decentral swarm keygen): only peers holding it take part; "" = an open swarm
 

@@ -169,7 +169,7 @@ def _swarm_connection(recipe: Recipe, opts: WorkerOptions, run: str, join: Seque
     return SwarmTransport(
         run, join, host=opts.host, port=port, announce_host=opts.announce_host,
         timeout=s.timeout, codec=s.codec, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
-        heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
+        hang_s=s.hang_s, heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
         swarm_key=SwarmKey.load(s.key_file) if s.key_file else None,
     )
 

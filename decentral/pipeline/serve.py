@@ -142,7 +142,7 @@ def _protocol_maker(opts: NodeOptions, peer: SwarmPeer, index: int):
         transport = SwarmTransport(f"{s.run}-stage{index}", peer.multiaddrs(), host=opts.host,
                                    announce_host=opts.announce_host, timeout=s.timeout, codec=s.codec,
                                    max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
-                                   heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / "stage-identity.key"),
+                                   hang_s=s.hang_s, heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / "stage-identity.key"),
                                    swarm_key=opts.swarm_key)
         return PROTOCOLS[recipe.protocol](stage, optimizer, transport, **recipe.protocol_args)
 

@@ -44,17 +44,20 @@ processes can reset, and a reset closes every connection between them, so a stre
 land on one that is closing; and under load a single stream between two live processes can end
 unanswered while their connection stays up: one or two of some 3,000 pushes among six workers on two
 cores, p2pd's debug log showing no connection closed or dialled; the fresh dial to a dead one is
-refused), and only a third closed stream counts; a probe that merely times out proves nothing on a
-congested link. The same for a member that says it takes no part in the average: a restarted process
-whose first round is later, one that serves no averaging yet, one that has finished this average
-already, or one that averages it over a member list without us ("left out"). When the average did not
+refused), and only a third closed stream counts. The same for a member that says it takes no part in
+the average: a restarted process whose first round is later, one that serves no averaging yet, one that
+has finished this average already, or one that averages it over a member list without us ("left out").
+A probe that merely times out proves nothing on a congested link, but a member that shows no sign of
+life at all for `hang_s` (no answer to our probes, no probe of its own, no byte of a part: a frozen
+process, a host powered down or cut off) is taken for gone too; the bytes of a large part are watched as
+they arrive, so a part that takes long on a slow link keeps its sender alive. When the average did not
 commit, it is redone once without every member that was absent (gone, or silent past a phase's deadline:
 a member frozen or too slow for this average), averaged over another member list or was excluded, so the
 others still commit a common result; a member a probe found done with the average is not absent (it may
 be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or
 `timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after phase 2. A member
 silent through phase 1 leaves our chunk without its part, so the average cannot commit: phases 2 and 3
-are skipped and it is redone without that member at once (a frozen member costs one `timeout`). So
+are skipped and it is redone without that member at once (a frozen member costs `hang_s`). So
 too when we lack a member's part for any other reason (it is gone, averages over another member list,
 or sent data we rejected): every member that lacks one goes straight to the redo. A member found gone
 (its address refused our part, or it takes no part in the round) ends phase 1 at once, without waiting
@@ -197,9 +200,11 @@ class GroupAverager:
 
     def __init__(self, peer: SwarmPeer, *, codec: Codec = Dense("float32"), max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0, member_refresh_s: float = 1.0):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = 4.0, member_refresh_s: float = 1.0):
         if aggregation not in AGGREGATIONS:
             raise SwarmError(f"swarm.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
+        if not hang_s >= 2 * probe_s:  # a live peer's last answer is about `probe_s` old when we look
+            raise SwarmError(f"swarm.hang_s must be at least twice the probe interval ({2 * probe_s}s), got {hang_s}")
         self.peer = peer
         self.codec = codec
         self.max_norm_ratio = max_norm_ratio
@@ -207,12 +212,14 @@ class GroupAverager:
         self.is_member = is_member
         self.read_timeout = read_timeout
         self.probe_s = probe_s
+        self.hang_s = hang_s
         self.member_refresh_s = member_refresh_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self.first_round: int | None = None  # the first round this process takes part in (see `take_part_from`)
         self._turned_away: int | None = None  # the latest round whose pushes or probes we answered "not in it"
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
+        self._heard: dict[str, float] = {}  # peer -> loop time of its last sign of life (see `_probe`)
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
         # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
         self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
@@ -230,6 +237,7 @@ class GroupAverager:
         except (WireError, ValueError, TimeoutError) as e:
             log.debug("a malformed or late probe from %s: %r", sender[-8:], e)
             return
+        self._hear(sender)
         request = request if isinstance(request, dict) else {}
         tag = request.get("tag")
         answer = (_NOT_IN_ROUND if self._not_in(request.get("round"))
@@ -278,7 +286,8 @@ class GroupAverager:
                 if wire != self.codec.name:
                     raise WireError(f"a part in codec {wire!r}; this swarm's is {self.codec.name!r}")
                 size = self.codec.size(numel)
-                payload = await read_frame(reader, self.peer.stats, size)
+                self._hear(sender)
+                payload = await read_frame(reader, self.peer.stats, size, on_bytes=lambda: self._hear(sender))
                 if len(payload) != size:
                     raise WireError(f"payload of {len(payload)} bytes, the header announced {size}")
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
@@ -414,31 +423,57 @@ class GroupAverager:
         once; a restarted one may have joined by then)."""
         await self.mailbox.put(f"{tag}/x", Message(peer, torch.empty(0), meta=why))
 
+    def _hear(self, peer: str) -> None:
+        """`peer` showed a sign of life (bytes of a push, a probe, an answer to ours); kept for the members
+        of the averages we remember (see `_probe`)."""
+        if any(peer in group for group, _, _ in self._groups.values()):
+            self._heard[peer] = asyncio.get_running_loop().time()
+
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
         serves no averaging (yet) or takes no part in `round` (a restarted process) is left out of this
         average; one done with average `tag` (so it sends nothing more, though a part of its never reached
-        us) is no longer waited for, but is not absent: a redo counts on it."""
+        us) is no longer waited for, but is not absent: a redo counts on it. One that shows no sign of life
+        for `hang_s` since we began (no answer to a probe, no probe of its own, no byte of a push: a frozen
+        process, a host cut off or powered down) is taken for gone. A live member answers a probe within a
+        round trip even while it trains or is slow to reach the average, and on a congested link the
+        bytes of its parts keep arriving; a probe that merely times out proves nothing on its own."""
         request = json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode()
+        began = asyncio.get_running_loop().time()
 
         async def ping(peer: str) -> None:
             try:
-                answer = await self._ask(peer, "ping", lambda w: write_frame(w, request, self.peer.stats),
-                                         _PING_ANSWERS)
+                async with asyncio.timeout(2 * self.probe_s):
+                    answer = await self._ask(peer, "ping", lambda w: write_frame(w, request, self.peer.stats),
+                                             _PING_ANSWERS)
+                self._hear(peer)
                 if answer == _NOT_IN_ROUND:
                     await self._silent(peer, tag)
                 elif answer == _DONE:  # not gone: a redo of this average may count on it
                     await self._silent(peer, tag, done=True)
             except (NotServing, _Unreachable, _StreamLost, ConnectionError):
                 await self._silent(peer, tag)
-            except Exception as e:  # a timeout proves nothing on a congested link
+            except Exception as e:  # a timeout alone proves nothing on a congested link
                 log.debug("ping %s: %r", peer[-8:], e)
 
-        while True:
-            await asyncio.sleep(self.probe_s)
-            gone = self.mailbox.senders(f"{tag}/x")
-            await asyncio.gather(*(asyncio.wait_for(ping(p), self.probe_s * 2) for p in peers if p not in gone),
-                                 return_exceptions=True)
+        pinging: dict[str, asyncio.Task] = {}  # at most one probe in flight per peer
+        try:
+            while True:
+                await asyncio.sleep(self.probe_s)
+                now = asyncio.get_running_loop().time()
+                for peer in peers:
+                    if peer in self.mailbox.senders(f"{tag}/x"):
+                        continue
+                    quiet = now - max(began, self._heard.get(peer, began))
+                    if quiet >= self.hang_s:
+                        log.info("%s: no sign of life from %s for %.1fs (no answer to our probes, no bytes); "
+                                 "taken for hung, not waiting for it", tag, peer[-8:], quiet)
+                        await self._silent(peer, tag)
+                    elif peer not in pinging or pinging[peer].done():
+                        pinging[peer] = asyncio.ensure_future(ping(peer))
+        finally:
+            for task in pinging.values():
+                task.cancel()
 
     def _ban(self, peer: str, reason: str) -> None:
         if peer not in self.banned:

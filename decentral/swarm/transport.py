@@ -44,6 +44,8 @@ class SwarmTransport:
     swarm_key: admit only peers holding it (see SwarmPeer).
     aggregation: "mean", or "trimmed" (each coordinate without its largest and smallest value, in groups
         of 3 or more).
+    hang_s: a member of an average that shows no sign of life for this long (no answer to a probe, no byte
+        of a part) is taken for hung, and the average goes on without it (see GroupAverager._probe).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class SwarmTransport:
         codec: str = "float32",
         max_norm_ratio: float = 2.0,
         aggregation: str = "mean",
+        hang_s: float = 4.0,
         heartbeat_s: float = HEARTBEAT_S,
         lookahead: int = 2,
         identity_path: str | None = None,
@@ -75,7 +78,7 @@ class SwarmTransport:
                                      expire_s=max(3 * heartbeat_s, timeout, HEARTBEAT_STALL_S))
         self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
-                                      read_timeout=1.5 * timeout)
+                                      read_timeout=1.5 * timeout, hang_s=hang_s)
         self.state = StateExchange(self.peer, live_step=lambda: self.membership.step, join_timeout=timeout)
 
     @property

@@ -12,11 +12,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 _LEN_BYTES = 8
 MAX_FRAME = 1 << 34  # 16 GiB: anything larger is a corrupt length, not a model
 MAX_HEADER = 1 << 16  # a JSON header frame; checked before anything is allocated
+PIECE = 1 << 16  # bytes a large frame is paced (LinkShaper) and watched arriving (`read_frame`) by
 
 class WireError(RuntimeError):
     """A peer sent bytes that do not form a valid message."""
@@ -41,13 +43,19 @@ class LinkShaper:
 
     DECENTRAL_LINK_LATENCY_MS: every frame waits this long before it is sent (this kernel has no
     netem). DECENTRAL_LINK_RATE_BPS, only when DECENTRAL_NETLAB_MODE is "loopback": frames are paced
-    to this many bits per second (in netns mode tc tbf enforces the rate, for all traffic).
+    to this many bits per second, a piece at a time (in netns mode tc tbf enforces the rate, for all
+    traffic).
     Lives on the swarm's event loop; covers our streams only, not the DHT's traffic.
     """
 
     def __init__(self, latency_s: float = 0.0, rate_bps: float | None = None):
         self.latency_s, self.rate_bps = latency_s, rate_bps
         self._next_free = 0.0
+
+    @property
+    def paces(self) -> bool:
+        """Whether sends are paced to a rate (then a frame goes out in pieces, see `write_frame`)."""
+        return bool(self.rate_bps)
 
     @classmethod
     def from_env(cls) -> "LinkShaper":
@@ -56,8 +64,9 @@ class LinkShaper:
         loopback = os.environ.get("DECENTRAL_NETLAB_MODE") == "loopback"
         return cls(latency, float(rate) if rate and loopback else None)
 
-    async def before_send(self, nbytes: int) -> None:
-        wait = self.latency_s
+    async def before_send(self, nbytes: int, first: bool = True) -> None:
+        """Wait until `nbytes` may go out: the latency before a frame's `first` piece, and the rate's pace."""
+        wait = self.latency_s if first else 0.0
         if self.rate_bps:
             now = time.monotonic()
             self._next_free = max(self._next_free, now) + 8 * nbytes / self.rate_bps
@@ -70,19 +79,39 @@ LINK = LinkShaper.from_env()
 
 
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview, stats: TrafficStats) -> None:
-    await LINK.before_send(_LEN_BYTES + len(data))
-    writer.write(len(data).to_bytes(_LEN_BYTES, "big"))
-    writer.write(data)
+    """One frame. Paced by LINK in pieces of PIECE bytes, so that a large frame flows as it would on a slow
+    link (a small frame on another stream gets the link between two pieces) rather than waiting whole."""
+    length = len(data).to_bytes(_LEN_BYTES, "big")
+    if LINK.paces:
+        frame = memoryview(length + bytes(data))
+        for start in range(0, len(frame), PIECE):
+            await LINK.before_send(len(frame[start:start + PIECE]), first=start == 0)
+            writer.write(frame[start:start + PIECE])
+    else:
+        await LINK.before_send(_LEN_BYTES + len(data))
+        writer.write(length)
+        writer.write(data)
     await writer.drain()
     stats.add(sent=_LEN_BYTES + len(data))
 
 
-async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME) -> bytes:
-    """One frame; WireError before anything is allocated when it announces more than `max_bytes`."""
+async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME,
+                     on_bytes: Callable[[], None] | None = None) -> bytes:
+    """One frame; WireError before anything is allocated when it announces more than `max_bytes`.
+    `on_bytes()` is called whenever a piece of it (at most PIECE bytes) has arrived: a sign of life of its
+    sender while a large frame is still on its way."""
     length = int.from_bytes(await reader.readexactly(_LEN_BYTES), "big")
     if length > max_bytes:
         raise WireError(f"frame length {length} exceeds the {max_bytes}-byte limit")
-    data = await reader.readexactly(length)
+    if on_bytes is None:
+        data = await reader.readexactly(length)
+    else:
+        on_bytes()
+        pieces = []
+        for start in range(0, length, PIECE):
+            pieces.append(await reader.readexactly(min(PIECE, length - start)))
+            on_bytes()
+        data = b"".join(pieces)
     stats.add(received=_LEN_BYTES + length)
     return data
 
