@@ -175,6 +175,13 @@ def chunk_digest(chunk: torch.Tensor, norms: list[float]) -> str:
     return digest.hexdigest()[:24]
 
 
+def encode_chunks(codec: Codec, flat: torch.Tensor, k: int) -> tuple[list[tuple[bytes, int]], list[torch.Tensor]]:
+    """`flat` in k chunks (chunk j goes to member j), each encoded on its own with its element count, and
+    each as its owner decodes it."""
+    encoded = [(codec.encode(chunk), chunk.numel()) for chunk in torch.tensor_split(flat, k)]
+    return encoded, [codec.decode(*e) for e in encoded]
+
+
 def kept(result: torch.Tensor) -> torch.Tensor:
     """1 where a sparse codec's re-encoded average kept a value, 0 where it dropped one: what every
     member holds, so every member derives the same mask."""
@@ -195,7 +202,10 @@ class GroupAverager:
     """Serves the `push` and `ping` streams of a peer and runs group averages on its event loop.
 
     `is_member(peer_id)` (blocking; run off the loop) says whether a pusher has a live heartbeat; it may
-    answer from a lookup up to `member_refresh_s` old.
+    answer from a lookup up to `member_refresh_s` old. Model-sized work (encoding, decoding, checks, the
+    reduction, digests) runs in worker threads, so the loop answers probes at once whatever the model's
+    size: a loop stalled for `hang_s` would be taken for a hung peer (measured, 2 peers averaging 2e8
+    values in int8: the longest stall 4.1 s with that work on the loop, 0.2 s in threads).
     """
 
     def __init__(self, peer: SwarmPeer, *, codec: Codec = Dense("float32"), max_norm_ratio: float = 2.0,
@@ -304,7 +314,7 @@ class GroupAverager:
             await write_frame(writer, _DONE, self.peer.stats)
             return
         try:
-            part = self.codec.decode(payload, numel)
+            part = await asyncio.to_thread(self.codec.decode, payload, numel)
         except CodecError as e:
             log.warning("dropping a malformed push from %s: %r", sender[-8:], e)
             return
@@ -551,9 +561,7 @@ class GroupAverager:
                     if p != me and not m.meta.get("done") and not m.meta.get("left_out")}
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
-        raw = torch.tensor_split(flat, len(group))  # chunk j goes to member j, encoded on its own
-        encoded = [(self.codec.encode(chunk), chunk.numel()) for chunk in raw]
-        own = [self.codec.decode(*e) for e in encoded]  # our parts as their owners receive them
+        encoded, own = await asyncio.to_thread(encode_chunks, self.codec, flat, len(group))
         mine = group.index(me)
         others = [p for p in group if p != me]
         rejected: dict[str, str] = {}
@@ -586,25 +594,33 @@ class GroupAverager:
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
                 note_silent(set(others), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
-            parts = {me: own[mine], **{s: m.tensor for s, m in received.items()
-                                       if s not in elsewhere and accept(s, check_part(m.tensor, own[mine]))}}
+            checked = await asyncio.to_thread(lambda: {s: check_part(m.tensor, own[mine]) for s, m in received.items()
+                                                       if s not in elsewhere})
+            parts = {me: own[mine], **{s: received[s].tensor for s, reason in checked.items() if accept(s, reason)}}
             notes = {s: received[s].meta.get("note") if s != me else note for s in parts}
-            sizes = {s: float(t.norm()) for s, t in parts.items()}
-            bound = norm_bound(list(sizes.values()), self.max_norm_ratio, own[mine].numel())
+            sparse = self.codec.error_feedback and self.aggregation == "mean"
+
+            def reduce() -> tuple[dict[str, float], float, torch.Tensor, tuple[bytes, int], torch.Tensor]:
+                """The parts' norms and bound; the mean of our chunk, its encoding and what every member holds
+                of it; our own part as that mean counted it."""
+                sizes = {s: float(t.norm()) for s, t in parts.items()}
+                bound = norm_bound(list(sizes.values()), self.max_norm_ratio, own[mine].numel())
+                clipped = [clip(t, sizes[s], bound) for s, t in parts.items()]
+                mean = aggregate(clipped, self.aggregation)
+                encoded_mean = (self.codec.encode(mean), mean.numel())
+                averaged = self.codec.decode(*encoded_mean)
+                ours = clip(parts[me], sizes[me], bound)
+                if sparse:
+                    mask = kept(averaged)
+                    ours = fold_owner_error(ours * mask, mean * mask, averaged, len(parts))
+                return sizes, bound, encoded_mean, averaged, ours
+
+            sizes, bound, encoded_mine, averaged_mine, counted_mine = await asyncio.to_thread(reduce)
             for sender in sizes:
                 if sizes[sender] > bound and sender != me:
                     log.info("%s: clipped the part from %s to the group's bound %.3g", tag, sender[-8:], bound)
-            parts = {s: clip(t, sizes[s], bound) for s, t in parts.items()}
-            mean_mine = aggregate(list(parts.values()), self.aggregation)
-            encoded_mine = (self.codec.encode(mean_mine), mean_mine.numel())
-            averaged_mine = self.codec.decode(*encoded_mine)  # what every member holds of our chunk
-            sparse = self.codec.error_feedback and self.aggregation == "mean"
             counted = list(own)  # our input as the average counted it (for a sparse codec: after phase 2)
-            if sparse:
-                mask = kept(averaged_mine)
-                counted[mine] = fold_owner_error(parts[me] * mask, mean_mine * mask, averaged_mine, len(parts))
-            else:
-                counted[mine] = parts[me]
+            counted[mine] = counted_mine
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
 
@@ -630,25 +646,32 @@ class GroupAverager:
                 elsewhere |= other_views(gathered)
                 result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
                 result[mine], counts[mine], norms[mine] = averaged_mine, len(parts), my_norms
-                for sender, msg in gathered.items():
-                    if sender in elsewhere or sender in self.banned:
-                        continue
+
+                def weigh(sender: str, msg: Message) -> tuple[str | None, list[float], torch.Tensor | None]:
+                    """Why an owner's result may not be taken (None when it may), the norms it reports, and our
+                    part as it counted it: clipped to the norm it reports for us (0: not at all)."""
                     j = group.index(sender)
                     own_norm = float(own[j].norm())
                     reason = check_part(msg.tensor, own[j]) or check_owner_result(
                         msg.tensor, msg.meta.get("norms"), mine, own_norm, self.max_norm_ratio, self.aggregation)
+                    if reason:
+                        return reason, [], None
+                    reported = [float(n) for n in msg.meta["norms"]]
+                    ours = clip(own[j], own_norm, reported[mine])
+                    return None, reported, ours * kept(msg.tensor) if sparse else ours
+
+                candidates = {s: m for s, m in gathered.items() if s not in elsewhere and s not in self.banned}
+                weighed = await asyncio.to_thread(lambda: {s: weigh(s, m) for s, m in candidates.items()})
+                for sender, (reason, reported, ours) in weighed.items():
                     if accept(sender, reason):
-                        result[j], norms[j] = msg.tensor, [float(n) for n in msg.meta["norms"]]
-                        counts[j] = sum(n > 0 for n in norms[j])
-                        # our part as the owner counted it: clipped to the norm it reports for us (0: not at all)
-                        counted[j] = clip(own[j], own_norm, norms[j][mine])
-                        if sparse:
-                            counted[j] = counted[j] * kept(result[j])
+                        j = group.index(sender)
+                        result[j], norms[j], counted[j] = candidates[sender].tensor, reported, ours
+                        counts[j] = sum(n > 0 for n in reported)
 
                 # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
                 # every member that answered holds exactly what we hold.
-                digests = [chunk_digest(c, n) if counts[j] == len(group) else None
-                           for j, (c, n) in enumerate(zip(result, norms))]
+                digests = await asyncio.to_thread(lambda: [chunk_digest(c, n) if counts[j] == len(group) else None
+                                                           for j, (c, n) in enumerate(zip(result, norms))])
                 deadline = max(deadline, loop.time() + timeout / 4)
                 voters = set(others) - elsewhere
                 sends += [asyncio.ensure_future(self._push(p, f"{tag}/c", _NOTHING, deadline, view,
@@ -678,9 +701,12 @@ class GroupAverager:
         log.info("%s: %s over %d members in %.1fs%s%s", tag, "committed" if agreed else "rolled back", len(group),
                  loop.time() - began, f"; absent {[p[-8:] for p in absent]}" if absent else "",
                  f"; waited out {[p[-8:] for p in sorted(silent)]}" if silent else "")
+        tensor, sent = flat, flat  # rolled back: our input
+        if agreed:
+            tensor, sent = await asyncio.to_thread(lambda: (torch.cat(result), torch.cat(counted)))
         return AverageResult(
-            tensor=torch.cat(result) if agreed else flat,
-            sent=torch.cat(counted) if agreed else flat,
+            tensor=tensor,
+            sent=sent,
             group=group,
             complete=agreed,
             contributors=min(counts) if agreed else 1,
