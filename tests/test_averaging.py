@@ -1,6 +1,8 @@
 """Group averages between real hivemind peers on loopback: exact means, bad data rejected, dead peers bounded."""
 
+import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -23,6 +25,39 @@ def test_mean_of_three_peers_equals_independent_mean(make_swarm):
         assert r.complete and r.contributors == 3 and not r.rejected
         torch.testing.assert_close(r.tensor, expected, rtol=0, atol=1e-6)
     assert all(p.bytes_sent > 0 and p.bytes_received > 0 for p in peers)
+
+
+def test_an_averages_model_sized_work_runs_off_the_event_loop_that_answers_probes(make_swarm, monkeypatch):
+    """Encoding, decoding, the part checks, the reduction and the digests of an average run in worker
+    threads, never on a peer's event loop: a loop busy with a large model for `hang_s` would not answer
+    probes, and its peer would be taken for hung."""
+    from decentral.swarm import averaging
+
+    peers = make_swarm(3, codec="int8")
+    loops = {p.peer.call(_thread_id()).result(timeout=5) for p in peers}  # the threads of their event loops
+    ran: dict[str, set[int]] = {}
+
+    def on_threads(name, fn):
+        def wrapped(*args, **kwargs):
+            ran.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name in ("check_part", "aggregate", "chunk_digest", "check_owner_result"):
+        monkeypatch.setattr(averaging, name, on_threads(name, getattr(averaging, name)))
+    codec = type(peers[0].averager.codec)
+    for name in ("encode", "decode"):
+        monkeypatch.setattr(codec, name, on_threads(name, getattr(codec, name)))
+    group = sorted(p.peer_id for p in peers)
+    xs = [torch.randn(3000) for _ in peers]
+    results = run_in_threads([lambda p=p, x=x: p.average(x, group, "off-loop") for p, x in zip(peers, xs)])
+    assert all(r.complete for r in results)
+    assert set(ran) == {"check_part", "aggregate", "chunk_digest", "check_owner_result", "encode", "decode"}
+    assert all(not threads & loops for threads in ran.values()), (ran, loops)
+
+
+async def _thread_id() -> int:
+    return threading.get_ident()
 
 
 def test_fp16_on_the_wire_gives_every_peer_the_same_result(make_swarm):
