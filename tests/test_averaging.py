@@ -1,6 +1,5 @@
 """Group averages between real hivemind peers on loopback: exact means, bad data rejected, dead peers bounded."""
 
-import asyncio
 import logging
 import threading
 import time

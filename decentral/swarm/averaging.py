@@ -296,7 +296,6 @@ class GroupAverager:
                 if wire != self.codec.name:
                     raise WireError(f"a part in codec {wire!r}; this swarm's is {self.codec.name!r}")
                 size = self.codec.size(numel)
-                self._hear(sender)
                 payload = await read_frame(reader, self.peer.stats, size, on_bytes=lambda: self._hear(sender))
                 if len(payload) != size:
                     raise WireError(f"payload of {len(payload)} bytes, the header announced {size}")
@@ -600,7 +599,7 @@ class GroupAverager:
             notes = {s: received[s].meta.get("note") if s != me else note for s in parts}
             sparse = self.codec.error_feedback and self.aggregation == "mean"
 
-            def reduce() -> tuple[dict[str, float], float, torch.Tensor, tuple[bytes, int], torch.Tensor]:
+            def reduce_chunk() -> tuple[dict[str, float], float, tuple[bytes, int], torch.Tensor, torch.Tensor]:
                 """The parts' norms and bound; the mean of our chunk, its encoding and what every member holds
                 of it; our own part as that mean counted it."""
                 sizes = {s: float(t.norm()) for s, t in parts.items()}
@@ -615,7 +614,7 @@ class GroupAverager:
                     ours = fold_owner_error(ours * mask, mean * mask, averaged, len(parts))
                 return sizes, bound, encoded_mean, averaged, ours
 
-            sizes, bound, encoded_mine, averaged_mine, counted_mine = await asyncio.to_thread(reduce)
+            sizes, bound, encoded_mine, averaged_mine, counted_mine = await asyncio.to_thread(reduce_chunk)
             for sender in sizes:
                 if sizes[sender] > bound and sender != me:
                     log.info("%s: clipped the part from %s to the group's bound %.3g", tag, sender[-8:], bound)
