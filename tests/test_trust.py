@@ -338,21 +338,21 @@ def test_a_member_that_stops_answering_costs_the_others_seconds_and_they_commit_
 
 
 def test_a_member_slow_to_reach_the_average_is_waited_for_not_taken_for_hung(make_swarm):
-    """A member that begins the average 4 s after the others, with `hang_s` 2 s, answers their probes
+    """A member that begins the average 5 s after the others, with `hang_s` 3 s, answers their probes
     meanwhile (it is training, not hung): all three commit the mean of three."""
-    peers = make_swarm(3, timeout=30.0, hang_s=2.0)
+    peers = make_swarm(3, timeout=30.0, hang_s=3.0)
     group = sorted(p.peer_id for p in peers)
     xs = [torch.randn(300) for _ in peers]
 
     def late(p, x):
-        time.sleep(4.0)  # the slow member's last inner steps
+        time.sleep(5.0)  # the slow member's last inner steps
         return p.average(x, group, "slow")
 
     results = run_in_threads([lambda p=p, x=x: p.average(x, group, "slow") for p, x in zip(peers[:2], xs)]
                              + [lambda: late(peers[2], xs[2])])
     for r in results:
         assert r.complete and r.group == group and not r.absent
-        assert torch.allclose(r.tensor, sum(xs) / 3)
+        torch.testing.assert_close(r.tensor, sum(xs) / 3, rtol=0, atol=1e-6)  # float32; another summation order
 
 
 def test_trimmed_aggregation_keeps_one_member_within_the_others_range(make_swarm):
