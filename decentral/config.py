@@ -54,6 +54,10 @@ class TrainConfig:
 # record stored at every node and the `peers` records looked up, 28 KiB on the wire with 4 peers,
 # growing with the swarm (idle: 13.8 KiB/s a peer at a 2 s beat, 2.6 at 10 s; `decentral bench dht`).
 HEARTBEAT_S = 10.0
+# A member of an average silent this long (no probe answered, no probe of its own, no byte of a part) is
+# taken for hung and the average goes on without it (decentral.swarm.averaging); the bound for a
+# partner that does not answer is 5 s.
+HANG_S = 4.0
 
 
 @dataclass
@@ -63,7 +67,7 @@ class SwarmConfig:
     codec: str = "float32"  # how averages travel: float32, float16, bfloat16, int8, int4, topk[:DENSITY]
     max_norm_ratio: float = 2.0  # parts are clipped to this multiple of their chunk's lower-median norm
     aggregation: str = "mean"  # or "trimmed": each coordinate without its extremes, in groups of 3+
-    hang_s: float = 4.0  # a member silent this long in an average (no probe answered, no bytes) is taken for hung
+    hang_s: float = HANG_S
     heartbeat_s: float = HEARTBEAT_S
     key_file: str = ""  # swarm key (decentral swarm keygen): only peers holding it take part; "" = an open swarm
 

@@ -93,6 +93,7 @@ from decentral.swarm.wire import (
     WireError, read_frame, read_header, write_frame, write_message,
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
+from decentral.config import HANG_S
 from decentral.transport import AverageResult
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class GroupAverager:
 
     def __init__(self, peer: SwarmPeer, *, codec: Codec = Dense("float32"), max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = 4.0, member_refresh_s: float = 1.0):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = HANG_S, member_refresh_s: float = 1.0):
         if aggregation not in AGGREGATIONS:
             raise SwarmError(f"swarm.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
         if not hang_s >= 2 * probe_s:  # a live peer's last answer is about `probe_s` old when we look
@@ -469,9 +470,9 @@ class GroupAverager:
         try:
             while True:
                 await asyncio.sleep(self.probe_s)
-                now = asyncio.get_running_loop().time()
+                now, gone = asyncio.get_running_loop().time(), self.mailbox.senders(f"{tag}/x")
                 for peer in peers:
-                    if peer in self.mailbox.senders(f"{tag}/x"):
+                    if peer in gone:
                         continue
                     quiet = now - max(began, self._heard.get(peer, began))
                     if quiet >= self.hang_s:

@@ -16,7 +16,7 @@ import torch
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
-from decentral.config import HEARTBEAT_S
+from decentral.config import HANG_S, HEARTBEAT_S
 from decentral.transport import AverageResult, JoinRequest, check_group, with_us
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmError, SwarmPeer
@@ -60,7 +60,7 @@ class SwarmTransport:
         codec: str = "float32",
         max_norm_ratio: float = 2.0,
         aggregation: str = "mean",
-        hang_s: float = 4.0,
+        hang_s: float = HANG_S,
         heartbeat_s: float = HEARTBEAT_S,
         lookahead: int = 2,
         identity_path: str | None = None,

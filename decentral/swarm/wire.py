@@ -85,8 +85,9 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview, st
     if LINK.paces:
         frame = memoryview(length + bytes(data))
         for start in range(0, len(frame), PIECE):
-            await LINK.before_send(len(frame[start:start + PIECE]), first=start == 0)
-            writer.write(frame[start:start + PIECE])
+            piece = frame[start:start + PIECE]
+            await LINK.before_send(len(piece), first=start == 0)
+            writer.write(piece)
     else:
         await LINK.before_send(_LEN_BYTES + len(data))
         writer.write(length)
