@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from decentral.models import GPTConfig, build_model  # noqa: E402
 from decentral.models.hf import HFCausalLM, save_pretrained_layout  # noqa: E402
 from decentral.pipeline.network import NetworkError  # noqa: E402
-from decentral.pipeline.stages import LlamaStage, assemble, cut, make_stage, partial_loss  # noqa: E402
+from decentral.pipeline.stages import LlamaStage, _causal_mask_arguments, assemble, cut, make_stage, partial_loss  # noqa: E402
 
 TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, vocab_size=256, max_position_embeddings=64)
@@ -152,3 +152,17 @@ def test_one_microbatch_through_the_grpc_pipeline_is_the_hf_models_math(tmp_path
         assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in node.stage.global_state_dict().items())
     assembled, _ = load_run(tmp_path)
     assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in assembled.state_dict().items())
+
+
+@pytest.mark.parametrize("names, expected", [  # create_causal_mask's parameters in transformers 4.56-5.0, 5.17, 5.24
+    (["config", "input_embeds", "attention_mask", "cache_position", "past_key_values", "position_ids"],
+     ["input_embeds", "past_key_values", "cache_position"]),
+    (["config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids"], ["inputs_embeds", "past_key_values"]),
+    (["config", "inputs_embeds", "attention_mask", "cache", "position_ids"], ["inputs_embeds", "cache"]),
+])
+def test_the_causal_masks_arguments_follow_the_names_the_installed_transformers_takes(names, expected):
+    h, positions = torch.zeros(2, 5, 8), torch.arange(5).unsqueeze(0)
+    arguments = _causal_mask_arguments(names)(h, positions)
+    assert list(arguments) == expected and arguments[expected[0]] is h and arguments[expected[1]] is None
+    if "cache_position" in expected:
+        assert torch.equal(arguments["cache_position"], torch.arange(5))

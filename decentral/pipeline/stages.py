@@ -20,6 +20,7 @@ hidden states travel between stages, and stages run in order compute the model's
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -114,15 +115,32 @@ class LlamaStage(Stage):
         self._global_names = _global_names(self, whole)  # with the buffers `rotary` keeps in a state dict, if any
         self.lm_config = config
         self._causal_mask = create_causal_mask
+        self._mask_arguments = _causal_mask_arguments(inspect.signature(create_causal_mask).parameters)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = self._causal_mask(config=self.lm_config, inputs_embeds=h, attention_mask=None, cache=None,
-                                 position_ids=positions)
+        mask = self._causal_mask(config=self.lm_config, attention_mask=None, position_ids=positions,
+                                 **self._mask_arguments(h, positions))
         rotary = self.rotary(h, position_ids=positions)
         for layer in self.blocks:
             h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         return h
+
+
+def _causal_mask_arguments(names: Iterable[str]):
+    """(hidden states, positions) -> the arguments of transformers' `create_causal_mask` that its releases
+    name differently, given the names it takes: the hidden states (`input_embeds` in 4.53-5.0,
+    `inputs_embeds` in 5.17), the absent cache (`past_key_values` up to 5.17, `cache` in 5.24) and the
+    positions in the cache (`cache_position`, required in 4.53-5.0)."""
+    names = set(names)
+    embeds = "inputs_embeds" if "inputs_embeds" in names else "input_embeds"
+    cache = "cache" if "cache" in names else "past_key_values"
+    with_position = "cache_position" in names
+
+    def arguments(h: torch.Tensor, positions: torch.Tensor) -> dict:
+        return {embeds: h, cache: None, **({"cache_position": positions[0]} if with_position else {})}
+
+    return arguments
 
 
 def _global_names(stage: nn.Module, whole: nn.Module) -> dict[str, str]:
