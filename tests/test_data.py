@@ -101,6 +101,7 @@ def test_skips_binary_hidden_and_reads_jsonl(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 100)
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "HEAD").write_text("HIDDEN-MARKER " * 100)
+    (tmp_path / "sitecustomize.py").symlink_to(tmp_path / "removed")  # as Debian's stdlib has, to /etc
     rows = [{"text": f"JSONL-RECORD-{i} " * 30, "id": i} for i in range(3)]
     (tmp_path / "records.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     corpus = load_corpus([tmp_path], val_fraction=0.3)

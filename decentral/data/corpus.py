@@ -62,9 +62,9 @@ def load_documents(
     `default_corpus_paths()`), in the order of their content hash salted with `seed`, until `max_bytes`
     are taken; and a description of where they came from, for messages.
 
-    Files that are not UTF-8 text or contain NUL bytes are skipped inside folders, and rejected when named
-    directly unless `strict` is False; empty files and hidden names (".git", ...) inside folders are skipped; `*.gz` files are
-    decompressed first; `*.jsonl` files contribute the "text" field of each line. Identical contents count
+    Files that cannot be read (a dangling link), are not UTF-8 text or contain NUL bytes are skipped inside
+    folders, and rejected when named directly unless `strict` is False; empty files and hidden names
+    (".git", ...) inside folders are skipped; `*.gz` files are decompressed first; `*.jsonl` files contribute the "text" field of each line. Identical contents count
     once. The result depends only on the files' contents, not on where they live. Raises DataError for
     missing paths.
     """
@@ -155,8 +155,14 @@ def _walk(folder: Path) -> Iterator[Path]:
 
 
 def _read_text(path: Path, required: bool) -> bytes | None:
-    """The UTF-8 text `path` contributes, or None when it is not text (a ValueError instead if `required`)."""
-    data = path.read_bytes()
+    """The UTF-8 text `path` contributes, or None when it cannot be read (a dangling link, say) or is not
+    text (a ValueError instead if `required`)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        if required:
+            raise DataError(f"cannot read corpus file {path}: {e.strerror or e}") from None
+        return None
     try:
         if path.suffix == ".gz":
             data = _gunzip(data)
