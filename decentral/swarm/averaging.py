@@ -57,7 +57,8 @@ others still commit a common result; a member a probe found done with the averag
 be redoing it too). Phase 1 waits at most `timeout`; phase 2 ends by then too, or
 `timeout / 2` after phase 1 if that is later; phase 3 by then, or `timeout / 4` after phase 2. A member
 silent through phase 1 leaves our chunk without its part, so the average cannot commit: phases 2 and 3
-are skipped and it is redone without that member at once (a frozen member costs `hang_s`). So
+are skipped and it is redone without that member at once (a frozen member costs `hang_s`, and
+`2 * probe_s` in each later average while it is still listed and still silent). So
 too when we lack a member's part for any other reason (it is gone, averages over another member list,
 or sent data we rejected): every member that lacks one goes straight to the redo. A member found gone
 (its address refused our part, or it takes no part in the round) ends phase 1 at once, without waiting
@@ -231,6 +232,7 @@ class GroupAverager:
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
         self._heard: dict[str, float] = {}  # peer -> loop time of its last sign of life (see `_probe`)
+        self._hung: set[str] = set()  # peers we took for hung that have shown no sign of life since
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
         # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
         self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
@@ -438,6 +440,7 @@ class GroupAverager:
         of the averages we remember (see `_probe`)."""
         if any(peer in group for group, _, _ in self._groups.values()):
             self._heard[peer] = asyncio.get_running_loop().time()
+            self._hung.discard(peer)
 
     async def _probe(self, peers: list[str], tag: str, round: int | None) -> None:
         """Until cancelled, ping each of `peers` every `probe_s`: one whose end closes is gone; one that
@@ -445,9 +448,12 @@ class GroupAverager:
         average; one done with average `tag` (so it sends nothing more, though a part of its never reached
         us) is no longer waited for, but is not absent: a redo counts on it. One that shows no sign of life
         for `hang_s` since we began (no answer to a probe, no probe of its own, no byte of a push: a frozen
-        process, a host cut off or powered down) is taken for gone. A live member answers a probe within a
-        round trip even while it trains or is slow to reach the average, and on a congested link the
-        bytes of its parts keep arriving; a probe that merely times out proves nothing on its own."""
+        process, a host cut off or powered down) is taken for gone; one we took for hung before and have not
+        heard from since, after `2 * probe_s` (a frozen member, still listed until its heartbeat expires,
+        costs `hang_s` once, not in every round; once thawed it answers the first probe). A live member
+        answers a probe within a round trip even while it trains or is slow to reach the average, and on
+        a congested link the bytes of its parts keep arriving; a probe that merely times out proves
+        nothing on its own."""
         request = json.dumps({"tag": tag, **({} if round is None else {"round": round})}).encode()
         began = asyncio.get_running_loop().time()
 
@@ -475,9 +481,11 @@ class GroupAverager:
                     if peer in gone:
                         continue
                     quiet = now - max(began, self._heard.get(peer, began))
-                    if quiet >= self.hang_s:
-                        log.info("%s: no sign of life from %s for %.1fs (no answer to our probes, no bytes); "
-                                 "taken for hung, not waiting for it", tag, peer[-8:], quiet)
+                    if quiet >= (2 * self.probe_s if peer in self._hung else self.hang_s):
+                        log.info("%s: no sign of life from %s for %.1fs (no answer to our probes, no bytes)%s; "
+                                 "taken for hung, not waiting for it", tag, peer[-8:], quiet,
+                                 " nor since we took it for hung before" if peer in self._hung else "")
+                        self._hung.add(peer)
                         await self._silent(peer, tag)
                     elif peer not in pinging or pinging[peer].done():
                         pinging[peer] = asyncio.ensure_future(ping(peer))
