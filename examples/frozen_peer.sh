@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # A peer that hangs (alive and connected, but silent: a laptop's lid closed, a debugger, a stalled host),
 # run as a user runs it: a keyed DiLoCo swarm of three `decentral train` processes on loopback with the
-# default sync timeout (60 s); w2 is SIGSTOPped after its step 100 for 30 s, then resumed. Prints, for
+# default sync timeout (60 s); w2 is SIGSTOPped after its step 100 for STOP_S seconds (default 30), then resumed. Prints, for
 # each peer, at every round boundary (step), the group size, whether it committed, and what it waited.
 # Usage: examples/frozen_peer.sh [OUT]   (about 2 minutes on 2 cores)
 set -u
 OUT=${1:-runs/frozen-peer}
 D=${DECENTRAL:-decentral}
 PY=${PYTHON:-python3}
+STOP_S=${STOP_S:-30}
 source "$(dirname "$0")/keyed_diloco_swarm.sh"
 start_keyed_swarm "$OUT"
 kill -STOP "$P2"; echo "stopped w2 after its step 100"
-sleep 30
-kill -CONT "$P2"; echo "resumed w2 30 s later"
+sleep "$STOP_S"
+kill -CONT "$P2"; echo "resumed w2 $STOP_S s later"
 wait "$P0" "$P1" "$P2"
 "$PY" - "$OUT" <<'EOF'
 import json, sys
