@@ -23,6 +23,7 @@ import yaml
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 
 from decentral.loopback import LoopbackHub, LoopbackTransport  # noqa: E402
+from decentral.metrics import read_metrics  # noqa: E402
 from decentral.netlab import cleanup_stale, netns_available  # noqa: E402
 from decentral.pipeline.launch import LAUNCHER, LocalPipeline  # noqa: E402
 from decentral.swarm import SwarmTransport  # noqa: E402
@@ -309,11 +310,10 @@ class Workers:
         return {i: p.wait(timeout=max(1, deadline - time.monotonic())) for i, p in self.procs.items()}
 
     def metrics(self, index: int, rank: int = 0) -> list[dict]:
-        """Worker `index`'s metrics records (of its island's rank `rank`); [] before it wrote any."""
+        """Worker `index`'s metrics records (of its island's rank `rank`); [] before it wrote any. A live worker
+        may be writing its last line: `read_metrics` skips an unterminated one."""
         path = self.root / f"w{index}" / (f"rank{rank}" if rank else "") / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_metrics(path) if path.exists() else []
 
     def log(self, index: int) -> str:
         return (self.root / f"w{index}.log").read_text()
