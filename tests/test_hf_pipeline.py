@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from decentral.models import GPTConfig, build_model  # noqa: E402
 from decentral.models.hf import HFCausalLM, save_pretrained_layout  # noqa: E402
 from decentral.pipeline.network import NetworkError  # noqa: E402
-from decentral.pipeline.stages import LlamaStage, _causal_mask_arguments, assemble, cut, make_stage, partial_loss  # noqa: E402
+from decentral.pipeline.stages import (  # noqa: E402
+    LlamaStage, _causal_mask_arguments, assemble, cut, make_stage, partial_loss)
 
 TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, vocab_size=256, max_position_embeddings=64)

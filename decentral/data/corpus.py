@@ -64,9 +64,9 @@ def load_documents(
 
     Files that cannot be read (a dangling link), are not UTF-8 text or contain NUL bytes are skipped inside
     folders, and rejected when named directly unless `strict` is False; empty files and hidden names
-    (".git", ...) inside folders are skipped; `*.gz` files are decompressed first; `*.jsonl` files contribute the "text" field of each line. Identical contents count
-    once. The result depends only on the files' contents, not on where they live. Raises DataError for
-    missing paths.
+    (".git", ...) inside folders are skipped; `*.gz` files are decompressed first; `*.jsonl` files
+    contribute the "text" field of each line. Identical contents count once. The result depends only on
+    the files' contents, not on where they live. Raises DataError for missing paths.
     """
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")

@@ -21,7 +21,7 @@ hidden states travel between stages, and stages run in order compute the model's
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,7 @@ class LlamaStage(Stage):
         return h
 
 
-def _causal_mask_arguments(names: Iterable[str]):
+def _causal_mask_arguments(names: Iterable[str]) -> Callable[[torch.Tensor, torch.Tensor], dict]:
     """(hidden states, positions) -> the arguments of transformers' `create_causal_mask` that its releases
     name differently, given the names it takes: the hidden states (`input_embeds` in 4.53-5.0,
     `inputs_embeds` in 5.17), the absent cache (`past_key_values` up to 5.17, `cache` in 5.24) and the
