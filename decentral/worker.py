@@ -281,6 +281,12 @@ def step_record(name: str, protocol: SyncProtocol, transport: Transport, loss: t
     return record, report
 
 
+def _left_alone(protocol: SyncProtocol, previous: SyncReport | None, report: SyncReport) -> bool:
+    """Whether this sync is the first with nobody else after one with others, in a protocol whose groups are
+    every live member (so a group of one means the swarm has nobody else for now)."""
+    return protocol.identical_replicas and previous is not None and len(previous.group) > 1 and len(report.group) == 1
+
+
 def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
     line = (f"[{name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
             f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s")
@@ -339,6 +345,9 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start)
                 card.update(record["loss"], record["wall_s"])  # what `decentral status` shows of us
                 if report is not None:
+                    if _left_alone(protocol, last_sync, report):
+                        opts.print_fn(f"[{opts.name}] step {protocol.step} round {protocol.round}: no other member "
+                                      f"took part (they ended, left or did not answer); training on alone until one does")
                     last_sync = report
                 if protocol.step % t.eval_every == 0:
                     record["val_loss"] = val_loss = evaluate(model, val)

@@ -125,6 +125,21 @@ def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_all
         assert max(waits) < timeout + 2 * DHT_RPC_TIMEOUT_S + 2.0, waits  # waited out once per round at most
 
 
+def test_a_peer_left_without_partners_says_it_trains_on_alone(workers):
+    """w0 ends after 40 steps, w1 trains on to 80: w1's first sync with nobody else is a line in its log (a
+    step line's "group 1" was all a user saw before), and w0 never says it."""
+    w = workers({"name": "diloco", "every": 10}, steps=80, num_workers=2, timeout=10.0)
+    w.start(0, steps=40), w.start(1)
+    assert w.wait(timeout=180) == {0: 0, 1: 0}, w.log(1)
+    syncs = [r for r in w.metrics(1) if "group_size" in r]
+    alone = next(r for r in syncs if r["group_size"] == 1)
+    assert syncs[0]["group_size"] == 2 and alone["step"] > 40, syncs
+    said = [line for line in w.log(1).splitlines() if "training on alone" in line]
+    assert len(said) == 1, w.log(1)
+    assert said[0].startswith(f"[w1] step {alone['step']} round {alone['round']}: no other member took part"), said
+    assert "training on alone" not in w.log(0)
+
+
 def test_late_joiner_continues_the_swarms_round_step_and_weights(workers):
     every = 20
     w = workers({"name": "diloco", "every": every}, steps=12 * every, num_workers=3)
