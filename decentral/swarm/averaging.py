@@ -481,10 +481,11 @@ class GroupAverager:
                     if peer in gone:
                         continue
                     quiet = now - max(began, self._heard.get(peer, began))
-                    if quiet >= (2 * self.probe_s if peer in self._hung else self.hang_s):
+                    hung_before = peer in self._hung  # and silent since
+                    if quiet >= (2 * self.probe_s if hung_before else self.hang_s):
                         log.info("%s: no sign of life from %s for %.1fs (no answer to our probes, no bytes)%s; "
                                  "taken for hung, not waiting for it", tag, peer[-8:], quiet,
-                                 " nor since we took it for hung before" if peer in self._hung else "")
+                                 " nor since we took it for hung before" if hung_before else "")
                         self._hung.add(peer)
                         await self._silent(peer, tag)
                     elif peer not in pinging or pinging[peer].done():
