@@ -129,7 +129,8 @@ def test_a_peer_left_without_partners_says_it_trains_on_alone(workers):
     """w0 ends after 40 steps, w1 trains on to 80: w1's first sync with nobody else is a line in its log (a
     step line's "group 1" was all a user saw before), and w0 never says it."""
     w = workers({"name": "diloco", "every": 10}, steps=80, num_workers=2, timeout=10.0)
-    w.start(0, steps=40), w.start(1)
+    w.start(0, steps=40)
+    w.start(1)
     assert w.wait(timeout=180) == {0: 0, 1: 0}, w.log(1)
     syncs = [r for r in w.metrics(1) if "group_size" in r]
     alone = next(r for r in syncs if r["group_size"] == 1)
