@@ -103,9 +103,11 @@ def test_a_frozen_diloco_peer_is_waited_out_the_others_commit_without_it_and_all
     and go on; woken, w2 rejoins and all three end identical (which of them takes whose state by a repair
     depends on who commits the first round after the wake: w2, or w0 and w1 when w2 averages with one).
     Stopped with a DHT call under way, w2 hangs its DHT node too (decentral.swarm.membership): then a
-    round's two member lookups may each wait out a DHT request to it."""
+    round's two member lookups may each wait out a DHT request to it, and its stop outlasts its heartbeat:
+    it comes back as a newcomer, so the run leaves it 10+ rounds to rejoin in (a pair's round takes ~0.2 s
+    here; once, with 5 rounds left, w0 and w1 had ended before w2 asked for their state)."""
     timeout = 3.0
-    w = workers({"name": "diloco", "every": 10}, steps=120, num_workers=3, timeout=timeout)
+    w = workers({"name": "diloco", "every": 10}, steps=240, num_workers=3, timeout=timeout)
     procs = [w.start(i) for i in range(3)]
     wait_for_round(w, 2, 3, procs[2])
     procs[2].send_signal(signal.SIGSTOP)
