@@ -195,8 +195,9 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
     average removes), and the validation curves ({worker: [(wall_s, step, val_loss), ...]}). Where the CPU
     went while a worker trained (means over workers, from its first record to its last; `cpu_record`,
     `children_record`): training_thread_cpu_s, other_threads_cpu_s (its averaging loop, heartbeat, ...)
-    and child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager). `compare` adds the
-    cross-method numbers.
+    and child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager); peak_rss_mib, the most
+    memory a worker process held (the largest over workers; None where its records do not say). `compare`
+    adds the cross-method numbers.
     `workers`: how many workers must have trained for the method to be ok (default: one per process; an
     island's process runs several)."""
     by_worker: dict[str, list[dict]] = {}
@@ -243,6 +244,7 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         "other_threads_cpu_s": mean([max(process - thread, 0.0)  # the two clocks are read a moment apart
                                      for process, thread in zip(spent("cpu_s"), spent("thread_cpu_s"))]),
         "child_processes_cpu_s": mean(spent("children_cpu_s")),
+        "peak_rss_mib": max((r["peak_rss_mib"] for r in raw["records"] if "peak_rss_mib" in r), default=None),
         "curves": curves,
     }
 
@@ -364,14 +366,16 @@ def format_results(results: dict) -> str:
 
 def format_cpu(results: dict) -> str:
     """Where each worker's CPU went (seconds, means over workers; `summarize_method`), and the share of it
-    not spent on the training thread: on hosts whose cores the workers share, that is what utilisation loses."""
-    rows = [("method", "training thread", "other threads", "child processes", "not training")]
+    not spent on the training thread: on hosts whose cores the workers share, that is what utilisation loses.
+    And the most memory a worker held (the largest over workers)."""
+    rows = [("method", "training thread", "other threads", "child processes", "not training", "peak memory")]
     for method, r in results["methods"].items():
         parts = [r.get(k) for k in ("training_thread_cpu_s", "other_threads_cpu_s", "child_processes_cpu_s")]
         known = [p for p in parts if p is not None]
         share = sum(known[1:]) / sum(known) if parts[0] is not None and sum(known) > 0 else None
+        peak = r.get("peak_rss_mib")
         rows.append((method, *("-" if p is None else f"{p:.1f}s" for p in parts),
-                     "-" if share is None else f"{share:.1%}"))
+                     "-" if share is None else f"{share:.1%}", "-" if peak is None else f"{peak:.0f} MiB"))
     return format_table(rows, numeric=False)
 
 

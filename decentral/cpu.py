@@ -1,10 +1,13 @@
 """Where CPU goes: this process, its training thread, and the processes below it (a worker's DHT node
 and libp2p daemon). `decentral bench` reports the split; on hosts whose cores the workers share, CPU
-spent beside the training thread is what compute utilisation loses."""
+spent beside the training thread is what compute utilisation loses. And the most memory this process
+has held: an outer step's model-sized buffers come on top of training's."""
 
 from __future__ import annotations
 
 import os
+import resource
+import sys
 import time
 from pathlib import Path
 
@@ -40,10 +43,16 @@ def children_cpu_s(pid: int | None = None) -> float | None:
     return total / _TICKS_PER_S
 
 
+def peak_rss_mib() -> float:
+    """The most resident memory this process has held so far, in MiB (its children not counted)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
 def cpu_record() -> dict:
     """CPU seconds so far of this process (all its threads: training, averaging, heartbeat) and of the
-    calling thread, the training thread: for every step's record."""
-    return dict(cpu_s=time.process_time(), thread_cpu_s=time.thread_time())
+    calling thread, the training thread, and the process's peak memory: for every step's record."""
+    return dict(cpu_s=time.process_time(), thread_cpu_s=time.thread_time(), peak_rss_mib=round(peak_rss_mib(), 1))
 
 
 def children_record() -> dict:

@@ -30,7 +30,7 @@ from decentral.checkpoint import (
     CheckpointError, load_checkpoint, load_training_state, save_checkpoint, training_state,
 )
 from decentral.config import Recipe
-from decentral.cpu import children_record, cpu_record
+from decentral.cpu import children_record, cpu_record, peak_rss_mib
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
 from decentral.data.domains import balanced_eval_batches, load_domains
@@ -375,4 +375,4 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         log.close()
     return {"worker": opts.name, "step": protocol.step, "round": protocol.round, "val_loss": val_loss,
             "bytes_sent": transport.bytes_sent, "bytes_received": transport.bytes_received,
-            "wall_s": time.perf_counter() - start, "wait_s": protocol.wait_s}
+            "wall_s": time.perf_counter() - start, "wait_s": protocol.wait_s, "peak_rss_mib": peak_rss_mib()}

@@ -42,10 +42,11 @@ def test_summary_numbers_follow_from_the_records():
 
 def test_cpu_per_worker_splits_into_training_thread_other_threads_and_child_processes():
     """Each worker's records carry its process's and its training thread's CPU so far (2 s and 1.5 s of
-    start-up before the first), and those of evaluation steps its child processes' (its DHT node's)."""
+    start-up before the first), and those of evaluation steps its child processes' (its DHT node's); and
+    the process's peak memory so far."""
     def with_cpu(worker, thread_per_step, others_per_step, children_per_step):
         return [{**r, "cpu_s": 2.0 + r["step"] * (thread_per_step + others_per_step),
-                 "thread_cpu_s": 1.5 + r["step"] * thread_per_step,
+                 "thread_cpu_s": 1.5 + r["step"] * thread_per_step, "peak_rss_mib": 300.0 + r["step"] * thread_per_step,
                  **({"children_cpu_s": 0.7 + r["step"] * children_per_step} if "val_loss" in r else {})}
                 for r in records(worker, 0.5, 20, [5.0, 4.0, 3.0])]
     raw = {"codes": [0, 0], "tx_bytes": [None, None],
@@ -54,10 +55,11 @@ def test_cpu_per_worker_splits_into_training_thread_other_threads_and_child_proc
     assert res["training_thread_cpu_s"] == pytest.approx((10 + 12) / 2)
     assert res["other_threads_cpu_s"] == pytest.approx((2 + 4) / 2)
     assert res["child_processes_cpu_s"] == pytest.approx((1 + 3) / 2)
+    assert res["peak_rss_mib"] == pytest.approx(300 + 20 * 0.6)  # the larger worker's last record
     assert summarize_method({**raw, "records": records("w0", 0.5, 20, [5.0, 4.0, 3.0])}, tokens_per_step=64,
                             steps=20)["training_thread_cpu_s"] is None  # records of a worker without CPU figures
     table = format_cpu({"methods": {"diloco": res}})
-    assert "not training" in table and f"{(3 + 2) / (11 + 3 + 2):.1%}" in table
+    assert "not training" in table and f"{(3 + 2) / (11 + 3 + 2):.1%}" in table and "312 MiB" in table
 
 
 def test_a_worker_that_joined_mid_run_is_credited_only_the_steps_it_trained():
@@ -148,6 +150,7 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
             assert key in res, (method, key)
         assert 0 < res["compute_utilisation"] <= 1.5
         assert res["training_thread_cpu_s"] > 0 and res["other_threads_cpu_s"] >= 0
+        assert res["peak_rss_mib"] > 100  # a process with torch loaded holds more than that
         if method != "local":
             assert res["bytes_sent_per_worker"] > 0
         if method not in ("local", "ddp@20"):  # those two run no swarm (ddp: a torch.distributed group, in-process)
