@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from decentral.transport import AverageResult, finished
+from decentral.transport import AverageResult, all_finite, finished
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -121,7 +121,7 @@ class IslandTransport:
         k = self.world_size
         self._bytes += int(2 * (k - 1) / k * summed.numel() * summed.element_size())
         mean = (summed / k).cpu()
-        if not bool(torch.isfinite(mean).all()):
+        if not all_finite(mean):
             raise RuntimeError(f"island average {tag!r} is not finite")
         return AverageResult(tensor=mean, sent=values.cpu(), group=list(self._ids), complete=True, contributors=k)
 

@@ -24,8 +24,17 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy of them
     return digest.hexdigest()
+
+
+FINITE_CHECK_NUMEL = 1 << 22  # values `all_finite` checks at once
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite. In slices, so that the check's temporaries (isfinite of a float
+    tensor builds its absolute value) take 4M values' memory, not a model's."""
+    return all(bool(torch.isfinite(piece).all()) for piece in t.reshape(-1).split(FINITE_CHECK_NUMEL))
 
 
 KEPT_DIGESTS = 3  # rounds whose state digest a peer's progress carries

@@ -11,7 +11,9 @@ from hivemind.p2p import PeerID
 from conftest import run_in_threads, timed_average, wait_until
 from decentral.swarm import check_part, wire
 from decentral.swarm.wire import LinkShaper
-from decentral.swarm.averaging import check_owner_result, clip, norm_bound
+from decentral.codec import make_codec
+from decentral.swarm.averaging import aggregate, check_owner_result, clip, encode_chunks, norm_bound
+from decentral.transport import FINITE_CHECK_NUMEL, all_finite
 
 
 def test_mean_of_three_peers_equals_independent_mean(make_swarm):
@@ -208,6 +210,26 @@ def test_a_closed_peer_costs_at_most_the_timeout_and_the_survivors_end_alike(mak
             torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
     else:
         assert torch.equal(a.tensor, xs[0]) and torch.equal(b.tensor, xs[1])
+
+
+def test_model_sized_helpers_give_what_their_plain_forms_give():
+    """The finiteness check in slices, the chunks decoded into one tensor, the mean summed into one buffer:
+    the same answers as isfinite over the whole, a list of decoded chunks, and a stacked mean."""
+    values = torch.randn(2 * FINITE_CHECK_NUMEL + 5)
+    assert all_finite(values)
+    for where, bad in ((0, float("nan")), (FINITE_CHECK_NUMEL, float("inf")), (values.numel() - 1, float("-inf"))):
+        broken = values.clone()
+        broken[where] = bad
+        assert not all_finite(broken), where
+    codec = make_codec("int8")
+    flat = torch.randn(10_001)
+    encoded, decoded = encode_chunks(codec, flat, 3)
+    assert [numel for _, numel in encoded] == [c.numel() for c in torch.tensor_split(flat, 3)]
+    assert torch.equal(decoded, torch.cat([codec.decode(*e) for e in encoded]))
+    parts = [torch.randn(1000) for _ in range(4)]
+    before = [p.clone() for p in parts]
+    torch.testing.assert_close(aggregate(parts, "mean"), torch.stack(before).mean(0), rtol=0, atol=1e-6)
+    assert all(torch.equal(p, b) for p, b in zip(parts, before))  # summed into a buffer of its own
 
 
 def test_part_checks_clip_bound_and_owner_results():

@@ -95,7 +95,7 @@ from decentral.swarm.wire import (
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.config import HANG_S
-from decentral.transport import AverageResult
+from decentral.transport import AverageResult, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def check_part(received: torch.Tensor, reference: torch.Tensor) -> str | None:
     """Why `received` may not stand in for `reference` (None when it may): its size, and finite values."""
     if received.numel() != reference.numel():
         return f"wrong size: {received.numel()} elements, expected {reference.numel()}"
-    if not bool(torch.isfinite(received).all()):
+    if not all_finite(received):
         return "non-finite values"
     return None
 
@@ -172,16 +172,19 @@ def check_owner_result(result: torch.Tensor, norms: object, mine: int, own_norm:
 
 def chunk_digest(chunk: torch.Tensor, norms: list[float]) -> str:
     """What members compare after an average: a chunk's bytes and the norms its owner reported."""
-    digest = hashlib.sha256(chunk.contiguous().view(torch.uint8).numpy().tobytes())
+    digest = hashlib.sha256(chunk.contiguous().view(torch.uint8).numpy())
     digest.update(repr([round(float(n), 6) for n in norms]).encode())
     return digest.hexdigest()[:24]
 
 
-def encode_chunks(codec: Codec, flat: torch.Tensor, k: int) -> tuple[list[tuple[bytes, int]], list[torch.Tensor]]:
-    """`flat` in k chunks (chunk j goes to member j), each encoded on its own with its element count, and
-    each as its owner decodes it."""
+def encode_chunks(codec: Codec, flat: torch.Tensor, k: int) -> tuple[list[tuple[bytes, int]], torch.Tensor]:
+    """`flat` in k chunks (chunk j goes to member j), each encoded on its own with its element count; and
+    `flat` as the chunks' owners decode them, one tensor (chunk j is `torch.tensor_split(it, k)[j]`)."""
     encoded = [(codec.encode(chunk), chunk.numel()) for chunk in torch.tensor_split(flat, k)]
-    return encoded, [codec.decode(*e) for e in encoded]
+    decoded = torch.empty_like(flat)
+    for chunk, e in zip(torch.tensor_split(decoded, k), encoded):
+        chunk.copy_(codec.decode(*e))
+    return encoded, decoded
 
 
 def kept(result: torch.Tensor) -> torch.Tensor:
@@ -192,10 +195,13 @@ def kept(result: torch.Tensor) -> torch.Tensor:
 
 def aggregate(parts: list[torch.Tensor], how: str) -> torch.Tensor:
     """The mean of `parts`, or with "trimmed" and 3 or more, the mean of each coordinate without its
-    largest and smallest value."""
+    largest and smallest value. The mean sums into one buffer: no stacked copy of all parts."""
     if how == "trimmed" and len(parts) >= 3:
         return torch.stack(parts).sort(dim=0).values[1:-1].mean(dim=0)
-    return torch.stack(parts).mean(dim=0)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total.div_(len(parts))
 
 
 
@@ -570,7 +576,8 @@ class GroupAverager:
                     if p != me and not m.meta.get("done") and not m.meta.get("left_out")}
         self.max_part_numel = flat.numel() if not self._sized else max(self.max_part_numel, flat.numel())
         self._sized = True
-        encoded, own = await asyncio.to_thread(encode_chunks, self.codec, flat, len(group))
+        encoded, decoded = await asyncio.to_thread(encode_chunks, self.codec, flat, len(group))
+        own = list(torch.tensor_split(decoded, len(group)))
         mine = group.index(me)
         others = [p for p in group if p != me]
         rejected: dict[str, str] = {}
@@ -632,8 +639,10 @@ class GroupAverager:
             counted[mine] = counted_mine
             my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
+            part_missing = len(parts) < len(group)
+            received = checked = parts = None  # averaged: their memory is free for the gather's chunks
 
-            if len(parts) < len(group):  # a member's part is missing (silent, gone, elsewhere or rejected): no
+            if part_missing:  # a member's part is missing (silent, gone, elsewhere or rejected): no
                 # member can hold the group's whole mean of our chunk, so the average cannot commit; we skip phases
                 # 2 and 3 (their bytes and round trips) and it is redone without that member. When a member is
                 # gone, our parts still on their way are of no use to anyone either: we stop sending them (their
@@ -654,7 +663,7 @@ class GroupAverager:
                 note_silent(set(others) - elsewhere, gathered)
                 elsewhere |= other_views(gathered)
                 result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
-                result[mine], counts[mine], norms[mine] = averaged_mine, len(parts), my_norms
+                result[mine], counts[mine], norms[mine] = averaged_mine, len(sizes), my_norms
 
                 def weigh(sender: str, msg: Message) -> tuple[str | None, list[float], torch.Tensor | None]:
                     """Why an owner's result may not be taken (None when it may), the norms it reports, and our
@@ -711,8 +720,10 @@ class GroupAverager:
                  loop.time() - began, f"; absent {[p[-8:] for p in absent]}" if absent else "",
                  f"; waited out {[p[-8:] for p in sorted(silent)]}" if silent else "")
         tensor, sent = flat, flat  # rolled back: our input
-        if agreed:
-            tensor, sent = await asyncio.to_thread(lambda: (torch.cat(result), torch.cat(counted)))
+        if agreed:  # what the average counted of ours is our input as decoded, unless clipped or dropped somewhere
+            as_decoded = all(c is o for c, o in zip(counted, own))
+            tensor, sent = await asyncio.to_thread(
+                lambda: (torch.cat(result), decoded if as_decoded else torch.cat(counted)))
         return AverageResult(
             tensor=tensor,
             sent=sent,

@@ -32,7 +32,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from decentral.transport import AverageResult, StateUnavailable, Transport, state_digest, with_us
+from decentral.transport import AverageResult, StateUnavailable, Transport, all_finite, state_digest, with_us
 from decentral.vml import resolve_kernels
 
 log = logging.getLogger(__name__)
@@ -493,7 +493,7 @@ class OuterProtocol(SyncProtocol):
     def _finite_fast(self, part: slice = slice(None)) -> torch.Tensor:
         """`_fast_vector(part)`; DivergedError when training made it non-finite (before any of it is sent)."""
         fast = self._fast_vector(part)
-        if not bool(torch.isfinite(fast).all()):
+        if not all_finite(fast):
             raise DivergedError(f"non-finite weights after inner step {self.step}; not syncing them")
         return fast
 
@@ -531,10 +531,11 @@ class OuterProtocol(SyncProtocol):
         self.residual[part] = 0
         return sent
 
-    def _keep_residual(self, uncounted: torch.Tensor, part: slice = slice(None)) -> None:
-        """e[part] += what an average did not count of our input (after a commit: input − AverageResult.sent)."""
+    def _keep_residual(self, input: torch.Tensor, counted: torch.Tensor, part: slice = slice(None)) -> None:
+        """e[part] += what an average did not count of our input: `input − counted` (after a commit, counted
+        is AverageResult.sent). Without error feedback, nothing (not even the difference) is computed."""
         if self.residual is not None:
-            self.residual[part] += uncounted
+            self.residual[part] += input - counted
 
     def start(self) -> None:
         super().start()

@@ -145,7 +145,7 @@ class CO2(OuterProtocol):
         if not result.complete and len(result.group) > 1:
             self._unsent = stale.sent if self._unsent is None else self._unsent + stale.sent
         else:
-            self._keep_residual(stale.sent - result.sent)
+            self._keep_residual(stale.sent, result.sent)
             gap = None if stale.anchor is None else self.slow - stale.anchor
             self.slow = co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
                                        staleness_penalty(self.penalty, result.tensor, gap), self.clip)

@@ -55,25 +55,24 @@ class DiLoCo(OuterProtocol):
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
-        outer_grad = self.round_start_weights() - fast
+        outer_grad = torch.sub(self.round_start_weights(), fast, out=fast)  # fast is our copy: no new one
         sent = self._with_residual(outer_grad)
         result, waited = self._timed_average(sent, group, f"diloco/{self.round}")
         rolled_back = not result.complete and len(result.group) > 1
         if rolled_back:  # retried at the next boundary, with twice the progress (θ holds this round's)
-            self._keep_residual(sent - outer_grad)
+            self._keep_residual(sent, outer_grad)
         else:
-            self._keep_residual(sent - result.sent)
-            self.slow = nesterov_sgd_step(
-                self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov
-            )
+            self._keep_residual(sent, result.sent)
+            nesterov_sgd_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov)
         return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected,
                           rolled_back=rolled_back)
 
 
 def nesterov_sgd_step(
     slow: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, lr: float, mu: float, nesterov: bool
-) -> torch.Tensor:
-    """torch.optim.SGD's update with momentum (dampening 0), in place on `momentum`; returns new φ."""
+) -> None:
+    """torch.optim.SGD's update with momentum (dampening 0), in place on φ (`slow`) and `momentum`. One
+    model-sized temporary (lr times the direction); the same values as the textbook's expression."""
     momentum.mul_(mu).add_(grad)
-    direction = grad + mu * momentum if nesterov else momentum
-    return slow - lr * direction
+    step = (momentum * mu).add_(grad).mul_(lr) if nesterov else momentum * lr  # lr · (grad + mu · momentum)
+    slow.sub_(step)

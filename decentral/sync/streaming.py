@@ -132,11 +132,11 @@ class StreamingDiLoCo(DiLoCo):
         result, waited = self._await_average(flight.future)
         rolled_back = not result.complete and len(result.group) > 1
         if rolled_back:  # sent again at the fragment's next sync, with that round's progress (θ holds it)
-            self._keep_residual(flight.sent - flight.grad, part)
+            self._keep_residual(flight.sent, flight.grad, part)
         else:
-            self._keep_residual(flight.sent - result.sent, part)
-            self.slow[part] = nesterov_sgd_step(self.slow[part], result.tensor, self.momentum[part], self.outer_lr,
-                                                self.outer_momentum, self.nesterov)
+            self._keep_residual(flight.sent, result.sent, part)
+            nesterov_sgd_step(self.slow[part], result.tensor, self.momentum[part], self.outer_lr, self.outer_momentum,
+                              self.nesterov)
             merged = torch.lerp(self.round_start_weights()[part], self._fast_vector(part), self.mix)
             self._load_fast(merged, part)
         return result, waited, rolled_back
