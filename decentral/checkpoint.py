@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
+from safetensors.torch import save_file
 
 FORMAT = 1
 TENSORS_FILE = "tensors.safetensors"
@@ -47,16 +47,17 @@ def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], 
     directory = Path(directory)
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
-    data = save_tensors(_storable(tensors))
+    storable = _storable(tensors)
     tmp = parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     aside = _aside(directory)
     try:
-        checked = {"format": FORMAT, "tensors_sha256": hashlib.sha256(data).hexdigest()}
+        checked = {"format": FORMAT}
         if files is not None:
             checked["files_sha256"] = _add_files(tmp, files)
+        save_file(storable, tmp / TENSORS_FILE)  # from the tensors' memory to the file, no copy of them in memory
+        checked["tensors_sha256"] = _synced_sha256(tmp / TENSORS_FILE)
         meta_text = json.dumps({**meta, **checked}, indent=1)
-        _write_synced(tmp / TENSORS_FILE, data)
         _write_synced(tmp / META_FILE, meta_text.encode())
         _fsync_dir(tmp)
         if directory.exists():
@@ -135,15 +136,8 @@ def _add_files(folder: Path, write: Callable[[Path], None]) -> dict[str, str]:
         name = path.relative_to(folder).as_posix()
         if name in (TENSORS_FILE, META_FILE):
             raise ValueError(f"a checkpoint's files may not include {name}: it is the checkpoint's own")
-        digests[name] = _file_sha256(path)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
+        digests[name] = _synced_sha256(path)
     return digests
-
-
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _aside(directory: Path) -> Path:
@@ -155,6 +149,18 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _synced_sha256(path: Path) -> str:
+    """The sha256 of a file just written, once it is on disk (fsync)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return _file_sha256(path)
 
 
 def _fsync_dir(path: Path) -> None:
