@@ -46,7 +46,8 @@ def test_cpu_per_worker_splits_into_training_thread_other_threads_and_child_proc
     the process's peak memory so far."""
     def with_cpu(worker, thread_per_step, others_per_step, children_per_step):
         return [{**r, "cpu_s": 2.0 + r["step"] * (thread_per_step + others_per_step),
-                 "thread_cpu_s": 1.5 + r["step"] * thread_per_step, "peak_rss_mib": 300.0 + r["step"] * thread_per_step,
+                 "thread_cpu_s": 1.5 + r["step"] * thread_per_step,
+                 "peak_rss_mib": 300.0 + r["step"] * thread_per_step,
                  **({"children_cpu_s": 0.7 + r["step"] * children_per_step} if "val_loss" in r else {})}
                 for r in records(worker, 0.5, 20, [5.0, 4.0, 3.0])]
     raw = {"codes": [0, 0], "tx_bytes": [None, None],

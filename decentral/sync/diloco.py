@@ -63,7 +63,8 @@ class DiLoCo(OuterProtocol):
             self._keep_residual(sent, outer_grad)
         else:
             self._keep_residual(sent, result.sent)
-            nesterov_sgd_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov)
+            nesterov_sgd_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
+                              self.nesterov)
         return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected,
                           rolled_back=rolled_back)
 
