@@ -531,11 +531,11 @@ class OuterProtocol(SyncProtocol):
         self.residual[part] = 0
         return sent
 
-    def _keep_residual(self, input: torch.Tensor, counted: torch.Tensor, part: slice = slice(None)) -> None:
-        """e[part] += what an average did not count of our input: `input − counted` (after a commit, counted
-        is AverageResult.sent). Without error feedback, nothing (not even the difference) is computed."""
+    def _keep_residual(self, given: torch.Tensor, counted: torch.Tensor, part: slice = slice(None)) -> None:
+        """e[part] += what an average did not count of the input we gave it: `given − counted` (after a commit,
+        counted is AverageResult.sent). Without error feedback, nothing (not even the difference) is computed."""
         if self.residual is not None:
-            self.residual[part] += input - counted
+            self.residual[part] += given - counted
 
     def start(self) -> None:
         super().start()
