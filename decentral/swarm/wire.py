@@ -79,21 +79,22 @@ LINK = LinkShaper.from_env()
 
 
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview, stats: TrafficStats) -> None:
-    """One frame. Paced by LINK in pieces of PIECE bytes, so that a large frame flows as it would on a slow
-    link (a small frame on another stream gets the link between two pieces) rather than waiting whole."""
-    length = len(data).to_bytes(_LEN_BYTES, "big")
-    if LINK.paces:
-        frame = memoryview(length + bytes(data))
-        for start in range(0, len(frame), PIECE):
-            piece = frame[start:start + PIECE]
-            await LINK.before_send(len(piece), first=start == 0)
-            writer.write(piece)
-    else:
-        await LINK.before_send(_LEN_BYTES + len(data))
-        writer.write(length)
-        writer.write(data)
-    await writer.drain()
-    stats.add(sent=_LEN_BYTES + len(data))
+    """One frame, handed to the stream a piece (PIECE bytes) at a time, each once the stream's buffer has
+    drained: a large frame never waits whole in the transport's buffer (Python 3.11's copies what the socket
+    did not take at once). Paced by LINK per piece, so that a large frame flows as it would on a slow link
+    (a small frame on another stream gets the link between two pieces) rather than waiting whole."""
+    view = memoryview(data).cast("B")
+    if not LINK.paces:
+        await LINK.before_send(_LEN_BYTES + len(view))
+    for start in range(0, max(len(view), 1), PIECE):  # an empty frame: its length alone
+        piece = view[start:start + PIECE]
+        if LINK.paces:
+            await LINK.before_send(len(piece) + (_LEN_BYTES if start == 0 else 0), first=start == 0)
+        if start == 0:
+            writer.write(len(view).to_bytes(_LEN_BYTES, "big"))
+        writer.write(piece)
+        await writer.drain()
+    stats.add(sent=_LEN_BYTES + len(view))
 
 
 async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME,
