@@ -497,6 +497,11 @@ class OuterProtocol(SyncProtocol):
             raise DivergedError(f"non-finite weights after inner step {self.step}; not syncing them")
         return fast
 
+    def _outer_gradient(self, fast: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """The outer gradient of θ[part]: where the round started (`round_start_weights`) minus `fast`, our
+        copy of θ[part] (`_finite_fast`), computed in that copy: no model-sized tensor of its own."""
+        return torch.sub(self.round_start_weights()[part], fast, out=fast)
+
     def _load_fast(self, vector: torch.Tensor, part: slice = slice(None)) -> None:
         """θ[part] ← vector (by default all of θ), copied into the parameters (moved to their device once)."""
         offset, ref = 0, self.params[0]

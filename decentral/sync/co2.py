@@ -129,7 +129,7 @@ class CO2(OuterProtocol):
         super()._on_rejoined()
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
-        outer_grad = self._with_residual(self.round_start_weights() - fast)
+        outer_grad = self._with_residual(self._outer_gradient(fast))
         if self._unsent is not None:
             outer_grad, self._unsent = outer_grad + self._unsent, None
         future = self.transport.average_async(outer_grad, None, f"co2/{self.round}", self.round)

@@ -55,7 +55,7 @@ class DiLoCo(OuterProtocol):
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         group = self._members(self.round)
-        outer_grad = torch.sub(self.round_start_weights(), fast, out=fast)  # fast is our copy: no new one
+        outer_grad = self._outer_gradient(fast)
         sent = self._with_residual(outer_grad)
         result, waited = self._timed_average(sent, group, f"diloco/{self.round}")
         rolled_back = not result.complete and len(result.group) > 1

@@ -54,7 +54,7 @@ class NoLoCo(OuterProtocol):
         groups = round_groups(self._members(self.round), self.seed, self.round, self.group_size)
         group = group_of(self.transport.peer_id, groups)
         n = self.slow.numel()
-        both = torch.cat([self.slow, fast - self.slow])
+        both = torch.cat([self.slow, fast.sub_(self.slow)])  # Δ_i in our copy of θ_i
         if len(group) > 1:
             result, waited = self._timed_average(both, group, f"noloco/{self.round}")
             mean, sent, complete = result.tensor, result.sent, result.complete

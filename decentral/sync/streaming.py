@@ -120,7 +120,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def _launch(self, fragment: int) -> None:
         part = self.fragments[fragment]
-        grad = self.round_start_weights()[part] - self._finite_fast(part)
+        grad = self._outer_gradient(self._finite_fast(part), part)
         sent = self._with_residual(grad, part)
         future = self.transport.average_async(sent, None, f"streaming/{self.round}/{fragment}", self.round)
         self.in_flight = InFlight(fragment, future, grad, sent)
