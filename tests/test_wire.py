@@ -1,34 +1,98 @@
 """Message framing and the application-level link shaper used where the kernel cannot emulate a link."""
 
 import asyncio
+import json
 import time
 
+import pytest
+import torch
 
 from decentral.swarm import wire
-from decentral.swarm.wire import PIECE, LinkShaper, TrafficStats, read_frame, read_message, write_frame, write_message
+from decentral.swarm.wire import (PIECE, LinkShaper, TrafficStats, WireError, read_frame, read_header,
+                                  read_tensor_message, write_frame, write_message, write_tensor_message)
+
+
+async def across_a_socket(send, receive):
+    """What `receive(reader)` returns once `send(writer)` has written to it over a real loopback socket."""
+    got = asyncio.get_running_loop().create_future()
+
+    async def serve(reader, writer):
+        try:
+            got.set_result(await receive(reader))
+        except Exception as e:
+            got.set_exception(e)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    await send(writer)
+    try:
+        return await asyncio.wait_for(got, 10)
+    finally:
+        writer.close()
+        server.close()
 
 
 def test_messages_cross_a_real_socket_and_are_counted():
-    async def main():
-        sent, received = TrafficStats(), TrafficStats()
-        got = asyncio.get_running_loop().create_future()
+    sent, received = TrafficStats(), TrafficStats()
 
-        async def serve(reader, writer):
-            got.set_result(await read_message(reader, received))
-            writer.close()
+    async def receive(reader):
+        return await read_header(reader, received), await read_frame(reader, received)
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        await write_message(writer, {"tag": "x"}, b"abc" * 100, sent)
-        header, payload = await asyncio.wait_for(got, 10)
-        writer.close()
-        server.close()
-        return header, payload, sent, received
-
-    header, payload, sent, received = asyncio.run(main())
+    header, payload = asyncio.run(across_a_socket(lambda w: write_message(w, {"tag": "x"}, b"abc" * 100, sent),
+                                                  receive))
     assert header == {"tag": "x"} and payload == b"abc" * 100
     assert sent.bytes_sent == received.bytes_received == 8 + len(b'{"tag": "x"}') + 8 + 300
+
+
+def test_a_tensor_message_carries_every_dtype_and_shape_bit_for_bit():
+    """Tensors larger than a piece, of every kind a state holds (a 0-d step count, an empty tensor, a
+    non-contiguous one, bfloat16, bool), arrive equal in dtype, shape and bits, and every byte is counted."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "slow": torch.randn(3 * PIECE // 4 + 11, generator=g),
+        "momentum.bf16": torch.randn(1000, 7, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(17.0),
+        "empty": torch.empty(0, 4),
+        "transposed": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),
+        "mask": torch.rand(33, generator=g) > 0.5,
+    }
+    sent, received = TrafficStats(), TrafficStats()
+    header, got = asyncio.run(across_a_socket(
+        lambda w: write_tensor_message(w, {"ok": True, "meta": {"round": 3}}, tensors, sent),
+        lambda r: read_tensor_message(r, received)))
+    assert header == {"ok": True, "meta": {"round": 3}}
+    assert list(got) == list(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), name
+    assert sent.bytes_sent == received.bytes_received > sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_a_tensor_is_sent_from_its_own_memory():
+    """A contiguous CPU tensor goes to the stream as it is: no serialised copy of a state is made to send it."""
+    t = torch.randn(1000)
+    assert wire._wire_bytes(t).obj.__array_interface__["data"][0] == t.data_ptr()
+
+
+@pytest.mark.parametrize("spec, length, error", [
+    ([["slow", "float32", [1 << 30]]], 8, "its spec says 4294967296"),  # a huge claim, not followed by its bytes
+    ([["slow", "float32", [4]]], 12, "its spec says 16"),
+    ([["slow", "complex64", [4]]], 32, "not \\[name, dtype, shape\\]"),
+    ([["slow", "float32", [-4]]], 0, "not \\[name, dtype, shape\\]"),
+    ([["a", "float32", [1]], ["a", "float32", [1]]], 8, "names a tensor twice"),
+    ({"slow": "float32"}, 0, "not a list"),
+])
+def test_a_tensor_message_that_contradicts_its_spec_is_refused_before_anything_is_allocated(spec, length, error):
+    async def main():
+        reader = asyncio.StreamReader()
+        header = json.dumps({"ok": True, "tensors": spec}).encode()
+        reader.feed_data(len(header).to_bytes(8, "big") + header + length.to_bytes(8, "big"))
+        reader.feed_eof()  # the bytes the frame announces never come: a refusal must not wait for them
+        return await read_tensor_message(reader, TrafficStats())
+
+    with pytest.raises(WireError, match=error):
+        asyncio.run(main())
 
 
 def test_shaper_paces_to_its_rate_and_adds_latency():

@@ -31,11 +31,9 @@ from concurrent.futures import Future
 from typing import Callable
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
-
 from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import MAX_HEADER, read_frame, read_message, write_frame, write_message
+from decentral.swarm.wire import (MAX_HEADER, read_frame, read_tensor_message, write_frame, write_message,
+                                  write_tensor_message)
 from decentral.transport import JoinRequest, StateUnavailable, state_digest, trained_past
 
 log = logging.getLogger(__name__)
@@ -85,11 +83,9 @@ class StateExchange:
             await write_message(writer, {"ok": True, "same": True, "meta": meta}, b"", self.peer.stats)
             return
         if request.get("meta_if_past") is True and past:
-            await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now, "meta_only": True}, b"",
-                                self.peer.stats)
+            await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, b"", self.peer.stats)
             return
-        payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
-        await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, payload, self.peer.stats)
+        await write_tensor_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, tensors, self.peer.stats)
 
     async def _on_join(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Queue the sender's request for our protocol and stream back the state it grants, or a refusal
@@ -110,8 +106,7 @@ class StateExchange:
             return
         meta, tensors = granted
         async with self._transfer(reader):
-            payload = await asyncio.get_running_loop().run_in_executor(None, save_tensors, tensors)
-            await write_message(writer, {"ok": True, "meta": meta}, payload, self.peer.stats)
+            await write_tensor_message(writer, {"ok": True, "meta": meta}, tensors, self.peer.stats)
 
     @contextlib.asynccontextmanager
     async def _transfer(self, reader: asyncio.StreamReader):
@@ -157,12 +152,12 @@ class StateExchange:
         reader, writer = await self.peer.open_stream(donor, "join")
         try:
             await write_frame(writer, b"{}", self.peer.stats)
-            header, payload = await read_message(reader, self.peer.stats)
+            header, tensors = await read_tensor_message(reader, self.peer.stats)
         finally:
             writer.close()
         if not header.get("ok"):
             return None
-        return dict(header["meta"]), load_tensors(payload)
+        return dict(header["meta"]), tensors
 
     async def _download(self, donor: str, have: str | None, meta_if_past: bool = False) -> Snapshot | str | None:
         """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none;
@@ -170,7 +165,7 @@ class StateExchange:
         reader, writer = await self.peer.open_stream(donor, "state")
         try:
             await write_frame(writer, json.dumps({"have": have, "meta_if_past": meta_if_past}).encode(), self.peer.stats)
-            header, payload = await read_message(reader, self.peer.stats)
+            header, tensors = await read_tensor_message(reader, self.peer.stats)
         finally:
             writer.close()
         if not header.get("ok"):
@@ -180,7 +175,7 @@ class StateExchange:
         meta = dict(header["meta"])
         if isinstance(header.get("step_now"), int):
             meta["donor_step"] = header["step_now"]
-        return meta, {} if meta_if_past and header.get("meta_only") else load_tensors(payload)
+        return meta, tensors
 
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None,
