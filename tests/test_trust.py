@@ -10,14 +10,16 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import run_in_threads, wait_until
-from decentral.swarm import SwarmPeer, averaging
+from decentral.swarm import SwarmPeer, averaging, state, wire
 from decentral.swarm.averaging import GroupAverager, chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import refuse_plain_dials
-from decentral.swarm.wire import read_frame, write_message
+from decentral.swarm.wire import LinkShaper, read_frame, write_frame, write_message
+from decentral.transport import StateUnavailable
 
 CHILD_PEER = """
 import os, sys, time
@@ -312,6 +314,71 @@ def test_a_peer_claiming_a_far_future_round_is_nobodys_donor(make_swarm):
     finally:
         liar.kill()
         liar.wait()
+
+
+class StallingLink(LinkShaper):
+    """A link at `rate_bps` that carries `pieces` pieces of large frames and then nothing, ever."""
+
+    def __init__(self, rate_bps: float, pieces: int | None = None):
+        super().__init__(rate_bps=rate_bps)
+        self.pieces = pieces
+
+    async def before_send(self, nbytes: int, first: bool = True) -> None:
+        if nbytes >= wire.PIECE and self.pieces is not None:
+            if self.pieces == 0:
+                await asyncio.Event().wait()
+            self.pieces -= 1
+        await super().before_send(nbytes, first)
+
+
+def test_a_state_download_longer_than_the_timeout_goes_on_while_its_bytes_flow(make_swarm, monkeypatch, caplog):
+    """The swarm's timeout bounds the wait for each byte of a state download, not the whole download: on a
+    slow link a large model's state takes minutes (57M parameters' φ and momentum at 20 Mb/s: 3 min, where
+    the timeout is 60 s), and its progress is logged meanwhile."""
+    donor, newcomer = make_swarm(2, timeout=1.0)
+    offered = {"slow": torch.randn(400_000), "momentum": torch.randn(400_000)}  # 3.2 MB: 3.2 s at 8 Mb/s
+    donor.offer_state({"protocol": "diloco", "round": 3, "step": 150}, offered)
+    donor.set_progress(150, 3)
+    wait_until(lambda: newcomer.progress().get(donor.peer_id, {}).get("round") == 3, 20, "the donor's round")
+    monkeypatch.setattr(wire, "LINK", StallingLink(rate_bps=8_000_000))
+    monkeypatch.setattr(state, "PROGRESS_LOG_S", 1.0)
+    with caplog.at_level("INFO", logger="decentral.swarm.state"):
+        began = time.monotonic()
+        got_from, (meta, tensors) = newcomer.fetch_state()
+        took = time.monotonic() - began
+    assert took > 2.5, f"took {took:.1f}s: the link was not paced, so this proves nothing"
+    assert got_from == donor.peer_id and meta["round"] == 3
+    assert all(torch.equal(tensors[k], offered[k]) for k in offered)
+    assert "downloading the state of" in caplog.text
+
+
+def test_a_donor_that_stops_sending_mid_download_fails_it_within_the_timeout(make_swarm, monkeypatch):
+    donor, newcomer = make_swarm(2, timeout=1.0)
+    donor.offer_state({"protocol": "diloco", "round": 3, "step": 150}, {"slow": torch.randn(400_000)})
+    donor.set_progress(150, 3)
+    wait_until(lambda: newcomer.progress().get(donor.peer_id, {}).get("round") == 3, 20, "the donor's round")
+    monkeypatch.setattr(wire, "LINK", StallingLink(rate_bps=80_000_000, pieces=5))
+    with pytest.raises(StateUnavailable, match="no byte of the state .* for 1s"):
+        newcomer.fetch_state()
+
+
+def test_a_requester_that_stops_reading_does_not_hold_the_donors_transfer(make_swarm, monkeypatch):
+    """A newcomer that asks for the state and then reads nothing (hung, or malicious) gets its transfer ended
+    by the donor once nothing has left for REQUEST_TIMEOUT_S, instead of holding it (and the snapshot it
+    sends) forever."""
+    monkeypatch.setattr(state, "REQUEST_TIMEOUT_S", 1.0)
+    donor, newcomer = make_swarm(2, timeout=1.0)
+    donor.offer_state({"protocol": "diloco", "round": 3, "step": 150}, {"slow": torch.randn(25_000_000)})
+
+    async def ask_and_never_read():
+        stream = await newcomer.peer.open_stream(donor.peer_id, "state")
+        await write_frame(stream[1], b'{"have": null}', newcomer.peer.stats)
+        return stream  # held open, unread, until the test ends
+
+    stream = newcomer.peer.call(ask_and_never_read()).result()
+    wait_until(lambda: donor.state._transfers, 10, "the transfer to begin")
+    wait_until(lambda: not donor.state._transfers, 10, "the donor to end the stalled transfer")
+    stream[1].close()
 
 
 def test_a_member_that_stops_answering_costs_the_others_seconds_and_they_commit_without_it(make_swarm):

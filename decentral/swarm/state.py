@@ -17,6 +17,11 @@ answers with the state it holds at that step, streamed back on the same stream.
 A peer that leaves finishes the transfers under way first (`close`): the last members of a run that ends
 would otherwise cut off a newcomer's download of the run's final state mid-transfer (seen in a CO2 soak:
 the newcomer then held another final state than everyone else).
+
+A state travels as a tensor message (decentral.swarm.wire): neither side holds a serialised copy of it.
+The swarm's timeout bounds the wait for each piece of a download, not the whole download, which on a slow
+link takes minutes for a large model (57M parameters' φ and momentum at 20 Mb/s: 3 minutes); a long one
+logs its progress. A donor ends a transfer whose requester stopped reading for REQUEST_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more are refused
+PROGRESS_LOG_S = 10.0  # a state download that takes longer says how far it is this often
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -71,11 +77,11 @@ class StateExchange:
         if snapshot is None or self._closing:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
-        async with self._transfer(reader):
-            await self._answer(request, snapshot, writer)
+        async with self._transfer(reader), _sending_watch() as watch:
+            await self._answer(request, snapshot, writer, watch)
 
     async def _answer(self, request: dict, snapshot: tuple[dict, dict[str, torch.Tensor], str],
-                      writer: asyncio.StreamWriter) -> None:
+                      writer: asyncio.StreamWriter, watch: Callable[[int, int], None]) -> None:
         meta, tensors, digest = snapshot
         step_now = self.live_step() if self.live_step is not None else int(meta.get("step", 0))
         past = trained_past(meta, step_now)
@@ -85,7 +91,8 @@ class StateExchange:
         if request.get("meta_if_past") is True and past:
             await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, b"", self.peer.stats)
             return
-        await write_tensor_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, tensors, self.peer.stats)
+        await write_tensor_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, tensors, self.peer.stats,
+                                   on_progress=watch)
 
     async def _on_join(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Queue the sender's request for our protocol and stream back the state it grants, or a refusal
@@ -105,8 +112,8 @@ class StateExchange:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
         meta, tensors = granted
-        async with self._transfer(reader):
-            await write_tensor_message(writer, {"ok": True, "meta": meta}, tensors, self.peer.stats)
+        async with self._transfer(reader), _sending_watch() as watch:
+            await write_tensor_message(writer, {"ok": True, "meta": meta}, tensors, self.peer.stats, on_progress=watch)
 
     @contextlib.asynccontextmanager
     async def _transfer(self, reader: asyncio.StreamReader):
@@ -141,33 +148,38 @@ class StateExchange:
 
     def join(self, donor: str, timeout: float) -> Snapshot | None:
         """Ask `donor` to average with us from its next step on: the state it grants, or None when it refused
-        or failed (waiting at most twice `timeout`: its answer, then the download)."""
+        or failed (its answer awaited for twice `timeout`, then no more than `timeout` between two bytes)."""
         try:
-            return self.peer.call(asyncio.wait_for(self._ask_to_join(donor), 2 * timeout)).result()
+            return self.peer.call(self._ask_to_join(donor, timeout)).result()
         except Exception as e:
             log.info("asking %s to join its averages failed: %r", donor[-8:], e)
             return None
 
-    async def _ask_to_join(self, donor: str) -> Snapshot | None:
-        reader, writer = await self.peer.open_stream(donor, "join")
-        try:
-            await write_frame(writer, b"{}", self.peer.stats)
-            header, tensors = await read_tensor_message(reader, self.peer.stats)
-        finally:
-            writer.close()
+    async def _ask_to_join(self, donor: str, timeout: float) -> Snapshot | None:
+        async with _receiving_watch(donor, first_byte_s=2 * timeout, idle_s=timeout) as watch:
+            reader, writer = await self.peer.open_stream(donor, "join")
+            try:
+                await write_frame(writer, b"{}", self.peer.stats)
+                header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
+            finally:
+                writer.close()
         if not header.get("ok"):
             return None
         return dict(header["meta"]), tensors
 
-    async def _download(self, donor: str, have: str | None, meta_if_past: bool = False) -> Snapshot | str | None:
+    async def _download(self, donor: str, have: str | None, timeout: float, meta_if_past: bool = False
+                        ) -> Snapshot | str | None:
         """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none;
-        with `meta_if_past`, only its meta (tensors {}) when the donor trained past it."""
-        reader, writer = await self.peer.open_stream(donor, "state")
-        try:
-            await write_frame(writer, json.dumps({"have": have, "meta_if_past": meta_if_past}).encode(), self.peer.stats)
-            header, tensors = await read_tensor_message(reader, self.peer.stats)
-        finally:
-            writer.close()
+        with `meta_if_past`, only its meta (tensors {}) when the donor trained past it. TimeoutError when no
+        byte arrives for `timeout` (however long the whole download takes on a slow link)."""
+        async with _receiving_watch(donor, first_byte_s=timeout, idle_s=timeout) as watch:
+            reader, writer = await self.peer.open_stream(donor, "state")
+            try:
+                await write_frame(writer, json.dumps({"have": have, "meta_if_past": meta_if_past}).encode(),
+                                  self.peer.stats)
+                header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
+            finally:
+                writer.close()
         if not header.get("ok"):
             return None
         if header.get("same"):
@@ -186,9 +198,9 @@ class StateExchange:
 
         Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
-        StateUnavailable when a download failed (within `timeout` each) and none succeeded. The
-        snapshot's meta gains `donor_step`, the donor's inner step when it served it. `meta_if_past`: see
-        `_download`.
+        StateUnavailable when a download failed (one fails when no byte of it arrives for `timeout`) and
+        none succeeded. The snapshot's meta gains `donor_step`, the donor's inner step when it served it.
+        `meta_if_past`: see `_download`.
         """
         have_digest = state_digest(have) if have is not None else None
         rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
@@ -202,8 +214,7 @@ class StateExchange:
         failed = []
         for donor in order:
             try:
-                got = self.peer.call(asyncio.wait_for(self._download(donor, have_digest, meta_if_past), timeout)
-                                     ).result()
+                got = self.peer.call(self._download(donor, have_digest, timeout, meta_if_past)).result()
             except Exception as e:  # reported in StateUnavailable, once every donor failed
                 log.info("state download from %s failed: %r", donor[-8:], e)
                 failed.append(f"{donor[-8:]}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
@@ -216,6 +227,39 @@ class StateExchange:
             raise StateUnavailable(f"none of the {len(order)} peers at round {top} handed over its state "
                                    f"({'; '.join(failed)})")
         return None
+
+
+@contextlib.asynccontextmanager
+async def _receiving_watch(donor: str, first_byte_s: float, idle_s: float):
+    """The clock of a state we receive: TimeoutError when its header takes longer than `first_byte_s`, or a
+    piece of it longer than `idle_s` after the one before; a long download logs its progress every
+    PROGRESS_LOG_S. Yields the `on_progress` callback for `read_tensor_message`."""
+    loop = asyncio.get_running_loop()
+    began = logged = loop.time()
+    waited = first_byte_s
+
+    def watch(done: int, total: int) -> None:
+        nonlocal logged, waited
+        now, waited = loop.time(), idle_s
+        clock.reschedule(now + idle_s)
+        if now - logged >= PROGRESS_LOG_S:
+            logged = now
+            log.info("downloading the state of %s: %.0f of %.0f MiB (%.1f MiB/s)", donor[-8:], done / 2**20,
+                     total / 2**20, done / 2**20 / (now - began))
+
+    try:
+        async with asyncio.timeout(first_byte_s) as clock:
+            yield watch
+    except TimeoutError:
+        raise TimeoutError(f"no byte of the state from {donor[-8:]} for {waited:g}s") from None
+
+
+@contextlib.asynccontextmanager
+async def _sending_watch():
+    """TimeoutError when our answer's bytes stop leaving for REQUEST_TIMEOUT_S (the requester stopped reading):
+    a stalled requester does not hold our handler and its snapshot forever. Yields `on_progress`."""
+    async with asyncio.timeout(REQUEST_TIMEOUT_S) as clock:
+        yield lambda done, total: clock.reschedule(asyncio.get_running_loop().time() + REQUEST_TIMEOUT_S)
 
 
 async def _until_closed(reader: asyncio.StreamReader) -> None:

@@ -93,13 +93,15 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview, st
     await write_frame_of(writer, [data], memoryview(data).nbytes, stats)
 
 
-async def write_frame_of(writer: asyncio.StreamWriter, parts: Iterable, length: int, stats: TrafficStats) -> None:
+async def write_frame_of(writer: asyncio.StreamWriter, parts: Iterable, length: int, stats: TrafficStats,
+                         on_progress: Callable[[int, int], None] | None = None) -> None:
     """One frame of `length` bytes: `parts`, buffers taken one at a time as they are written (so a generator
     can make each when it is its turn). Handed to the stream a piece (PIECE bytes) at a time, each once the
-    stream's buffer has drained: a large frame never waits whole in the transport's buffer (Python 3.11's
-    copies what the socket did not take at once). Paced by LINK per piece, so that a large frame flows as it
-    would on a slow link (a small frame on another stream gets the link between two pieces) rather than
-    waiting whole. ValueError when the parts do not add up to `length` (the stream is then unusable)."""
+    stream's buffer has drained (then `on_progress(bytes sent, length)` is called): a large frame never
+    waits whole in the transport's buffer (Python 3.11's copies what the socket did not take at once).
+    Paced by LINK per piece, so that a large frame flows as it would on a slow link (a small frame on
+    another stream gets the link between two pieces) rather than waiting whole. ValueError when the parts
+    do not add up to `length` (the stream is then unusable)."""
     if not LINK.paces:
         await LINK.before_send(_LEN_BYTES + length)
     sent = 0
@@ -108,6 +110,8 @@ async def write_frame_of(writer: asyncio.StreamWriter, parts: Iterable, length: 
         for start in range(0, len(view), PIECE):
             await _write_piece(writer, view[start:start + PIECE], length, first=sent == 0)
             sent += min(PIECE, len(view) - start)
+            if on_progress is not None:
+                on_progress(sent, length)
     if length == 0:
         await _write_piece(writer, b"", length, first=True)  # an empty frame: its length alone
     if sent != length:
@@ -179,12 +183,12 @@ def _wire_bytes(t: torch.Tensor) -> memoryview:
 
 
 async def write_tensor_message(writer: asyncio.StreamWriter, header: dict, tensors: dict[str, torch.Tensor],
-                               stats: TrafficStats) -> None:
+                               stats: TrafficStats, on_progress: Callable[[int, int], None] | None = None) -> None:
     """`header` (with "tensors", their spec) and the tensors' bytes, one tensor at a time; the tensors must not
-    change while they are written."""
+    change while they are written. `on_progress`: see `write_frame_of`."""
     length = sum(t.numel() * t.element_size() for t in tensors.values())
     await write_frame(writer, json.dumps({**header, "tensors": tensor_spec(tensors)}).encode(), stats)
-    await write_frame_of(writer, (_wire_bytes(t) for t in tensors.values()), length, stats)
+    await write_frame_of(writer, (_wire_bytes(t) for t in tensors.values()), length, stats, on_progress)
 
 
 def _checked_spec(spec: object) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -203,22 +207,28 @@ def _checked_spec(spec: object) -> list[tuple[str, torch.dtype, tuple[int, ...]]
     return checked
 
 
-async def read_tensor_message(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME
+async def read_tensor_message(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME,
+                              on_progress: Callable[[int, int], None] | None = None
                               ) -> tuple[dict, dict[str, torch.Tensor]]:
     """A tensor message's header and tensors. Its spec is checked, and the payload's length against it,
-    before a tensor is allocated (WireError); each tensor is then filled a piece at a time as it arrives."""
+    before a tensor is allocated (WireError); each tensor is then filled a piece at a time as it arrives,
+    and `on_progress(bytes received, bytes in all)` called after each piece (and once before the first)."""
     header = await read_header(reader, stats)
     spec = _checked_spec(header.pop("tensors", []))
     sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in spec]
     length = await _frame_length(reader, max_bytes)
     if length != sum(sizes):
         raise WireError(f"a tensor message of {length} bytes, where its spec says {sum(sizes)}")
-    tensors = {}
+    tensors, received = {}, 0
+    progress = on_progress or (lambda done, total: None)
+    progress(0, length)
     for (name, dtype, shape), size in zip(spec, sizes):
         tensor = torch.empty(shape, dtype=dtype)
         into = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         for start in range(0, size, PIECE):
             into[start:start + PIECE] = await reader.readexactly(min(PIECE, size - start))
+            received += min(PIECE, size - start)
+            progress(received, length)
         tensors[name] = tensor
     stats.add(received=_LEN_BYTES + length)
     return header, tensors
