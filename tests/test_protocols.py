@@ -9,7 +9,7 @@ import torch
 
 from conftest import loss_step, run_in_threads, wait_until
 from decentral.swarm import wire
-from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo
+from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo, StreamingDiLoCo
 from decentral.transport import JoinRequest
 
 
@@ -110,6 +110,32 @@ def test_diloco_outer_step_matches_torch_sgd_nesterov_and_moves_towards_workers(
         if round == 0:  # sign: a positive outer lr moves φ towards the workers' mean
             progress = torch.stack(fasts).mean(0) - before
             assert torch.dot(protocols[0].slow - before, progress) > 0
+
+
+@pytest.mark.parametrize("cls, settings", [(DiLoCo, {}), (NoLoCo, {}), (CO2, {}),
+                                           (StreamingDiLoCo, {"every": 6, "fragments": 3})])
+def test_the_offered_state_is_no_copy_and_never_changes_once_offered(make_loopback, cls, settings):
+    """What a protocol offers newcomers is its φ and outer tensors themselves, no copy of them, and the rounds
+    after leave those tensors exactly as they were offered (a download under way may still be reading them):
+    an outer step replaces what it would change in place."""
+    protocols = make_protocols(make_loopback(2), cls, **{"every": 4, **settings})
+    x = torch.randn(8, 5)
+    every = protocols[0].every
+
+    def train(steps):
+        run_in_threads([lambda p=p: [loss_step(p, x) for _ in range(steps)] for p in protocols])
+
+    with protocols[0], protocols[1]:
+        train(every)
+        first = protocols[0]
+        offered = first.snapshot()
+        assert set(offered) == {"slow", *first.outer_tensors()}
+        assert all(offered[name] is getattr(first, name) for name in offered)
+        as_offered = {name: t.clone() for name, t in offered.items()}
+        train(2 * every)
+        assert first.round == 3 and not torch.equal(first.slow, as_offered["slow"])
+        for name, t in offered.items():
+            assert torch.equal(t, as_offered[name]), f"{name} changed after it was offered"
 
 
 def test_noloco_pair_round_is_the_section_3_update_for_both_peers(make_peers):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -452,7 +453,10 @@ class OuterProtocol(SyncProtocol):
     φ and the outer state live as flat fp32 vectors on the CPU, or with `outer_on_device` on the model's
     device (no host memory for them, and the outer step runs there; what is offered, digested and
     checkpointed is a CPU copy, so replicas on either compare and trade states). After each outer step the
-    protocol offers a snapshot of them to newcomers, and newcomers start from a donor's snapshot.
+    protocol offers a snapshot of them to newcomers, and newcomers start from a donor's snapshot. On the
+    CPU the snapshot is those very tensors, not a copy: once offered, a tensor is replaced, never changed
+    in place (a protocol calls `_own` before it changes one in place), so it stays what was offered for
+    as long as a download of it, or a caller of `snapshot`, holds it.
     """
 
     shares_state = True
@@ -472,6 +476,7 @@ class OuterProtocol(SyncProtocol):
         self.slow = self._fast_vector()
         # what averages did not count of our inputs (a lossy codec's loss), added to the next input
         self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
+        self._shared: dict[str, weakref.ref] = {}  # name -> the tensor `snapshot` handed out under it
 
     def _pieces(self, part: slice) -> list[tuple[torch.Tensor, int, int]]:
         """(parameter, start, stop) of each parameter's flat values that fall in `part` of θ's flat vector
@@ -512,17 +517,29 @@ class OuterProtocol(SyncProtocol):
                 offset += stop - start
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
-        """Outer state besides φ (momentum and the like), flat fp32."""
+        """Outer state besides φ (momentum and the like), flat fp32, each under the name of the attribute
+        that holds it."""
         return {}
+
+    def _own(self, *names: str) -> None:
+        """Before φ (`slow`) or outer tensors, by attribute name, are changed in place: each that `snapshot`
+        handed out (offered to newcomers, perhaps being downloaded) is replaced by a copy of its own first."""
+        for name in names:
+            shared = self._shared.pop(name, None)
+            if shared is not None and shared() is getattr(self, name):
+                setattr(self, name, getattr(self, name).clone())
 
     def round_start_weights(self) -> torch.Tensor:
         """Where θ starts a round after an outer step: φ."""
         return self.slow
 
     def memory_copies(self) -> list[str]:
-        """φ, the outer state, the copy of both offered to newcomers, and the error feedback's residual."""
-        where = "" if self.outer_device.type == "cpu" else f" (on {self.outer_device})"
+        """φ and the outer state (on a device, a CPU copy of both is offered to newcomers besides), and the
+        error feedback's residual. An outer step copies what it changes of the offered state (`_own`)."""
         names = ["slow", *self.outer_tensors()]
+        if self.outer_device.type == "cpu":
+            return names + (["residual"] if self.residual is not None else [])
+        where = f" (on {self.outer_device})"
         return ([n + where for n in names] + [f"{n} (offered)" for n in names]
                 + ([f"residual{where}"] if self.residual is not None else []))
 
@@ -547,9 +564,13 @@ class OuterProtocol(SyncProtocol):
         self._load_fast(self.slow)  # a newcomer joining a round under way trains its rest from φ
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Slow weights and the protocol's outer tensors (copies, on the CPU)."""
+        """Slow weights and the protocol's outer tensors on the CPU: the very tensors there (never changed in
+        place from now on: `_own`), copies of those on a device."""
         tensors = {"slow": self.slow, **self.outer_tensors()}
-        return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+        if self.outer_device.type != "cpu":
+            return {k: v.to("cpu") for k, v in tensors.items()}
+        self._shared = {k: weakref.ref(v) for k, v in tensors.items()}
+        return dict(tensors)
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         if tensors["slow"].shape != self.slow.shape:
@@ -557,9 +578,8 @@ class OuterProtocol(SyncProtocol):
                 f"the swarm's model has {tensors['slow'].numel()} parameters, ours has {self.slow.numel()}: "
                 "the recipes differ"
             )
-        self.slow = tensors["slow"].to(self.outer_device, torch.float32, copy=True)
-        for name, value in self.outer_tensors().items():
-            value.copy_(tensors[name])
+        for name, value in {"slow": self.slow, **self.outer_tensors()}.items():  # replaced: ours may be offered
+            setattr(self, name, tensors[name].to(self.outer_device, torch.float32, copy=True).reshape(value.shape))
 
     def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
         """θ keeps its own progress, now relative to the repaired φ (θ = φ exactly, when it had none)."""

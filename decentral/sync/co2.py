@@ -147,6 +147,7 @@ class CO2(OuterProtocol):
         else:
             self._keep_residual(stale.sent, result.sent)
             gap = None if stale.anchor is None else self.slow - stale.anchor
+            self._own("momentum")
             self.slow = co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
                                        staleness_penalty(self.penalty, result.tensor, gap), self.clip)
         return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected)

@@ -63,6 +63,7 @@ class DiLoCo(OuterProtocol):
             self._keep_residual(sent, outer_grad)
         else:
             self._keep_residual(sent, result.sent)
+            self._own("slow", "momentum")
             nesterov_sgd_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
                               self.nesterov)
         return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected,

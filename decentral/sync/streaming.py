@@ -135,6 +135,7 @@ class StreamingDiLoCo(DiLoCo):
             self._keep_residual(flight.sent, flight.grad, part)
         else:
             self._keep_residual(flight.sent, result.sent, part)
+            self._own("slow", "momentum")
             nesterov_sgd_step(self.slow[part], result.tensor, self.momentum[part], self.outer_lr, self.outer_momentum,
                               self.nesterov)
             merged = torch.lerp(self.round_start_weights()[part], self._fast_vector(part), self.mix)
