@@ -381,6 +381,22 @@ def test_a_requester_that_stops_reading_does_not_hold_the_donors_transfer(make_s
     stream[1].close()
 
 
+def test_an_average_too_large_for_the_link_in_the_timeout_says_to_raise_the_timeout(make_swarm, monkeypatch,
+                                                                                        caplog):
+    """Members whose parts are still arriving when the average's time runs out are alive, not absent: the
+    average rolls back (as it must), and a warning names the cause, the link too slow for swarm.timeout at
+    this size, instead of leaving the user with members that look absent round after round."""
+    a, b = make_swarm(2, timeout=2.0)
+    monkeypatch.setattr(wire, "LINK", LinkShaper(rate_bps=8_000_000))  # each member's half (4 MB) takes 4 s
+    xs = [torch.randn(2_000_000), torch.randn(2_000_000)]
+    group = sorted([a.peer_id, b.peer_id])
+    with caplog.at_level("WARNING", logger="decentral.swarm.averaging"):
+        results = run_in_threads([lambda: a.average(xs[0], group, "t"), lambda: b.average(xs[1], group, "t")])
+    assert not any(r.complete for r in results)
+    warned = [r.getMessage() for r in caplog.records if "still arriving" in r.getMessage()]
+    assert len(warned) == 2 and all("raise swarm.timeout" in w for w in warned), warned
+
+
 def test_a_member_that_stops_answering_costs_the_others_seconds_and_they_commit_without_it(make_swarm):
     """A member alive and connected but silent (SIGSTOPped: its libp2p daemon still takes our streams) is
     taken for hung once it has shown no sign of life for `hang_s`, long before the timeout; the other two

@@ -50,7 +50,9 @@ has finished this average already, or one that averages it over a member list wi
 A probe that merely times out proves nothing on a congested link, but a member that shows no sign of
 life at all for `hang_s` (no answer to our probes, no probe of its own, no byte of a part: a frozen
 process, a host powered down or cut off) is taken for gone too; the bytes of a large part are watched as
-they arrive, so a part that takes long on a slow link keeps its sender alive. When the average did not
+they arrive, so a part that takes long on a slow link keeps its sender alive. Parts still arriving when
+the attempt's time runs out make it roll back like any missing part, with a warning that the link is too
+slow for the timeout at this size (`_tell_if_too_slow`). When the average did not
 commit, it is redone once without every member that was absent (gone, or silent past a phase's deadline:
 a member frozen or too slow for this average), averaged over another member list or was excluded, so the
 others still commit a common result; a member a probe found done with the average is not absent (it may
@@ -91,7 +93,7 @@ import torch
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import DialHeldBack, NotServing, SwarmError, SwarmPeer
 from decentral.swarm.wire import (
-    WireError, read_frame, read_header, write_frame, write_message,
+    PIECE, WireError, read_frame, read_header, write_frame, write_message,
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.config import HANG_S
@@ -239,6 +241,9 @@ class GroupAverager:
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
         self._heard: dict[str, float] = {}  # peer -> loop time of its last sign of life (see `_probe`)
         self._hung: set[str] = set()  # peers we took for hung that have shown no sign of life since
+        # (tag, sender) -> [bytes in, bytes, loop time of the last piece] of the latest parts that began to
+        # arrive and are not complete (yet)
+        self._partial: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
         self.mailbox: Mailbox = peer.call(_make_mailbox()).result(timeout=10)
         # tag of an average -> (its group, the loop time its pushes stop, outsiders already told)
         self._groups: OrderedDict[str, tuple[frozenset[str], float, set[str]]] = OrderedDict()
@@ -305,7 +310,18 @@ class GroupAverager:
                 if wire != self.codec.name:
                     raise WireError(f"a part in codec {wire!r}; this swarm's is {self.codec.name!r}")
                 size = self.codec.size(numel)
-                payload = await read_frame(reader, self.peer.stats, size, on_bytes=lambda: self._hear(sender))
+                arriving = self._partial[(tag, sender)] = [0, size, asyncio.get_running_loop().time()]
+                while len(self._partial) > _REMEMBERED_VIEWS:
+                    self._partial.popitem(last=False)
+
+                def piece_in() -> None:
+                    self._hear(sender)
+                    arriving[0] = min(arriving[0] + PIECE, size)
+                    arriving[2] = asyncio.get_running_loop().time()
+
+                payload = await read_frame(reader, self.peer.stats, size, on_bytes=piece_in)
+                if self._partial.get((tag, sender)) is arriving:  # not a later push of the same part's
+                    del self._partial[(tag, sender)]
                 if len(payload) != size:
                     raise WireError(f"payload of {len(payload)} bytes, the header announced {size}")
         except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
@@ -547,6 +563,24 @@ class GroupAverager:
                                 and p not in result.rejected})
         return result
 
+    def _tell_if_too_slow(self, tag: str, silent: set[str], took: float, timeout: float) -> None:
+        """Warn when members we waited out were alive and sending: their parts were still arriving (a piece
+        in the last `2 * probe_s`, or cut off on the way) when the attempt's time ran out, so the link is too
+        slow for the swarm's timeout at this model's size (every average rolls back, and the members look
+        absent). A member that froze mid-part stopped sending long before: not counted."""
+        now, slow = asyncio.get_running_loop().time(), {}
+        for phase in "rg":
+            for peer in sorted(silent):
+                part = self._partial.get((f"{tag}/{phase}", peer))
+                if part and now - part[2] <= 2 * self.probe_s:
+                    slow.setdefault(peer, part)
+        if slow:
+            peer, (got, size, _) = next(iter(slow.items()))
+            log.warning("%s: %d member(s)' parts were still arriving when the average ran out of time (from %s: %.1f "
+                        "of %.1f MiB in %.0fs): the link is too slow for swarm.timeout = %gs at this size; raise "
+                        "swarm.timeout, or send fewer bytes (swarm.codec)", tag, len(slow), peer[-8:], got / 2**20,
+                        size / 2**20, took, timeout)
+
     def _finish(self, *tags: str) -> None:
         """We take no more part in these averages: pushes and probes for them are answered so."""
         for tag in tags:
@@ -713,6 +747,7 @@ class GroupAverager:
         left_out = [p for p in absent if p in notices and notices[p].meta.get("left_out") is True]
         for sender, reason in rejected.items():
             log.warning("rejected data from %s in %s: %s", sender[-8:], tag, reason)
+        self._tell_if_too_slow(tag, silent, loop.time() - began, timeout)
         agreed = min(counts) == len(group) and not disagree
         if disagree:
             log.warning("%s: rolled back: %d member(s) hold another result than ours", tag, len(disagree))
