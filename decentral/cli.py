@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if args.verbose
                         else "%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("decentral.progress").setLevel(logging.INFO)  # long work says how far it is
     if not args.verbose:  # p2pd's own lines are libp2p's internals (a listener closing as a failed start ends)
         logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(lambda record: not hasattr(record, "origin_created"))
     from decentral.checkpoint import CheckpointError

@@ -342,7 +342,7 @@ def test_a_state_download_longer_than_the_timeout_goes_on_while_its_bytes_flow(m
     wait_until(lambda: newcomer.progress().get(donor.peer_id, {}).get("round") == 3, 20, "the donor's round")
     monkeypatch.setattr(wire, "LINK", StallingLink(rate_bps=8_000_000))
     monkeypatch.setattr(state, "PROGRESS_LOG_S", 1.0)
-    with caplog.at_level("INFO", logger="decentral.swarm.state"):
+    with caplog.at_level("INFO", logger="decentral.progress"):
         began = time.monotonic()
         got_from, (meta, tensors) = newcomer.fetch_state()
         took = time.monotonic() - began

@@ -42,6 +42,7 @@ from decentral.swarm.wire import (MAX_HEADER, read_frame, read_tensor_message, w
 from decentral.transport import JoinRequest, StateUnavailable, state_digest, trained_past
 
 log = logging.getLogger(__name__)
+progress_log = logging.getLogger("decentral.progress")  # shown without --verbose: the CLI sets it to INFO
 
 REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more are refused
@@ -244,8 +245,8 @@ async def _receiving_watch(donor: str, first_byte_s: float, idle_s: float):
         clock.reschedule(now + idle_s)
         if now - logged >= PROGRESS_LOG_S:
             logged = now
-            log.info("downloading the state of %s: %.0f of %.0f MiB (%.1f MiB/s)", donor[-8:], done / 2**20,
-                     total / 2**20, done / 2**20 / (now - began))
+            progress_log.info("downloading the state of %s: %.0f of %.0f MiB (%.1f MiB/s)", donor[-8:],
+                              done / 2**20, total / 2**20, done / 2**20 / (now - began))
 
     try:
         async with asyncio.timeout(first_byte_s) as clock:
