@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 import torch
+
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import (MAX_HEADER, read_frame, read_tensor_message, write_frame, write_message,
                                   write_tensor_message)
