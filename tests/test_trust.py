@@ -319,12 +319,12 @@ def test_a_peer_claiming_a_far_future_round_is_nobodys_donor(make_swarm):
 class StallingLink(LinkShaper):
     """A link at `rate_bps` that carries `pieces` pieces of large frames and then nothing, ever."""
 
-    def __init__(self, rate_bps: float, pieces: int | None = None):
+    def __init__(self, rate_bps: float, pieces: int):
         super().__init__(rate_bps=rate_bps)
         self.pieces = pieces
 
     async def before_send(self, nbytes: int, first: bool = True) -> None:
-        if nbytes >= wire.PIECE and self.pieces is not None:
+        if nbytes >= wire.PIECE:
             if self.pieces == 0:
                 await asyncio.Event().wait()
             self.pieces -= 1
@@ -340,7 +340,7 @@ def test_a_state_download_longer_than_the_timeout_goes_on_while_its_bytes_flow(m
     donor.offer_state({"protocol": "diloco", "round": 3, "step": 150}, offered)
     donor.set_progress(150, 3)
     wait_until(lambda: newcomer.progress().get(donor.peer_id, {}).get("round") == 3, 20, "the donor's round")
-    monkeypatch.setattr(wire, "LINK", StallingLink(rate_bps=8_000_000))
+    monkeypatch.setattr(wire, "LINK", LinkShaper(rate_bps=8_000_000))
     monkeypatch.setattr(state, "PROGRESS_LOG_S", 1.0)
     with caplog.at_level("INFO", logger="decentral.progress"):
         began = time.monotonic()
