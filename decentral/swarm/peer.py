@@ -252,6 +252,9 @@ class SwarmPeer:
                 await handler(str(info.peer_id), reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("stream %s from %s ended early: %s", name, info.peer_id, e)
+            except asyncio.CancelledError:  # we are shutting down. Ended quietly: Python 3.11's stream callback
+                log.debug("stream %s from %s cut off: we are leaving", name, info.peer_id)  # logs an ERROR for
+                # a handler task that ends cancelled (3.12 checks `task.cancelled()` first)
             except Exception:
                 log.exception("handler %s failed on a stream from %s", name, info.peer_id)
             finally:
