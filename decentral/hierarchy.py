@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from decentral.island import IslandTransport
-from decentral.transport import AverageResult, Transport, check_group, with_us
+from decentral.transport import AverageResult, EncodedAverage, Transport, check_group, with_us
 
 MODES = ("leader", "sharded")
 
@@ -191,10 +191,15 @@ class HierarchicalTransport:
         """Where other islands join the swarm: the leader's addresses ([] on other ranks)."""
         return self.swarm.multiaddrs() if self.rank == 0 else []
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+                    led_by: EncodedAverage | None = None) -> None:
         """The leader serves the island's state (every rank holds the same)."""
         if self.rank == 0:
-            self.swarm.offer_state(meta, tensors, digest)
+            self.swarm.offer_state(meta, tensors, digest, led_by)
+
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> None:
+        """Not done: an island downloads the swarm's state whole (its leader, for every rank)."""
+        return None
 
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
                     meta_if_past: bool = False):

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from decentral.transport import AverageResult, all_finite, finished
+from decentral.transport import AverageResult, EncodedAverage, all_finite, finished
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -149,13 +149,18 @@ class IslandTransport:
         """Ranks meet at the island's init_method, not through addresses of ours."""
         return []
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+                    led_by: EncodedAverage | None = None) -> None:
         """Rank 0's first offer is the island's starting state: broadcast it to the other ranks, which
         receive it in their first `fetch_state()`. Later offers, and other ranks' offers, are not needed
         (an island stays identical) and do nothing."""
         if self.rank == 0 and not self._state_shared:
             self._broadcast((meta, tensors))
             self._state_shared = True
+
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> None:
+        """Never needed: an island's ranks hold one state."""
+        return None
 
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
                     meta_if_past: bool = False) -> tuple[str, Snapshot] | None:

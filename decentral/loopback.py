@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import defaultdict
 from concurrent.futures import Future
 
 import torch
 
+from decentral.codec import Dense
+from decentral.rounds import RoundLog
 from decentral.transport import (
-    AverageResult, JoinRequest, check_group, finished, own_note, state_digest, trained_past, with_digest, with_us,
+    AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, finished, own_note, state_digest,
+    trained_past, with_digest, with_us,
 )
 
+EXACT = Dense("float32")  # how the hub's averages "travel": exactly
 LOOKAHEAD = 2  # rounds past the one joined that `join_rounds` announces, as the swarm does
 
 
@@ -40,6 +45,7 @@ class LoopbackHub:
         self._timers: dict[tuple[str, tuple[str, ...]], threading.Timer] = {}
         self._rounds: dict[tuple[str, tuple[str, ...]], int | None] = {}  # the round of each pending average
         self._first: dict[str, int] = {}  # peer -> the first round it takes part in (join_rounds(first=True))
+        self._rounds_since: dict[str, RoundLog] = defaultdict(RoundLog)  # each donor's, as a swarm peer keeps
         self._joins: dict[str, list[JoinRequest]] = {}  # donor -> newcomers' requests it has not taken yet
         # (only donors that take requests: they called `join_requests`)
 
@@ -86,9 +92,11 @@ class LoopbackHub:
         if not missing:
             mean = torch.stack([started[m][0] for m in members]).mean(0)
             notes = {m: started[m][2] for m in members if started[m][2]}
+            encoded = EncodedAverage(EXACT, [(EXACT.encode(mean), mean.numel())])
             for m in members:
                 flat, future, _ = started[m]
-                future.set_result(AverageResult(mean.clone(), flat, list(members), True, len(members), notes=dict(notes)))
+                future.set_result(AverageResult(mean.clone(), flat, list(members), True, len(members), notes=dict(notes),
+                                                encoded=encoded))
         elif give_up or any(m not in self._open or self._not_in(m, self._rounds[key]) for m in missing):
             for flat, future, _ in started.values():
                 future.set_result(AverageResult(flat.clone(), flat, list(members), False, 1, absent=missing))
@@ -187,10 +195,27 @@ class LoopbackTransport:
     def multiaddrs(self) -> list[str]:
         return []
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+                    led_by: EncodedAverage | None = None) -> None:
         copies = {k: v.detach().clone() for k, v in tensors.items()}
+        digest = digest or state_digest(copies)
         with self.hub._cond:
-            self.hub._offers[self.peer_id] = (dict(meta), copies, digest or state_digest(copies))
+            self.hub._offers[self.peer_id] = (dict(meta), copies, digest)
+        self.hub._rounds_since[self.peer_id].offered(meta, digest, led_by, sum(t.nbytes for t in copies.values()))
+
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> tuple[list[MissedRound], int] | None:
+        """The rounds the donor's RoundLog kept since `digest` (it keeps them once it served a state, or was
+        asked for them), each an average of `numel` values."""
+        with self.hub._cond:
+            if donor not in self.hub._open:
+                return None
+            step_now = self.hub._progress[donor]["step"]
+        log = self.hub._rounds_since[donor]
+        log.want(digest)  # as a swarm peer does when asked: it keeps the rounds after it from now
+        rounds = log.since(digest)
+        if rounds is None or any(r.average and sum(n for _, n in r.average.chunks) != numel for r in rounds):
+            return None
+        return rounds, step_now
 
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
                     meta_if_past: bool = False) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
@@ -208,6 +233,8 @@ class LoopbackTransport:
         past = trained_past(meta, step_now)
         if have is not None and state_digest(have) == digest and not past:
             return None
+        if not (meta_if_past and past):
+            self.hub._rounds_since[donor].want(digest)
         return donor, ({**meta, "donor_step": step_now},
                        {} if meta_if_past and past else {k: v.clone() for k, v in tensors.items()})
 

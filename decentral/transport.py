@@ -15,6 +15,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from decentral.codec import Codec
+
 T = TypeVar("T")
 
 
@@ -57,6 +59,13 @@ def with_digest(digests: dict[str, str], round: int, digest: str) -> dict[str, s
     return {**{r: d for r, d in digests.items() if int(r) > round - KEPT_DIGESTS}, str(round): digest}
 
 
+def heartbeat_digest(info: object, round: int) -> str | None:
+    """The state digest a peer's heartbeat (an entry of Transport.progress) publishes for `round`, if any."""
+    digests = info.get("digests") if isinstance(info, dict) else None
+    digest = digests.get(str(round)) if isinstance(digests, dict) else None
+    return digest if isinstance(digest, str) else None
+
+
 def trained_past(meta: dict, step_now: int) -> bool:
     """Whether a donor now at inner step `step_now` has trained since the snapshot whose meta is `meta` (its
     step: where the snapshot's round began): then it no longer holds exactly that state."""
@@ -66,6 +75,33 @@ def trained_past(meta: dict, step_now: int) -> bool:
 class StateUnavailable(RuntimeError):
     """Peers offered the swarm's state, and none of them handed it over (each left, refused or closed the
     stream): unlike a swarm that offers none, there is state we should have and do not."""
+
+
+@dataclass
+class EncodedAverage:
+    """A committed average as it travelled: each chunk's encoding in `codec` and its element count, in order.
+    `decode()` gives back, bit for bit, the average the members applied."""
+
+    codec: Codec
+    chunks: list[tuple[bytes, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(data) for data, _ in self.chunks)
+
+    def decode(self) -> torch.Tensor:
+        return torch.cat([self.codec.decode(data, numel) for data, numel in self.chunks])
+
+
+@dataclass
+class MissedRound:
+    """A round a donor's state went through after the state a newcomer holds (Transport.fetch_rounds): the
+    meta and `state_digest` of the state it led to, and the committed average that led there (None: the
+    round left the state as it was, e.g. it rolled back)."""
+
+    meta: dict
+    digest: str
+    average: EncodedAverage | None
 
 
 @dataclass
@@ -88,6 +124,7 @@ class AverageResult:
     notes: dict[str, dict] = field(default_factory=dict)  # member -> the note it sent with its input
     # (`average(note=...)`), for every member a committed average counted, ours included, where the transport
     # carries notes (an island's collectives carry none)
+    encoded: EncodedAverage | None = None  # a committed `tensor` as it travelled, where the transport keeps it
 
 
 @dataclass
@@ -170,9 +207,17 @@ class Transport(Protocol):
     def multiaddrs(self) -> list[str]:
         """Where other peers join us ([] where nobody can)."""
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+                    led_by: EncodedAverage | None = None) -> None:
         """Serve this snapshot of outer state to newcomers until the next offer (`digest`: its
-        `state_digest`, when the caller has it already)."""
+        `state_digest`, when the caller has it already). `led_by`: the committed average that turned the
+        previous offer into this one (the same for every member), which a transport may keep for newcomers
+        whose state is older (`fetch_rounds`)."""
+
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> tuple[list[MissedRound], int] | None:
+        """The rounds `donor` went through since it held the state whose digest is `digest`, each an average
+        of `numel` values (or no change), and the donor's inner step now; None when it kept no such rounds,
+        is gone, or the transport cannot do this."""
 
     def fetch_state(
         self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None, meta_if_past: bool = False
@@ -239,8 +284,12 @@ class SoloTransport:
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
         """Nobody to wait for: training alone (the compute reference of a benchmark) starts at once."""
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+                    led_by: EncodedAverage | None = None) -> None:
         pass
+
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> None:
+        return None
 
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
                     meta_if_past: bool = False) -> None:

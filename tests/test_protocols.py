@@ -1,6 +1,8 @@
 """Outer-step protocols between real hivemind peers: the update rules of ALGORITHMS.md, checked against
 arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
 
+import asyncio
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -8,9 +10,10 @@ import pytest
 import torch
 
 from conftest import loss_step, run_in_threads, wait_until
-from decentral.swarm import wire
+from decentral.loopback import EXACT
+from decentral.swarm import state, wire
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo, StreamingDiLoCo
-from decentral.transport import JoinRequest
+from decentral.transport import EncodedAverage, JoinRequest
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -26,12 +29,13 @@ def set_flat(model, vector) -> None:
     torch.nn.utils.vector_to_parameters(vector.clone(), model.parameters())
 
 
-def make_protocols(transports, cls, seeds=None, **kwargs):
-    """Started protocols over `transports`, every one seeing all of them announced for their round."""
+def make_protocols(transports, cls, seeds=None, model=tiny_model, **kwargs):
+    """Started protocols over `transports`, every one seeing all of them announced for their round; each
+    protocol's model is `model(seed)`."""
     protocols = []
     for i, t in enumerate(transports):
-        model = tiny_model(seeds[i] if seeds else 0)
-        p = cls(model, torch.optim.SGD(model.parameters(), lr=0.1), t, **kwargs)
+        model_i = model(seeds[i] if seeds else 0)
+        p = cls(model_i, torch.optim.SGD(model_i.parameters(), lr=0.1), t, **kwargs)
         p.start()  # one after the other: later ones download the first one's state
         protocols.append(p)
     ids = sorted(t.peer_id for t in transports)
@@ -222,7 +226,7 @@ def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
 
 
 def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_trains_it_as_an_onlooker(
-        make_swarm):
+        make_swarm, caplog):
     transports = make_swarm(4)
     protocols = make_protocols(transports[:2], DiLoCo, every=10)
     gen = torch.Generator().manual_seed(5)
@@ -256,12 +260,83 @@ def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_el
     assert not torch.equal(protocols[0].slow, before)
     set_flat(far.model, far.slow + 0.1 * torch.randn(far.slow.numel(), generator=gen))  # its 4 steps of round 2
     far.step = 30
-    assert far.after_step() is None  # its round's end: it takes the members' state of round 3
+    with caplog.at_level(logging.INFO, logger="decentral.progress"):
+        assert far.after_step() is None  # its round's end: it takes the members' state of round 3
+    assert "caught up from round 2 to 3" in caplog.text  # by replaying round 2's average, not a download
     assert (far.round, far.step, far._round_start, far.onlooking) == (3, 30, 30, False)
     for p in [near, far, protocols[1]]:
         assert torch.equal(p.slow, protocols[0].slow) and torch.equal(p.momentum, protocols[0].momentum)
     assert torch.equal(flat(far.model), far.slow)  # it starts round 3 where the members do
     assert far._digests[3] == protocols[0]._digests[3]  # the state it offers is the members'
+
+
+def wide_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(256, 256)  # 65,792 parameters: a state of 514 KiB
+
+
+def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_instead_of_downloading_again(
+        make_swarm, monkeypatch):
+    """The download of round 2's state is held back while the members average rounds 2 and 3: the newcomer
+    then holds a state two rounds old. It asks for those rounds' averages (int8: an eighth of a download each
+    here), one from each member (the other member, told at the download's start, kept them too), and
+    applies them: it starts round 4 with the members' φ and momentum, bit for bit, having received one
+    state, not two."""
+    transports = make_swarm(3, codec="int8")
+    protocols = make_protocols(transports[:2], DiLoCo, model=wide_model, every=10)
+    gen = torch.Generator().manual_seed(3)
+    two_random_rounds(protocols, gen)
+    sending, gate = threading.Event(), threading.Event()
+    real_write = state.write_tensor_message
+
+    async def held_back(*args, **kwargs):
+        sending.set()
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        await real_write(*args, **kwargs)
+
+    monkeypatch.setattr(state, "write_tensor_message", held_back)
+    late = []
+    joining = threading.Thread(target=lambda: late.extend(make_protocols(transports[2:], DiLoCo, model=wide_model,
+                                                                         seeds=[7], every=10)), daemon=True)
+    before = transports[2].bytes_received
+    joining.start()
+    assert sending.wait(30), "the newcomer never asked for the state"
+    wait_until(lambda: all(t.state.keeps_rounds() for t in transports[:2]), 30,
+               "both members keeping the rounds after the state being downloaded")
+    two_random_rounds(protocols, gen)  # rounds 2 and 3, while round 2's state is on its way
+    sent = [t.bytes_sent for t in transports[:2]]
+    gate.set()
+    joining.join(timeout=60)
+    (late,) = late
+    assert late.round == protocols[0].round == 4
+    assert torch.equal(late.slow, protocols[0].slow) and torch.equal(late.momentum, protocols[0].momentum)
+    assert torch.equal(flat(late.model), late.slow)
+    state_bytes = 8 * late.slow.numel()
+    received = transports[2].bytes_received - before
+    assert state_bytes < received < state_bytes * 1.4, (received, state_bytes)  # one state and two int8 rounds
+    one_round = late.slow.numel()  # an int8 average: a byte a value (and a scale per 256)
+    assert sorted(t.bytes_sent - s for t, s in zip(transports[:2], sent))[0] > one_round  # a round from each
+
+
+def test_a_replayed_round_that_differs_from_its_digest_means_a_download(make_loopback):
+    """Rounds replayed from the donor's kept averages give the members' state bit for bit; an average that
+    does not lead to the state the donor published (a bug, or a lie) costs the newcomer a download, not a
+    split replica."""
+    transports = make_loopback(3)
+    protocols = make_protocols(transports[:2], DiLoCo, every=10)
+    gen = torch.Generator().manual_seed(4)
+    random_round(protocols, gen)
+    newcomer = transports[2]
+    donor, (meta, tensors) = newcomer.fetch_state()
+    two_random_rounds(protocols, gen)  # the donor keeps rounds 1 and 2 for the newcomer
+    model = tiny_model(9)
+    late = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), newcomer, every=10)
+    replayed = late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()})
+    assert replayed is not None and replayed[0]["round"] == 3
+    assert all(torch.equal(replayed[1][k], v) for k, v in protocols[0].snapshot().items())
+    newcomer.hub._rounds_since[donor]._chain[1].average = EncodedAverage(EXACT, [(EXACT.encode(torch.zeros(39)), 39)])
+    assert late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()}) is None
 
 
 def test_inner_steps_through_the_optimizer_hooks_leave_slow_weights_alone(make_swarm):

@@ -4,7 +4,8 @@ Peer j of the sorted group owns chunk j. Phase 1: every peer pushes chunk j of i
 which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyone. Each peer sends
 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce, in the swarm's codec
 (decentral.swarm.codec): each chunk is encoded on its own, every part decoded and averaged in float32,
-and the owner's average encoded again, so every member holds what the owner's encoding decodes to.
+and the owner's average encoded again, so every member holds what the owner's encoding decodes to (and,
+while a newcomer may replay the round, that encoding: `AverageResult.encoded`, decentral.rounds).
 With a codec that drops most of a tensor (`error_feedback`), the owner's re-encoding drops entries of
 the average too: every member counts its part only where the result kept a value (`kept`), so what the
 re-encoding dropped of a member's part stays in that member's own error feedback, and the owner counts
@@ -97,7 +98,7 @@ from decentral.swarm.wire import (
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.config import HANG_S
-from decentral.transport import AverageResult, all_finite
+from decentral.transport import AverageResult, EncodedAverage, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,8 @@ class GroupAverager:
 
     def __init__(self, peer: SwarmPeer, *, codec: Codec = Dense("float32"), max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = HANG_S, member_refresh_s: float = 1.0):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = HANG_S, member_refresh_s: float = 1.0,
+                 keeps_encoded: Callable[[], bool] = lambda: True):
         if aggregation not in AGGREGATIONS:
             raise SwarmError(f"swarm.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
         if not hang_s >= 2 * probe_s:  # a live peer's last answer is about `probe_s` old when we look
@@ -234,6 +236,7 @@ class GroupAverager:
         self.probe_s = probe_s
         self.hang_s = hang_s
         self.member_refresh_s = member_refresh_s
+        self.keeps_encoded = keeps_encoded  # whether a committed result comes with its encoding (AverageResult.encoded)
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self.first_round: int | None = None  # the first round this process takes part in (see `take_part_from`)
         self._turned_away: int | None = None  # the latest round whose pushes or probes we answered "not in it"
@@ -342,7 +345,8 @@ class GroupAverager:
         except CodecError as e:
             log.warning("dropping a malformed push from %s: %r", sender[-8:], e)
             return
-        await self.mailbox.put(tag, Message(sender, part, view, meta))
+        kept = payload if tag.endswith("/g") else None  # an owner's result: a committed average's encoding
+        await self.mailbox.put(tag, Message(sender, part, view, meta, kept))
         await write_frame(writer, _ACK, self.peer.stats)
 
     async def _admits(self, sender: str) -> bool:
@@ -615,6 +619,7 @@ class GroupAverager:
         mine = group.index(me)
         others = [p for p in group if p != me]
         rejected: dict[str, str] = {}
+        wire: list[tuple[bytes, int] | None] = [None] * len(group)  # each chunk of the result as it travelled
         self._remember_group(tag, group, loop.time() + 1.5 * timeout)
         self._notice_outsiders(tag)
         probe = asyncio.ensure_future(self._probe(others, tag, round))
@@ -698,6 +703,7 @@ class GroupAverager:
                 elsewhere |= other_views(gathered)
                 result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
                 result[mine], counts[mine], norms[mine] = averaged_mine, len(sizes), my_norms
+                wire[mine] = encoded_mine
 
                 def weigh(sender: str, msg: Message) -> tuple[str | None, list[float], torch.Tensor | None]:
                     """Why an owner's result may not be taken (None when it may), the norms it reports, and our
@@ -718,6 +724,7 @@ class GroupAverager:
                     if accept(sender, reason):
                         j = group.index(sender)
                         result[j], norms[j], counted[j] = candidates[sender].tensor, reported, ours
+                        wire[j] = (candidates[sender].payload, result[j].numel())
                         counts[j] = sum(n > 0 for n in reported)
 
                 # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
@@ -770,6 +777,7 @@ class GroupAverager:
             disagree=disagree,
             left_out=left_out,
             notes={p: n for p, n in notes.items() if isinstance(n, dict)} if agreed else {},
+            encoded=EncodedAverage(self.codec, wire) if agreed and self.keeps_encoded() else None,
         )
 
 

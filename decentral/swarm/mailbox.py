@@ -22,6 +22,7 @@ class Message:
     tensor: torch.Tensor
     view: str = ""  # fingerprint of the member list the sender averages over
     meta: dict = field(default_factory=dict)  # what else the header said (an owner's norms, digests)
+    payload: bytes | None = None  # the tensor's encoding as it arrived, where the receiver keeps it
 
 
 class Mailbox:

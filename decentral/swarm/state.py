@@ -18,6 +18,12 @@ A peer that leaves finishes the transfers under way first (`close`): the last me
 would otherwise cut off a newcomer's download of the run's final state mid-transfer (seen in a CO2 soak:
 the newcomer then held another final state than everyone else).
 
+A newcomer whose state arrived rounds old (a large model over a slow link) replays the rounds since rather
+than download again (decentral.rounds): on the `rounds` stream, a peer that holds the state a request names
+keeps the rounds after it and hands out their committed averages in the codec's bytes; the newcomer asks
+every member that kept them for a share, in parallel (the peers at the donor's round are asked to keep them
+as the download starts).
+
 A state travels as a tensor message (decentral.swarm.wire): neither side holds a serialised copy of it.
 The swarm's timeout bounds the wait for each piece of a download, not the whole download, which on a slow
 link takes minutes for a large model (57M parameters' φ and momentum at 20 Mb/s: 3 minutes); a long one
@@ -37,16 +43,20 @@ from typing import Callable
 
 import torch
 
+from decentral.codec import Codec
+from decentral.rounds import RoundLog
 from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import (MAX_HEADER, read_frame, read_tensor_message, write_frame, write_message,
-                                  write_tensor_message)
-from decentral.transport import JoinRequest, StateUnavailable, state_digest, trained_past
+from decentral.swarm.wire import (MAX_HEADER, PIECE, WireError, read_frame, read_header, read_tensor_message,
+                                  write_frame, write_frame_of, write_message, write_tensor_message)
+from decentral.transport import (EncodedAverage, JoinRequest, MissedRound, StateUnavailable, heartbeat_digest,
+                                 state_digest, trained_past)
 
 log = logging.getLogger(__name__)
 progress_log = logging.getLogger("decentral.progress")  # shown without --verbose: the CLI sets it to INFO
 
 REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more are refused
+MAX_SHARES = 64  # holders a newcomer fetches shares of the rounds since its state from
 PROGRESS_LOG_S = 10.0  # a state download that takes longer says how far it is this often
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
@@ -66,11 +76,48 @@ class StateExchange:
         self._closing = False
         peer.add_handler("state", self._on_request)
         peer.add_handler("join", self._on_join)
+        peer.add_handler("rounds", self._on_rounds)
+        self.rounds = RoundLog()  # the rounds since a state we served, for its newcomer to replay
 
-    def offer(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
+    def offer(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+              led_by: EncodedAverage | None = None) -> None:
         """Make (meta, tensors) what we hand out; the tensors must not be modified afterwards. `digest`:
-        their `state_digest`, when the caller has it."""
+        their `state_digest`, when the caller has it; `led_by`: the average that turned our previous offer
+        into this one (kept for newcomers that hold an older state: `self.rounds`)."""
         self._snapshot = (dict(meta), tensors, digest or state_digest(tensors))
+        self.rounds.offered(meta, self._snapshot[2], led_by, sum(t.nbytes for t in tensors.values()),
+                            busy=bool(self._transfers))
+
+    def keeps_rounds(self) -> bool:
+        """Whether we keep the rounds we go through for a newcomer now (see decentral.rounds)."""
+        return self.rounds.wanted(busy=bool(self._transfers))
+
+    async def _on_rounds(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Hand out the rounds since the state whose digest the request names ("after"; from now on we keep the
+        rounds after it, if it is a state we hold: decentral.rounds): a header that lists them (meta, digest,
+        and each chunk's element count, or null for a round that changed nothing), then, in one frame, the
+        encodings of the averages of the rounds in the requested share ("share": [i, n], the rounds at
+        positions i, i + n, ... of the list; none without one, a list only)."""
+        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
+                             or b"{}")
+        after = request.get("after") if isinstance(request, dict) else None
+        share = request.get("share") if isinstance(request, dict) else None
+        i, n = share if _is_share(share) else (0, 0)
+        if isinstance(after, str) and not self._closing:
+            self.rounds.want(after)
+        rounds = self.rounds.since(after) if isinstance(after, str) and not self._closing else None
+        if rounds is None:
+            await write_message(writer, {"ok": False}, b"", self.peer.stats)
+            return
+        carried = [r.average is not None and n > 0 and k % n == i for k, r in enumerate(rounds)]
+        step_now = self.live_step() if self.live_step is not None else None
+        header = {"ok": True, "step_now": step_now, "rounds": [
+            {"meta": r.meta, "digest": r.digest, "numels": None if r.average is None else
+             [numel for _, numel in r.average.chunks]} for r in rounds]}
+        chunks = [data for r, c in zip(rounds, carried) if c for data, _ in r.average.chunks]
+        async with self._transfer(reader), _sending_watch() as watch:
+            await write_frame(writer, json.dumps(header).encode(), self.peer.stats)
+            await write_frame_of(writer, chunks, sum(len(c) for c in chunks), self.peer.stats, watch)
 
     async def _on_request(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
@@ -93,8 +140,10 @@ class StateExchange:
         if request.get("meta_if_past") is True and past:
             await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, b"", self.peer.stats)
             return
+        self.rounds.want(digest)  # the rounds after this state: the newcomer replays them rather than download again
         await write_tensor_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, tensors, self.peer.stats,
                                    on_progress=watch)
+        self.rounds.want(digest)  # for KEEP_S from the download's end
 
     async def _on_join(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Queue the sender's request for our protocol and stream back the state it grants, or a refusal
@@ -191,6 +240,99 @@ class StateExchange:
             meta["donor_step"] = header["step_now"]
         return meta, tensors
 
+    def fetch_rounds(self, holders: list[str], digest: str, numel: int, codec: Codec, timeout: float
+                     ) -> tuple[list[MissedRound], int] | None:
+        """The rounds the first of `holders` (the donor of our state) kept since the state whose digest is
+        `digest` (see decentral.rounds), each an average of exactly `numel` values in `codec` (checked before a
+        byte of them is read), and its inner step. The averages come in shares from every holder that kept
+        the same rounds, in parallel: a donor's uplink also carries its own averages, so one alone may send a
+        round's average barely faster than the swarm averages the next. None when the donor kept none, or its
+        transfer failed (no byte for `timeout`); rounds from the first one a share failed to bring are left
+        for the next call."""
+        try:
+            return self.peer.call(self._fetch_rounds(holders, digest, numel, codec, timeout)).result()
+        except Exception as e:
+            log.info("fetching the rounds since our state from %s failed: %r", holders[0][-8:], e)
+            return None
+
+    async def _fetch_rounds(self, holders: list[str], digest: str, numel: int, codec: Codec, timeout: float
+                            ) -> tuple[list[MissedRound], int] | None:
+        lists = await asyncio.gather(*(self._rounds_from(h, digest, numel, codec, timeout) for h in holders),
+                                     return_exceptions=True)
+        if not isinstance(lists[0], tuple):
+            if isinstance(lists[0], BaseException):
+                raise lists[0]
+            return None
+        listed = [entry[:2] for entry in lists[0][0]]
+        sharing = [h for h, got in zip(holders, lists) if isinstance(got, tuple) and _lists_agree(got[0], listed)]
+        shares = await asyncio.gather(*(self._rounds_from(h, digest, numel, codec, timeout, (i, len(sharing)))
+                                        for i, h in enumerate(sharing)), return_exceptions=True)
+        rounds = []
+        for k, (meta, round_digest, numels, _) in enumerate(shares[0][0] if isinstance(shares[0], tuple) else []):
+            share = shares[k % len(sharing)]
+            if numels is not None and not (isinstance(share, tuple) and len(share[0]) > k
+                                           and share[0][k][1] == round_digest and share[0][k][3] is not None):
+                break
+            rounds.append(MissedRound(meta, round_digest, share[0][k][3] if numels is not None else None))
+        return rounds, lists[0][1]
+
+    async def _rounds_from(self, holder: str, digest: str, numel: int, codec: Codec, timeout: float,
+                           share: tuple[int, int] | None = None
+                           ) -> tuple[list[tuple[dict, str, list[int] | None, EncodedAverage | None]], int] | None:
+        """One holder's answer to a rounds request: [(meta, digest, chunk sizes or None, the average where
+        its `share` carries it)], its step; None when it holds no such state."""
+        async with _receiving_watch(holder, timeout, timeout, "the rounds since our state") as watch:
+            reader, writer = await self.peer.open_stream(holder, "rounds")
+            try:
+                await write_frame(writer, json.dumps({"after": digest, "share": share}).encode(), self.peer.stats)
+                header = await read_header(reader, self.peer.stats)
+                if not header.get("ok"):
+                    return None
+                listed = _checked_rounds(header.get("rounds"), numel)
+                carried = [numels is not None and share is not None and k % share[1] == share[0]
+                           for k, (_, _, numels) in enumerate(listed)]
+                total = sum(codec.size(n) for (_, _, numels), c in zip(listed, carried) if c for n in numels)
+                arrived = 0
+
+                def piece_in() -> None:
+                    nonlocal arrived
+                    watch(arrived, total)
+                    arrived = min(arrived + PIECE, total)
+
+                payload = memoryview(await read_frame(reader, self.peer.stats, total, on_bytes=piece_in))
+            finally:
+                writer.close()
+        if len(payload) != total:
+            raise WireError(f"the rounds' averages came in {len(payload)} bytes, their list says {total}")
+        answer, at = [], 0
+        for (meta, round_digest, numels), c in zip(listed, carried):
+            average = None
+            if c:
+                average = EncodedAverage(codec, [])
+                for n in numels:
+                    average.chunks.append((payload[at:at + codec.size(n)], n))
+                    at += codec.size(n)
+            answer.append((meta, round_digest, numels, average))
+        step_now = header.get("step_now")
+        return answer, step_now if isinstance(step_now, int) else 0
+
+    def keep_rounds_for(self, holders: list[str], digest: str) -> None:
+        """Ask `holders` to keep the rounds after the state whose digest is `digest` (the one we download from
+        our donor; a holder that does not offer it ignores this), so that they can send shares of them
+        (`fetch_rounds`); not waited for."""
+        for holder in holders:
+            self.peer.call(self._ask_to_keep(holder, digest))
+
+    async def _ask_to_keep(self, holder: str, digest: str) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                reader, writer = await self.peer.open_stream(holder, "rounds")
+                try:
+                    await write_frame(writer, json.dumps({"after": digest}).encode(), self.peer.stats)
+                    await read_header(reader, self.peer.stats)
+                finally:
+                    writer.close()
+
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None,
         meta_if_past: bool = False,
@@ -215,6 +357,9 @@ class StateExchange:
         random.shuffle(order)
         failed = []
         for donor in order:
+            digest = heartbeat_digest(candidates[donor], top)
+            if digest is not None and digest != have_digest:  # a download: the others at its round keep what follows
+                self.keep_rounds_for([p for p in order if p != donor], digest)  # (those that hold it: see `want`)
             try:
                 got = self.peer.call(self._download(donor, have_digest, timeout, meta_if_past)).result()
             except Exception as e:  # reported in StateUnavailable, once every donor failed
@@ -232,7 +377,7 @@ class StateExchange:
 
 
 @contextlib.asynccontextmanager
-async def _receiving_watch(donor: str, first_byte_s: float, idle_s: float):
+async def _receiving_watch(donor: str, first_byte_s: float, idle_s: float, what: str = "the state"):
     """The clock of a state we receive: TimeoutError when its header takes longer than `first_byte_s`, or a
     piece of it longer than `idle_s` after the one before; a long download logs its progress every
     PROGRESS_LOG_S. Yields the `on_progress` callback for `read_tensor_message`."""
@@ -246,14 +391,14 @@ async def _receiving_watch(donor: str, first_byte_s: float, idle_s: float):
         clock.reschedule(now + idle_s)
         if now - logged >= PROGRESS_LOG_S:
             logged = now
-            progress_log.info("downloading the state of %s: %.0f of %.0f MiB (%.1f MiB/s)", donor[-8:],
+            progress_log.info("downloading %s of %s: %.0f of %.0f MiB (%.1f MiB/s)", what, donor[-8:],
                               done / 2**20, total / 2**20, done / 2**20 / (now - began))
 
     try:
         async with asyncio.timeout(first_byte_s) as clock:
             yield watch
     except TimeoutError:
-        raise TimeoutError(f"no byte of the state from {donor[-8:]} for {waited:g}s") from None
+        raise TimeoutError(f"no byte of {what} from {donor[-8:]} for {waited:g}s") from None
 
 
 @contextlib.asynccontextmanager
@@ -271,6 +416,34 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             while await reader.read(4096):
                 pass
+
+
+def _checked_rounds(listed: object, numel: int) -> list[tuple[dict, str, list[int] | None]]:
+    """A `rounds` answer's list as (meta, digest, chunk sizes or None); WireError unless each names a round
+    and its chunks add up to `numel` values."""
+    if not isinstance(listed, list):
+        raise WireError("a rounds answer without its list of rounds")
+    checked = []
+    for entry in listed:
+        numels = entry.get("numels") if isinstance(entry, dict) else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("meta"), dict)
+                and isinstance(entry["meta"].get("round"), int) and isinstance(entry.get("digest"), str)
+                and (numels is None or (isinstance(numels, list) and all(type(n) is int and n >= 0 for n in numels)
+                                        and sum(numels) == numel))):
+            raise WireError(f"a round listed as {str(entry)[:120]!r}, not a round's meta, digest and {numel} values")
+        checked.append((entry["meta"], entry["digest"], numels))
+    return checked
+
+
+def _is_share(share: object) -> bool:
+    """Whether a rounds request's share is [i, n] with 0 <= i < n <= MAX_SHARES."""
+    return (isinstance(share, list) and len(share) == 2 and all(type(v) is int for v in share)
+            and 0 <= share[0] < share[1] <= MAX_SHARES)
+
+
+def _lists_agree(answer: list[tuple], listed: list[tuple[dict, str]]) -> bool:
+    """Whether a holder lists the same rounds (meta and digest) as the donor, at least as far as the donor."""
+    return len(answer) >= len(listed) and all(a[:2] == entry for a, entry in zip(answer, listed))
 
 
 def _claimed_round(info: dict) -> int | None:

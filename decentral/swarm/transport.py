@@ -17,7 +17,7 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.config import HANG_S, HEARTBEAT_S
-from decentral.transport import AverageResult, JoinRequest, check_group, with_us
+from decentral.transport import AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, with_us
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
@@ -78,7 +78,8 @@ class SwarmTransport:
                                      expire_s=max(3 * heartbeat_s, timeout, HEARTBEAT_STALL_S))
         self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
-                                      read_timeout=1.5 * timeout, hang_s=hang_s)
+                                      read_timeout=1.5 * timeout, hang_s=hang_s,
+                                      keeps_encoded=lambda: self.state.keeps_rounds())
         self.state = StateExchange(self.peer, live_step=lambda: self.membership.step, join_timeout=timeout)
 
     @property
@@ -157,8 +158,15 @@ class SwarmTransport:
                 raise SwarmError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
             time.sleep(min(self.membership.heartbeat_s / 2, PEER_POLL_S))  # peers announce rounds when ready to train
 
-    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None) -> None:
-        self.state.offer(meta, tensors, digest)
+    def offer_state(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
+                    led_by: EncodedAverage | None = None) -> None:
+        self.state.offer(meta, tensors, digest, led_by)
+
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> tuple[list[MissedRound], int] | None:
+        """The rounds `donor` kept since the state `digest`, in our codec, in shares from every live peer that
+        kept them too (StateExchange.fetch_rounds)."""
+        others = [p for p in self.membership.alive() if p not in (donor, self.peer_id)]
+        return self.state.fetch_rounds([donor, *others], digest, numel, self.averager.codec, self.timeout)
 
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
                     meta_if_past: bool = False) -> tuple[str, Snapshot] | None:

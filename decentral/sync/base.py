@@ -18,6 +18,11 @@ lowest peer id's digest breaks a tie) downloads the majority's state of the curr
 the peers that held it, checks it against the digest they publish, and goes on from there. This
 catches what the averages' commit phase cannot: a member that died inside the commit phase, a
 late joiner that missed a round, anything that made a replica's bits differ.
+
+A newcomer whose state arrives rounds old (a download longer than a round) catches up by replaying the
+rounds since from their committed averages (`_replayed`, protocols that `replays_rounds`: DiLoCo), each
+checked against the digest of the state it led to; it downloads the state again only when no member kept
+them, or when a replayed round's result differs.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from typing import Callable, TypeVar
 
 import torch
 
-from decentral.transport import AverageResult, StateUnavailable, Transport, all_finite, state_digest, with_us
+from decentral.transport import (AverageResult, EncodedAverage, StateUnavailable, Transport, all_finite,
+                                 heartbeat_digest, state_digest, with_us)
 from decentral.vml import resolve_kernels
 
 log = logging.getLogger(__name__)
+progress_log = logging.getLogger("decentral.progress")  # shown without --verbose: the CLI sets it to INFO
 
 ASK_STATE_AGAIN_S = 1.0  # a newcomer whose state downloads all failed asks again this much later
 
@@ -83,6 +90,7 @@ class SyncProtocol:
     join_timeout_s = 60.0  # how long a newcomer asks again when the swarm's state downloads fail
     outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
     joins_next_step = False  # a newcomer mid-round asks its donor to take it in at its next step (DDP)
+    replays_rounds = False  # a newcomer whose state is rounds old replays the rounds since (`_apply_average`)
     hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
     # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)
 
@@ -146,13 +154,14 @@ class SyncProtocol:
             self._offer()
         self.transport.join_rounds(self.round + 1 if self.onlooking else self.round)
 
-    def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0
-                          ) -> bool:
+    def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0,
+                          replay_ours: bool = False) -> bool:
         """Go on from the swarm's state, round and inner step when the swarm is ahead of us (see
         `_fetch_to_join`); False when it is not, or when nobody handed over the state offered. With
         `keep_asking_s`, StateUnavailable then instead, once asked again for that long (a newcomer that went
         on from step 0 would train the whole run on its own)."""
-        got = self._fetch_to_join(onlook=onlook, after_round=after_round, keep_asking_s=keep_asking_s)
+        got = self._fetch_to_join(onlook=onlook, after_round=after_round, keep_asking_s=keep_asking_s,
+                                  replay_ours=replay_ours)
         if got is None:
             return False
         self.donor, meta, tensors, step = got
@@ -170,6 +179,11 @@ class SyncProtocol:
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Take a donor's snapshot (its round and step are the caller's to take)."""
+        raise NotImplementedError
+
+    def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
+        """A round's update, in place, of a snapshot's `tensors` by the round's committed `average`: what every
+        member does to its own state at the round's end (protocols that `replays_rounds`)."""
         raise NotImplementedError
 
     def _on_repaired(self, before: dict[str, torch.Tensor]) -> None:
@@ -252,19 +266,24 @@ class SyncProtocol:
         the boundary (the others wait for the slowest member's lookup too)."""
         self._members_ahead = (self.round, self.transport.members_async(self.round))  # started, not waited for
 
-    def _offer(self) -> str:
-        """Serve our snapshot of this round to newcomers and publish its digest; returns the digest."""
+    def _offered_meta(self) -> dict:
+        """The meta of our snapshot of this round (the step is where the round began)."""
+        return {"protocol": self.name, "round": self.round, "step": self._round_start, **self.snapshot_meta()}
+
+    def _offer(self, led_by: EncodedAverage | None = None) -> str:
+        """Serve our snapshot of this round to newcomers and publish its digest; returns the digest. `led_by`:
+        the committed average that turned the previous snapshot into this one (see Transport.offer_state)."""
         tensors = self.snapshot()
         digest = state_digest(tensors)
-        self.transport.offer_state({"protocol": self.name, "round": self.round, "step": self._round_start,
-                                    **self.snapshot_meta()}, tensors, digest)
+        self.transport.offer_state(self._offered_meta(), tensors, digest, led_by)
         self._digests = {r: d for r, d in self._digests.items() if r > self.round - KEPT_DIGESTS}
         self._digests[self.round] = digest
         self.transport.set_progress(self.step, self.round, digest)
         return digest
 
     def _fetch_to_join(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0,
-                       poll_s: float = 0.25) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
+                       replay_ours: bool = False, poll_s: float = 0.25
+                       ) -> tuple[str, dict, dict[str, torch.Tensor], int] | None:
         """(donor, meta, tensors, step): the swarm's state of a round and the inner step we go on from,
         when the swarm is ahead of us. A donor's snapshot is the state its current round began from.
 
@@ -282,25 +301,38 @@ class SyncProtocol:
         StateUnavailable; so too when every peer has left since (we would otherwise go on from step 0, alone).
         When the donor has gone past the round we wait for before we fetch, we join at the snapshot it
         offers then: the rounds we announced and miss go on without us (we answer their pushes "not in
-        this round")."""
+        this round").
+        Where the protocol `replays_rounds`, a snapshot rounds older than its donor's round is brought up to
+        that round by the rounds since (`_replayed`), and a later round's state is waited for by replaying the
+        rounds after the one we hold, not by a download; with `replay_ours`, the rounds after our own state
+        (our donor's, which we have not changed since) bring us to `after_round + 1`."""
         target = None if after_round is None else after_round + 1  # the round we announced and wait for
         deadline, failed = time.monotonic() + keep_asking_s, None
+        replays = self.replays_rounds  # until a replayed round's result differs from its digest: downloads then
+        held = None  # (donor, meta, tensors): a state of a round before `target`, to replay from
+        if replay_ours and replays and self.donor is not None:
+            held = self.donor, self._offered_meta(), {k: v.clone() for k, v in self.snapshot().items()}
         while True:
-            try:
-                got = self.transport.fetch_state(  # a newcomer that joins at the next step needs no snapshot
-                    have=self.snapshot(), meta_if_past=onlook and target is None and self.joins_next_step)
-            except StateUnavailable as e:
-                if not keep_asking_s:  # in mid-run: nobody served it this time
-                    log.warning("%s", e)
-                    return None
-                if time.monotonic() >= deadline:
-                    raise StateUnavailable(f"{e}; asked for {keep_asking_s:.0f}s: the swarm may have ended its run, "
-                                           "or its peers cannot reach us") from None
-                if failed is None:
-                    log.warning("%s; asking again for up to %.0fs", e, keep_asking_s)
-                failed = e
-                time.sleep(ASK_STATE_AGAIN_S)  # the donors were busy, or left: their heartbeats say who is alive
-                continue
+            replaying = held is not None
+            if replaying:
+                self._wait_for_round(held[0], target, poll_s)
+                got, held = (held[0], held[1:]), None
+            else:
+                try:
+                    got = self.transport.fetch_state(  # a newcomer that joins at the next step needs no snapshot
+                        have=self.snapshot(), meta_if_past=onlook and target is None and self.joins_next_step)
+                except StateUnavailable as e:
+                    if not keep_asking_s:  # in mid-run: nobody served it this time
+                        log.warning("%s", e)
+                        return None
+                    if time.monotonic() >= deadline:
+                        raise StateUnavailable(f"{e}; asked for {keep_asking_s:.0f}s: the swarm may have ended its "
+                                               "run, or its peers cannot reach us") from None
+                    if failed is None:
+                        log.warning("%s; asking again for up to %.0fs", e, keep_asking_s)
+                    failed = e
+                    time.sleep(ASK_STATE_AGAIN_S)  # the donors were busy, or left: their heartbeats say who is alive
+                    continue
             if got is None:
                 if failed is not None and set(self.transport.progress()) <= {self.transport.peer_id}:
                     raise StateUnavailable(f"{failed}; since then every peer has left (the swarm ended its run, or "
@@ -309,6 +341,12 @@ class SyncProtocol:
             donor, (meta, tensors) = got
             if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
                 return None
+            if replays and tensors:
+                replayed = self._replayed(donor, meta, tensors)
+                replays = replayed is not None
+                if replayed is None or (replaying and replayed[0]["round"] == meta["round"]):
+                    continue  # a round's result differed, or the donor kept no rounds since: download the state
+                meta, tensors = replayed
             snapshot_round, snapshot_step = int(meta["round"]), int(meta.get("step", 0))
             if target is not None and snapshot_round >= target:
                 if snapshot_round > target:
@@ -329,10 +367,48 @@ class SyncProtocol:
                     return donor, *joined
             target = max(target or 0, snapshot_round + 1)
             self.transport.join_rounds(target, first=True)
-            start = time.perf_counter()
-            while heartbeat_round(self.transport.progress().get(donor), target) < target:
-                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends (or it is gone)
-            self.wait_s += time.perf_counter() - start
+            if replays and tensors:
+                held = donor, meta, tensors  # waited for, then replayed up to that round
+            else:
+                self._wait_for_round(donor, target, poll_s)
+
+    def _wait_for_round(self, donor: str, round: int, poll_s: float) -> None:
+        """Until `donor`'s heartbeat reports `round` (or it is gone), counted in `wait_s`."""
+        start = time.perf_counter()
+        while heartbeat_round(self.transport.progress().get(donor), round) < round:
+            time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
+        self.wait_s += time.perf_counter() - start
+
+    def _replayed(self, donor: str, meta: dict, tensors: dict[str, torch.Tensor]
+                  ) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The snapshot (meta, tensors) `donor` served, brought up to the donor's current round by the rounds
+        it went through since (their committed averages, a fraction of a download: decentral.rounds), applied
+        in place as the members applied them; each round's result is checked against the digest the donor
+        published for it. Returns it as far as the donor's kept rounds reach (as it was when the donor kept
+        none), its meta's `donor_step` the donor's step then; None when a round's result differed (`tensors`
+        then hold neither state)."""
+        digest, first, got_bytes = state_digest(tensors), int(meta["round"]), 0
+        while heartbeat_round(self.transport.progress().get(donor), -1) > int(meta["round"]):
+            numel = tensors[self.weights_key].numel()
+            got = self._waiting_on(lambda: self.transport.fetch_rounds(donor, digest, numel))
+            if not got or not got[0]:
+                break
+            rounds, step_now = got
+            for missed in rounds:
+                if missed.average is not None:
+                    self._apply_average(tensors, missed.average.decode())
+                    digest = state_digest(tensors)
+                    got_bytes += missed.average.nbytes
+                if digest != missed.digest:
+                    log.warning("round %d replayed from %s's averages differs from the state it published; "
+                                "downloading the state instead", int(missed.meta["round"]) - 1, donor[-8:])
+                    return None
+                meta = {**missed.meta, "donor_step": step_now}
+        if int(meta["round"]) > first:
+            progress_log.info("caught up from round %d to %d with %s's averages (%.1f MiB; its state: %.1f MiB)",
+                              first, int(meta["round"]), donor[-8:], got_bytes / 2**20,
+                              sum(t.nbytes for t in tensors.values()) / 2**20)
+        return meta, tensors
 
     def _join_next_step(self, donor: str, round: int) -> tuple[dict, dict[str, torch.Tensor], int] | None:
         """A newcomer whose donor is past `join_within_steps` of `round` (and that does not onlook): join the
@@ -477,6 +553,7 @@ class OuterProtocol(SyncProtocol):
         # what averages did not count of our inputs (a lossy codec's loss), added to the next input
         self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
         self._shared: dict[str, weakref.ref] = {}  # name -> the tensor `snapshot` handed out under it
+        self._led_by: EncodedAverage | None = None  # the committed average the outer step just applied, if kept
 
     def _pieces(self, part: slice) -> list[tuple[torch.Tensor, int, int]]:
         """(parameter, start, stop) of each parameter's flat values that fall in `part` of θ's flat vector
@@ -616,7 +693,7 @@ class OuterProtocol(SyncProtocol):
         above the members' at the boundary in a soak, BENCHMARKS.md)."""
         self.onlooking = False
         onlooked = self.round
-        if self._take_swarm_state(after_round=self.round):
+        if self._take_swarm_state(after_round=self.round, replay_ours=True):
             self._on_rejoined()
         else:  # nobody serves a later state (the members are gone): we go on into the next round on our own
             log.warning("round %d: no member served the state of the round after it; going on from ours", onlooked)
@@ -629,7 +706,8 @@ class OuterProtocol(SyncProtocol):
         from, compare our state with the group's (replicas), announce the coming rounds; `report`, completed."""
         self.round += 1
         self._round_start = self.step
-        self._offer()
+        led_by, self._led_by = self._led_by, None
+        self._offer(led_by)
         if self.identical_replicas:
             self._check_replicas(report.group, report)
         report.digest = self._digests[self.round]
@@ -658,13 +736,6 @@ def heartbeat_round(info: object, default: int) -> int:
     """The round a peer's heartbeat (an entry of Transport.progress) reports; `default` without one."""
     round = info.get("round") if isinstance(info, dict) else None
     return round if isinstance(round, int) else default
-
-
-def heartbeat_digest(info: object, round: int) -> str | None:
-    """The state digest a peer's heartbeat publishes for `round`, if it publishes one."""
-    digests = info.get("digests") if isinstance(info, dict) else None
-    digest = digests.get(str(round)) if isinstance(digests, dict) else None
-    return digest if isinstance(digest, str) else None
 
 
 def majority_digest(held: dict[str, str]) -> str:

@@ -26,6 +26,7 @@ from decentral.transport import Transport
 class DiLoCo(OuterProtocol):
     name = "diloco"
     identical_replicas = True  # every member applies the same average to the same φ and momentum
+    replays_rounds = True  # so a newcomer whose state arrived rounds late catches up from those averages
     looks_up_members = True
     error_feedback = True
 
@@ -49,6 +50,11 @@ class DiLoCo(OuterProtocol):
     def outer_tensors(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum}
 
+    def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
+        """φ, m ← the outer Nesterov step on `average` (g), in place on a snapshot's tensors."""
+        nesterov_sgd_step(tensors["slow"], average, tensors["momentum"], self.outer_lr, self.outer_momentum,
+                          self.nesterov)
+
     def round_start_weights(self) -> torch.Tensor:
         """φ, plus our own progress the averages have not counted yet (the error feedback's residual)."""
         return self.slow if self.residual is None else self.slow - self.residual
@@ -64,8 +70,8 @@ class DiLoCo(OuterProtocol):
         else:
             self._keep_residual(sent, result.sent)
             self._own("slow", "momentum")
-            nesterov_sgd_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
-                              self.nesterov)
+            self._apply_average({"slow": self.slow, "momentum": self.momentum}, result.tensor)
+            self._led_by = result.encoded if result.complete else None  # a newcomer may replay it (base.py)
         return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected,
                           rolled_back=rolled_back)
 
