@@ -4,13 +4,14 @@ newcomer replays them instead of downloading the state again.
 A DiLoCo round changes φ and its momentum by one committed average, the same for every member, and in the
 swarm's codec that average is a fraction of the state (int8: about an eighth of φ and momentum in float32).
 A newcomer whose download took several rounds (a large model over a slow link) would find the swarm rounds
-ahead of the state it got, and a second download would be as late again. Instead it asks its donor for the
-averages of the rounds since (`Transport.fetch_rounds`) and applies them as the members did, bit for bit
+ahead of the state it got, and a second download would be as late again. Instead it asks for the averages
+of the rounds since (`Transport.fetch_rounds`: on a swarm, in shares from its donor and the peers at the
+donor's round, asked to keep them as the download began) and applies them as the members did, bit for bit
 (checked against each round's digest).
 
-A donor keeps rounds only while a newcomer may want them: from the state it served (or the last round it
-handed out) on, while a transfer of its state is under way and for KEEP_S after the last request, and never
-more bytes of averages than the state itself holds (a replay that long costs more than a download).
+A peer keeps rounds only while a newcomer may want them: from the state it served (or a newcomer asked
+after) on, while a transfer of its state is under way and for KEEP_S after the last request, and never more
+bytes of averages than the state itself holds (a replay that long costs more than a download).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ that sends a small part of each tensor (top-k), what the average did not count i
 next round's outer gradient (error feedback, SparseLoCo; decentral.sync.base `_with_residual`), and the
 next round starts from θ_i ← φ − e_i, so that progress stays in our own model while it waits to be sent
 (from φ alone, demo with topk: final validation loss 2.61; from φ − e: 2.05; float16 DiLoCo 1.96). Replicas whose
-φ or momentum differ anyway are found by digest and repaired (decentral.sync.base).
+φ or momentum differ anyway are found by digest and repaired (decentral.sync.base). A newcomer whose state
+arrived rounds late replays those rounds' averages on it (`_apply_average`, decentral.rounds).
 """
 
 from __future__ import annotations
