@@ -278,10 +278,10 @@ def wide_model(seed: int) -> torch.nn.Module:
 def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_instead_of_downloading_again(
         make_swarm, monkeypatch):
     """The download of round 2's state is held back while the members average rounds 2 and 3: the newcomer
-    then holds a state two rounds old. It asks for those rounds' averages (int8: an eighth of a download each
-    here), one from each member (the other member, told at the download's start, kept them too), and
-    applies them: it starts round 4 with the members' φ and momentum, bit for bit, having received one
-    state, not two."""
+    then holds a state two rounds old (half of it from each member, both holding it). It asks for those
+    rounds' averages (int8: an eighth of a download each here), one from each member (the other member, told
+    at the download's start, kept them too), and applies them: it starts round 4 with the members' φ and
+    momentum, bit for bit, having received one state, not two."""
     transports = make_swarm(3, codec="int8")
     protocols = make_protocols(transports[:2], DiLoCo, model=wide_model, every=10)
     gen = torch.Generator().manual_seed(3)
@@ -316,7 +316,8 @@ def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_ins
     received = transports[2].bytes_received - before
     assert state_bytes < received < state_bytes * 1.4, (received, state_bytes)  # one state and two int8 rounds
     one_round = late.slow.numel()  # an int8 average: a byte a value (and a scale per 256)
-    assert sorted(t.bytes_sent - s for t, s in zip(transports[:2], sent))[0] > one_round  # a round from each
+    least = min(t.bytes_sent - s for t, s in zip(transports[:2], sent))
+    assert least > state_bytes / 2 + one_round, (least, state_bytes)  # half the state and a round from each
 
 
 def test_a_replayed_round_that_differs_from_its_digest_means_a_download(make_loopback):

@@ -69,6 +69,20 @@ def test_a_tensor_message_carries_every_dtype_and_shape_bit_for_bit():
     assert sent.bytes_sent == received.bytes_received > sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def test_a_tensor_message_read_into_given_tensors_fills_them_and_refuses_another_spec():
+    """A share of a state (a slice of each tensor) is read straight into its place in the whole."""
+    whole = {"slow": torch.zeros(2 * PIECE + 5), "momentum": torch.zeros(2 * PIECE + 5)}
+    sent = {k: torch.randn(PIECE + 3) for k in whole}
+    into = {k: t[PIECE + 2:] for k, t in whole.items()}  # the second half of each (contiguous views)
+    got = asyncio.run(across_a_socket(lambda w: write_tensor_message(w, {"ok": True}, sent, TrafficStats()),
+                                      lambda r: read_tensor_message(r, TrafficStats(), into=into)))[1]
+    assert all(got[k] is into[k] for k in whole)
+    assert all(torch.equal(whole[k][PIECE + 2:], sent[k]) and not whole[k][:PIECE + 2].any() for k in whole)
+    with pytest.raises(WireError, match="other tensors"):
+        asyncio.run(across_a_socket(lambda w: write_tensor_message(w, {"ok": True}, sent, TrafficStats()),
+                                    lambda r: read_tensor_message(r, TrafficStats(), into={"slow": into["slow"]})))
+
+
 def test_a_tensor_is_sent_from_its_own_memory():
     """A contiguous CPU tensor goes to the stream as it is: no serialised copy of a state is made to send it."""
     t = torch.randn(1000)

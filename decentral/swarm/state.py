@@ -18,6 +18,8 @@ A peer that leaves finishes the transfers under way first (`close`): the last me
 would otherwise cut off a newcomer's download of the run's final state mid-transfer (seen in a CO2 soak:
 the newcomer then held another final state than everyone else).
 
+A newcomer downloads the state in shares from every peer that publishes the donor's digest for its round,
+at once (each sends a slice of every tensor): a donor's uplink also carries its own averages.
 A newcomer whose state arrived rounds old (a large model over a slow link) replays the rounds since rather
 than download again (decentral.rounds): on the `rounds` stream, a peer that holds the state a request names
 keeps the rounds after it and hands out their committed averages in the codec's bytes; the newcomer asks
@@ -140,6 +142,12 @@ class StateExchange:
         if request.get("meta_if_past") is True and past:
             await write_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, b"", self.peer.stats)
             return
+        share = request.get("share")
+        if _is_share(share):  # a share of it, for a newcomer that downloads the state from several peers at once
+            if request.get("digest") != digest:
+                await write_message(writer, {"ok": False}, b"", self.peer.stats)
+                return
+            tensors = {k: t.reshape(-1).tensor_split(share[1])[share[0]] for k, t in tensors.items()}
         self.rounds.want(digest)  # the rounds after this state: the newcomer replays them rather than download again
         await write_tensor_message(writer, {"ok": True, "meta": meta, "step_now": step_now}, tensors, self.peer.stats,
                                    on_progress=watch)
@@ -238,6 +246,37 @@ class StateExchange:
         meta = dict(header["meta"])
         if isinstance(header.get("step_now"), int):
             meta["donor_step"] = header["step_now"]
+        return meta, tensors
+
+    async def _download_shares(self, holders: list[str], digest: str, like: dict[str, torch.Tensor], timeout: float
+                               ) -> Snapshot | None:
+        """The state whose digest is `digest`, in as many shares as `holders` (each peer sends a slice of every
+        tensor, read straight into place; the first holder is the donor, whose meta we take), at once; None
+        when one of them no longer holds it. `like`: tensors of the state's names, dtypes and shapes (our own
+        state). ValueError when what arrived is not that state; TimeoutError as in `_download`."""
+        tensors = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in like.items()}
+
+        async def share(i: int, holder: str) -> dict:
+            into = {name: t.reshape(-1).tensor_split(len(holders))[i] for name, t in tensors.items()}
+            what = f"share {i + 1}/{len(holders)} of the state"
+            async with _receiving_watch(holder, timeout, timeout, what) as watch:
+                reader, writer = await self.peer.open_stream(holder, "state")
+                try:
+                    await write_frame(writer, json.dumps({"share": [i, len(holders)], "digest": digest}).encode(),
+                                      self.peer.stats)
+                    header, _ = await read_tensor_message(reader, self.peer.stats, on_progress=watch, into=into)
+                finally:
+                    writer.close()
+            return header
+
+        headers = await asyncio.gather(*(share(i, h) for i, h in enumerate(holders)))
+        if not all(h.get("ok") for h in headers):
+            return None
+        if state_digest(tensors) != digest:
+            raise ValueError("the state assembled from its shares is not the one its holders publish")
+        meta = dict(headers[0]["meta"])
+        if isinstance(headers[0].get("step_now"), int):
+            meta["donor_step"] = headers[0]["step_now"]
         return meta, tensors
 
     def fetch_rounds(self, holders: list[str], digest: str, numel: int, codec: Codec, timeout: float
@@ -340,6 +379,8 @@ class StateExchange:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}) that claim the highest round
         (at most one past their lower median), in random order.
 
+        When other candidates publish the donor's digest for that round, the state comes in shares from all
+        of them at once (`_download_shares`; from the donor alone when one of them fails).
         Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
         StateUnavailable when a download failed (one fails when no byte of it arrives for `timeout`) and
@@ -360,6 +401,15 @@ class StateExchange:
             digest = heartbeat_digest(candidates[donor], top)
             if digest is not None and digest != have_digest:  # a download: the others at its round keep what follows
                 self.keep_rounds_for([p for p in order if p != donor], digest)  # (those that hold it: see `want`)
+                holders = [p for p in order if p != donor and heartbeat_digest(candidates[p], top) == digest]
+                if holders and have is not None and not meta_if_past:
+                    try:
+                        got = self.peer.call(self._download_shares([donor, *holders], digest, have, timeout)).result()
+                    except Exception as e:  # one of them failed: the whole state from the donor alone
+                        log.info("state download in shares from %d peers failed: %r", 1 + len(holders), e)
+                        got = None
+                    if got is not None:
+                        return donor, got
             try:
                 got = self.peer.call(self._download(donor, have_digest, timeout, meta_if_past)).result()
             except Exception as e:  # reported in StateUnavailable, once every donor failed

@@ -208,13 +208,18 @@ def _checked_spec(spec: object) -> list[tuple[str, torch.dtype, tuple[int, ...]]
 
 
 async def read_tensor_message(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME,
-                              on_progress: Callable[[int, int], None] | None = None
-                              ) -> tuple[dict, dict[str, torch.Tensor]]:
+                              on_progress: Callable[[int, int], None] | None = None,
+                              into: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """A tensor message's header and tensors. Its spec is checked, and the payload's length against it,
     before a tensor is allocated (WireError); each tensor is then filled a piece at a time as it arrives,
-    and `on_progress(bytes received, bytes in all)` called after each piece (and once before the first)."""
+    and `on_progress(bytes received, bytes in all)` called after each piece (and once before the first).
+    `into`: contiguous CPU tensors to fill instead (the spec must name them, in order, with their dtypes and
+    element counts)."""
     header = await read_header(reader, stats)
     spec = _checked_spec(header.pop("tensors", []))
+    if into is not None and ([(name, dtype, math.prod(shape)) for name, dtype, shape in spec]
+                             != [(name, t.dtype, t.numel()) for name, t in into.items()]):
+        raise WireError("a tensor message names other tensors than the ones it is to be read into")
     sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in spec]
     length = await _frame_length(reader, max_bytes)
     if length != sum(sizes):
@@ -223,10 +228,10 @@ async def read_tensor_message(reader: asyncio.StreamReader, stats: TrafficStats,
     progress = on_progress or (lambda done, total: None)
     progress(0, length)
     for (name, dtype, shape), size in zip(spec, sizes):
-        tensor = torch.empty(shape, dtype=dtype)
-        into = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        tensor = torch.empty(shape, dtype=dtype) if into is None else into[name]
+        target = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         for start in range(0, size, PIECE):
-            into[start:start + PIECE] = await reader.readexactly(min(PIECE, size - start))
+            target[start:start + PIECE] = await reader.readexactly(min(PIECE, size - start))
             received += min(PIECE, size - start)
             progress(received, length)
         tensors[name] = tensor
