@@ -133,18 +133,19 @@ def test_shaper_reads_netlab_variables(monkeypatch):
 
 
 def test_a_large_frame_is_watched_arriving_piece_by_piece():
-    """`on_bytes` fires as each piece of a frame arrives (a sign of life of a slow sender), and the frame
-    comes out whole."""
+    """`on_progress` fires as each piece of a frame arrives (a sign of life of a slow sender) with the bytes in
+    so far, and the frame comes out whole."""
     async def main():
         reader = asyncio.StreamReader()
         data = bytes(range(256)) * (5 * PIECE // 256 + 7)
         reader.feed_data(len(data).to_bytes(8, "big") + data)
         calls = []
-        got = await read_frame(reader, TrafficStats(), on_bytes=lambda: calls.append(1))
-        return data, got, len(calls)
+        got = await read_frame(reader, TrafficStats(), on_progress=lambda done, total: calls.append((done, total)))
+        return data, got, calls
 
     data, got, calls = asyncio.run(main())
-    assert got == data and calls == 1 + -(-len(data) // PIECE)  # once at its length, then once a piece
+    assert got == data and len(calls) == 1 + -(-len(data) // PIECE)  # once at its length, then once a piece
+    assert calls == [(min(k * PIECE, len(data)), len(data)) for k in range(len(calls))]
 
 
 def test_a_paced_link_lets_a_small_frame_through_between_the_pieces_of_a_large_one(monkeypatch):

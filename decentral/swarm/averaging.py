@@ -94,7 +94,7 @@ import torch
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import DialHeldBack, NotServing, SwarmError, SwarmPeer
 from decentral.swarm.wire import (
-    PIECE, WireError, read_frame, read_header, write_frame, write_message,
+    WireError, read_frame, read_header, write_frame, write_message,
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.config import HANG_S
@@ -317,12 +317,11 @@ class GroupAverager:
                 while len(self._partial) > _REMEMBERED_VIEWS:
                     self._partial.popitem(last=False)
 
-                def piece_in() -> None:
+                def piece_in(done: int, total: int) -> None:
                     self._hear(sender)
-                    arriving[0] = min(arriving[0] + PIECE, size)
-                    arriving[2] = asyncio.get_running_loop().time()
+                    arriving[0], arriving[2] = done, asyncio.get_running_loop().time()
 
-                payload = await read_frame(reader, self.peer.stats, size, on_bytes=piece_in)
+                payload = await read_frame(reader, self.peer.stats, size, on_progress=piece_in)
                 if self._partial.get((tag, sender)) is arriving:  # not a later push of the same part's
                     del self._partial[(tag, sender)]
                 if len(payload) != size:

@@ -48,7 +48,7 @@ import torch
 from decentral.codec import Codec
 from decentral.rounds import RoundLog
 from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import (MAX_HEADER, PIECE, WireError, read_frame, read_header, read_tensor_message,
+from decentral.swarm.wire import (MAX_HEADER, WireError, read_frame, read_header, read_tensor_message,
                                   write_frame, write_frame_of, write_message, write_tensor_message)
 from decentral.transport import (EncodedAverage, JoinRequest, MissedRound, StateUnavailable, heartbeat_digest,
                                  state_digest, trained_past)
@@ -58,7 +58,7 @@ progress_log = logging.getLogger("decentral.progress")  # shown without --verbos
 
 REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more are refused
-MAX_SHARES = 64  # holders a newcomer fetches shares of the rounds since its state from
+MAX_SHARES = 64  # peers a newcomer fetches shares of a state, or of the rounds since it, from at once
 PROGRESS_LOG_S = 10.0  # a state download that takes longer says how far it is this often
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
@@ -90,6 +90,13 @@ class StateExchange:
         self.rounds.offered(meta, self._snapshot[2], led_by, sum(t.nbytes for t in tensors.values()),
                             busy=bool(self._transfers))
 
+    async def _request(self, reader: asyncio.StreamReader) -> dict:
+        """A requester's JSON request (a header frame, within REQUEST_TIMEOUT_S); {} when it is empty or no
+        object."""
+        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
+                             or b"{}")
+        return request if isinstance(request, dict) else {}
+
     def keeps_rounds(self) -> bool:
         """Whether we keep the rounds we go through for a newcomer now (see decentral.rounds)."""
         return self.rounds.wanted(busy=bool(self._transfers))
@@ -100,14 +107,13 @@ class StateExchange:
         and each chunk's element count, or null for a round that changed nothing), then, in one frame, the
         encodings of the averages of the rounds in the requested share ("share": [i, n], the rounds at
         positions i, i + n, ... of the list; none without one, a list only)."""
-        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
-                             or b"{}")
-        after = request.get("after") if isinstance(request, dict) else None
-        share = request.get("share") if isinstance(request, dict) else None
+        request = await self._request(reader)
+        after, share = request.get("after"), request.get("share")
         i, n = share if _is_share(share) else (0, 0)
+        rounds = None
         if isinstance(after, str) and not self._closing:
             self.rounds.want(after)
-        rounds = self.rounds.since(after) if isinstance(after, str) and not self._closing else None
+            rounds = self.rounds.since(after)
         if rounds is None:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
@@ -122,8 +128,7 @@ class StateExchange:
             await write_frame_of(writer, chunks, sum(len(c) for c in chunks), self.peer.stats, watch)
 
     async def _on_request(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
-                             or b"{}")
+        request = await self._request(reader)
         snapshot = self._snapshot
         if snapshot is None or self._closing:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
@@ -157,7 +162,7 @@ class StateExchange:
         """Queue the sender's request for our protocol and stream back the state it grants, or a refusal
         (when it refuses, does not answer within `join_timeout`, takes no requests (it never asked for
         them: not DDP, or not started), or too many wait already)."""
-        await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
+        await self._request(reader)
         request = JoinRequest(sender, Future())
         with self._joins_lock:
             queued = self._joins is not None and len(self._joins) < MAX_JOIN_REQUESTS
@@ -216,15 +221,22 @@ class StateExchange:
 
     async def _ask_to_join(self, donor: str, timeout: float) -> Snapshot | None:
         async with _receiving_watch(donor, first_byte_s=2 * timeout, idle_s=timeout) as watch:
-            reader, writer = await self.peer.open_stream(donor, "join")
-            try:
-                await write_frame(writer, b"{}", self.peer.stats)
+            async with self._asking(donor, "join", {}) as reader:
                 header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
-            finally:
-                writer.close()
         if not header.get("ok"):
             return None
         return dict(header["meta"]), tensors
+
+    @contextlib.asynccontextmanager
+    async def _asking(self, peer: str, stream: str, request: dict):
+        """A stream to `peer`'s `stream` handler with `request` sent on it: yields its reader; closed after the
+        block (a server that waits for the close, `_transfer`, knows then that its answer has arrived)."""
+        reader, writer = await self.peer.open_stream(peer, stream)
+        try:
+            await write_frame(writer, json.dumps(request).encode(), self.peer.stats)
+            yield reader
+        finally:
+            writer.close()
 
     async def _download(self, donor: str, have: str | None, timeout: float, meta_if_past: bool = False
                         ) -> Snapshot | str | None:
@@ -232,13 +244,8 @@ class StateExchange:
         with `meta_if_past`, only its meta (tensors {}) when the donor trained past it. TimeoutError when no
         byte arrives for `timeout` (however long the whole download takes on a slow link)."""
         async with _receiving_watch(donor, first_byte_s=timeout, idle_s=timeout) as watch:
-            reader, writer = await self.peer.open_stream(donor, "state")
-            try:
-                await write_frame(writer, json.dumps({"have": have, "meta_if_past": meta_if_past}).encode(),
-                                  self.peer.stats)
+            async with self._asking(donor, "state", {"have": have, "meta_if_past": meta_if_past}) as reader:
                 header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
-            finally:
-                writer.close()
         if not header.get("ok"):
             return None
         if header.get("same"):
@@ -260,13 +267,8 @@ class StateExchange:
             into = {name: t.reshape(-1).tensor_split(len(holders))[i] for name, t in tensors.items()}
             what = f"share {i + 1}/{len(holders)} of the state"
             async with _receiving_watch(holder, timeout, timeout, what) as watch:
-                reader, writer = await self.peer.open_stream(holder, "state")
-                try:
-                    await write_frame(writer, json.dumps({"share": [i, len(holders)], "digest": digest}).encode(),
-                                      self.peer.stats)
+                async with self._asking(holder, "state", {"share": [i, len(holders)], "digest": digest}) as reader:
                     header, _ = await read_tensor_message(reader, self.peer.stats, on_progress=watch, into=into)
-                finally:
-                    writer.close()
             return header
 
         headers = await asyncio.gather(*(share(i, h) for i, h in enumerate(holders)))
@@ -321,9 +323,7 @@ class StateExchange:
         """One holder's answer to a rounds request: [(meta, digest, chunk sizes or None, the average where
         its `share` carries it)], its step; None when it holds no such state."""
         async with _receiving_watch(holder, timeout, timeout, "the rounds since our state") as watch:
-            reader, writer = await self.peer.open_stream(holder, "rounds")
-            try:
-                await write_frame(writer, json.dumps({"after": digest, "share": share}).encode(), self.peer.stats)
+            async with self._asking(holder, "rounds", {"after": digest, "share": share}) as reader:
                 header = await read_header(reader, self.peer.stats)
                 if not header.get("ok"):
                     return None
@@ -331,16 +331,7 @@ class StateExchange:
                 carried = [numels is not None and share is not None and k % share[1] == share[0]
                            for k, (_, _, numels) in enumerate(listed)]
                 total = sum(codec.size(n) for (_, _, numels), c in zip(listed, carried) if c for n in numels)
-                arrived = 0
-
-                def piece_in() -> None:
-                    nonlocal arrived
-                    watch(arrived, total)
-                    arrived = min(arrived + PIECE, total)
-
-                payload = memoryview(await read_frame(reader, self.peer.stats, total, on_bytes=piece_in))
-            finally:
-                writer.close()
+                payload = memoryview(await read_frame(reader, self.peer.stats, total, on_progress=watch))
         if len(payload) != total:
             raise WireError(f"the rounds' averages came in {len(payload)} bytes, their list says {total}")
         answer, at = [], 0
@@ -365,12 +356,8 @@ class StateExchange:
     async def _ask_to_keep(self, holder: str, digest: str) -> None:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                reader, writer = await self.peer.open_stream(holder, "rounds")
-                try:
-                    await write_frame(writer, json.dumps({"after": digest}).encode(), self.peer.stats)
+                async with self._asking(holder, "rounds", {"after": digest}) as reader:
                     await read_header(reader, self.peer.stats)
-                finally:
-                    writer.close()
 
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None,
@@ -486,7 +473,7 @@ def _checked_rounds(listed: object, numel: int) -> list[tuple[dict, str, list[in
 
 
 def _is_share(share: object) -> bool:
-    """Whether a rounds request's share is [i, n] with 0 <= i < n <= MAX_SHARES."""
+    """Whether a state or rounds request's share is [i, n] with 0 <= i < n <= MAX_SHARES."""
     return (isinstance(share, list) and len(share) == 2 and all(type(v) is int for v in share)
             and 0 <= share[0] < share[1] <= MAX_SHARES)
 

@@ -129,19 +129,19 @@ async def _write_piece(writer: asyncio.StreamWriter, piece: bytes | memoryview, 
 
 
 async def read_frame(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_FRAME,
-                     on_bytes: Callable[[], None] | None = None) -> bytes:
+                     on_progress: Callable[[int, int], None] | None = None) -> bytes:
     """One frame; WireError before anything is allocated when it announces more than `max_bytes`.
-    `on_bytes()` is called whenever a piece of it (at most PIECE bytes) has arrived: a sign of life of its
-    sender while a large frame is still on its way."""
+    `on_progress(bytes arrived, bytes in all)` is called once its length is read and whenever a piece of it
+    (at most PIECE bytes) has arrived: a sign of life of its sender while a large frame is on its way."""
     length = await _frame_length(reader, max_bytes)
-    if on_bytes is None:
+    if on_progress is None:
         data = await reader.readexactly(length)
     else:
-        on_bytes()
+        on_progress(0, length)
         pieces = []
         for start in range(0, length, PIECE):
             pieces.append(await reader.readexactly(min(PIECE, length - start)))
-            on_bytes()
+            on_progress(start + len(pieces[-1]), length)
         data = b"".join(pieces)
     stats.add(received=_LEN_BYTES + length)
     return data
