@@ -124,7 +124,8 @@ class AverageResult:
     notes: dict[str, dict] = field(default_factory=dict)  # member -> the note it sent with its input
     # (`average(note=...)`), for every member a committed average counted, ours included, where the transport
     # carries notes (an island's collectives carry none)
-    encoded: EncodedAverage | None = None  # a committed `tensor` as it travelled, where the transport keeps it
+    encoded: EncodedAverage | None = None  # a committed `tensor` as it travelled, where the transport has it (the
+    # members' bytes it was decoded from: a fraction of `tensor` in a lossy codec), for `offer_state(led_by=)`
 
 
 @dataclass

@@ -5,7 +5,7 @@ which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyo
 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce, in the swarm's codec
 (decentral.swarm.codec): each chunk is encoded on its own, every part decoded and averaged in float32,
 and the owner's average encoded again, so every member holds what the owner's encoding decodes to (and,
-while a newcomer may replay the round, that encoding: `AverageResult.encoded`, decentral.rounds).
+once committed, that encoding, `AverageResult.encoded`, which a newcomer may replay: decentral.rounds).
 With a codec that drops most of a tensor (`error_feedback`), the owner's re-encoding drops entries of
 the average too: every member counts its part only where the result kept a value (`kept`), so what the
 re-encoding dropped of a member's part stays in that member's own error feedback, and the owner counts
@@ -221,8 +221,7 @@ class GroupAverager:
 
     def __init__(self, peer: SwarmPeer, *, codec: Codec = Dense("float32"), max_norm_ratio: float = 2.0,
                  aggregation: str = "mean", is_member: Callable[[str], bool] | None = None,
-                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = HANG_S, member_refresh_s: float = 1.0,
-                 keeps_encoded: Callable[[], bool] = lambda: True):
+                 read_timeout: float = 90.0, probe_s: float = 1.0, hang_s: float = HANG_S, member_refresh_s: float = 1.0):
         if aggregation not in AGGREGATIONS:
             raise SwarmError(f"swarm.aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
         if not hang_s >= 2 * probe_s:  # a live peer's last answer is about `probe_s` old when we look
@@ -236,7 +235,6 @@ class GroupAverager:
         self.probe_s = probe_s
         self.hang_s = hang_s
         self.member_refresh_s = member_refresh_s
-        self.keeps_encoded = keeps_encoded  # whether a committed result comes with its encoding (AverageResult.encoded)
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self.first_round: int | None = None  # the first round this process takes part in (see `take_part_from`)
         self._turned_away: int | None = None  # the latest round whose pushes or probes we answered "not in it"
@@ -776,7 +774,7 @@ class GroupAverager:
             disagree=disagree,
             left_out=left_out,
             notes={p: n for p, n in notes.items() if isinstance(n, dict)} if agreed else {},
-            encoded=EncodedAverage(self.codec, wire) if agreed and self.keeps_encoded() else None,
+            encoded=EncodedAverage(self.codec, wire) if agreed else None,
         )
 
 

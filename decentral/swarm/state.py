@@ -97,10 +97,6 @@ class StateExchange:
                              or b"{}")
         return request if isinstance(request, dict) else {}
 
-    def keeps_rounds(self) -> bool:
-        """Whether we keep the rounds we go through for a newcomer now (see decentral.rounds)."""
-        return self.rounds.wanted(busy=bool(self._transfers))
-
     async def _on_rounds(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hand out the rounds since the state whose digest the request names ("after"; from now on we keep the
         rounds after it, if it is a state we hold: decentral.rounds): a header that lists them (meta, digest,
@@ -258,21 +254,35 @@ class StateExchange:
     async def _download_shares(self, holders: list[str], digest: str, like: dict[str, torch.Tensor], timeout: float
                                ) -> Snapshot | None:
         """The state whose digest is `digest`, in as many shares as `holders` (each peer sends a slice of every
-        tensor, read straight into place; the first holder is the donor, whose meta we take), at once; None
-        when one of them no longer holds it. `like`: tensors of the state's names, dtypes and shapes (our own
-        state). ValueError when what arrived is not that state; TimeoutError as in `_download`."""
+        tensor, read straight into place; the first holder is the donor), at once. A share whose holder no
+        longer holds the state, or fails, comes from the other holders in turn (the donor first); None when
+        none of them can send it. `like`: tensors of the state's names, dtypes and shapes (our own state).
+        ValueError when what arrived is not that state; a holder fails as in `_download` (TimeoutError)."""
         tensors = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in like.items()}
+        failed: set[str] = set()  # holders that no longer hold the state, or failed: not asked again
 
-        async def share(i: int, holder: str) -> dict:
+        async def share(i: int) -> dict | None:
             into = {name: t.reshape(-1).tensor_split(len(holders))[i] for name, t in tensors.items()}
             what = f"share {i + 1}/{len(holders)} of the state"
-            async with _receiving_watch(holder, timeout, timeout, what) as watch:
-                async with self._asking(holder, "state", {"share": [i, len(holders)], "digest": digest}) as reader:
-                    header, _ = await read_tensor_message(reader, self.peer.stats, on_progress=watch, into=into)
-            return header
+            for holder in [holders[i], *(h for h in holders if h != holders[i])]:
+                if holder in failed:
+                    continue
+                try:
+                    async with _receiving_watch(holder, timeout, timeout, what) as watch:
+                        async with self._asking(holder, "state", {"share": [i, len(holders)], "digest": digest}
+                                                ) as reader:
+                            header, _ = await read_tensor_message(reader, self.peer.stats, on_progress=watch,
+                                                                  into=into)
+                except Exception as e:  # its slice (partly written, perhaps) is asked of the next holder
+                    log.info("%s from %s failed: %r", what, holder[-8:], e)
+                    header = {}
+                if header.get("ok"):
+                    return header
+                failed.add(holder)
+            return None
 
-        headers = await asyncio.gather(*(share(i, h) for i, h in enumerate(holders)))
-        if not all(h.get("ok") for h in headers):
+        headers = await asyncio.gather(*(share(i) for i in range(len(holders))))
+        if not all(headers):
             return None
         if state_digest(tensors) != digest:
             raise ValueError("the state assembled from its shares is not the one its holders publish")
@@ -367,7 +377,7 @@ class StateExchange:
         (at most one past their lower median), in random order.
 
         When other candidates publish the donor's digest for that round, the state comes in shares from all
-        of them at once (`_download_shares`; from the donor alone when one of them fails).
+        of them at once (`_download_shares`; from the donor alone when none of them can send a share).
         Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
         StateUnavailable when a download failed (one fails when no byte of it arrives for `timeout`) and
@@ -392,7 +402,7 @@ class StateExchange:
                 if holders and have is not None and not meta_if_past:
                     try:
                         got = self.peer.call(self._download_shares([donor, *holders], digest, have, timeout)).result()
-                    except Exception as e:  # one of them failed: the whole state from the donor alone
+                    except Exception as e:  # not the state published: the whole state from the donor alone
                         log.info("state download in shares from %d peers failed: %r", 1 + len(holders), e)
                         got = None
                     if got is not None:

@@ -78,8 +78,7 @@ class SwarmTransport:
                                      expire_s=max(3 * heartbeat_s, timeout, HEARTBEAT_STALL_S))
         self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
                                       aggregation=aggregation, is_member=self.membership.is_alive,
-                                      read_timeout=1.5 * timeout, hang_s=hang_s,
-                                      keeps_encoded=lambda: self.state.keeps_rounds())
+                                      read_timeout=1.5 * timeout, hang_s=hang_s)
         self.state = StateExchange(self.peer, live_step=lambda: self.membership.step, join_timeout=timeout)
 
     @property

@@ -372,7 +372,7 @@ class SyncProtocol:
             else:
                 self._wait_for_round(donor, target, poll_s)
 
-    def _wait_for_round(self, donor: str, round: int, poll_s: float) -> None:
+    def _wait_for_round(self, donor: str, round: int, poll_s: float = 0.25) -> None:
         """Until `donor`'s heartbeat reports `round` (or it is gone), counted in `wait_s`."""
         start = time.perf_counter()
         while heartbeat_round(self.transport.progress().get(donor), round) < round:
@@ -491,12 +491,7 @@ class SyncProtocol:
                     why = ("no download succeeded" if got is None else f"a donor served round {served}"
                            if served != self.round else "its digest differed")
                     if served == self.round and state_digest(got[1][1]) == digest:
-                        before = self.snapshot()
-                        self.load_snapshot(*got[1])
-                        self._on_repaired(before)
-                        self._offer()
-                        mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
-                        return float((mine - now).pow(2).mean().sqrt())
+                        return self._repaired_with(*got[1])
                 time.sleep(poll_s)  # polling the donors' heartbeats for their digest of this round
             else:
                 log.warning("round %d: no member served the majority's state within %.0fs (last try: %s); trying "
@@ -505,6 +500,16 @@ class SyncProtocol:
         finally:
             self.wait_s += time.perf_counter() - start
         return self._rejoin()  # they went past this round
+
+    def _repaired_with(self, meta: dict, tensors: dict[str, torch.Tensor]) -> float:
+        """Replace our state of this round by the members' (`_on_repaired`) and offer it; the RMS distance of
+        our `weights_key` tensor from theirs."""
+        before = self.snapshot()
+        self.load_snapshot(meta, tensors)
+        self._on_repaired(before)
+        self._offer()
+        mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
+        return float((mine - now).pow(2).mean().sqrt())
 
     def _rejoin(self) -> float | None:
         """The members we must match went past our round (we fell a round behind: slow, or left out and

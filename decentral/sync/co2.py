@@ -34,9 +34,13 @@ decides where the next round's gradients are taken.
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
 round's, so nothing trained is lost. With a codec that sends a small part of each tensor (top-k), what
-a committed average did not count is the error feedback's residual, added to the next input. A peer that starts while an average is in flight that it had no
-part in (a newcomer, or a resumed peer) takes the members' state at its first boundary, when they have
-applied it; a resumed peer alone applies its own part of the round it had in flight.
+a committed average did not count is the error feedback's residual, added to the next input. A peer that
+starts while an average is in flight that it had no part in (a newcomer, or a resumed peer) takes the
+members' state at its first boundary, when they have applied it: it replays that round's average on the
+state it holds (`_apply_average`, as a newcomer whose state arrived rounds late replays the rounds since:
+decentral.rounds), or downloads the state when that fails; a resumed peer alone applies its own part of the
+round it had in flight. With the staleness-adaptive penalty a round's step depends on φ a round earlier,
+which a newcomer does not hold: it downloads instead.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class CO2(OuterProtocol):
                              f"[0, 1], got {mix}")
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.penalty, self.staleness_adaptive, self.clip, self.mix = penalty, staleness_adaptive, clip, mix
+        self.replays_rounds = not staleness_adaptive  # a round's step is then a function of its average alone
         self.momentum = torch.zeros_like(self.slow)
         self.in_flight: InFlight | None = None
         self._unsent: torch.Tensor | None = None  # our part of an average that did not commit
@@ -147,20 +152,43 @@ class CO2(OuterProtocol):
         else:
             self._keep_residual(stale.sent, result.sent)
             gap = None if stale.anchor is None else self.slow - stale.anchor
-            self._own("momentum")
-            self.slow = co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
-                                       staleness_penalty(self.penalty, result.tensor, gap), self.clip)
+            self._own("slow", "momentum")
+            co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
+                           staleness_penalty(self.penalty, result.tensor, gap), self.clip)
+            self._led_by = result.encoded if result.complete else None  # a newcomer may replay it (base.py)
         return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected)
+
+    def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
+        """φ, m ← the outer step on a round's stale `average` with the constant penalty, in place on a
+        snapshot's tensors."""
+        co2_outer_step(tensors["slow"], average, tensors["momentum"], self.outer_lr, self.outer_momentum,
+                       self.penalty, self.clip)
 
     def _take_members_state(self, report: SyncReport) -> None:
         """After our first boundary, the state the other members hold once they applied the average we
-        had no part in (checked against their digests); alone, we keep ours."""
+        had no part in: our state (theirs of the round before: we had nothing to apply) with that round
+        replayed, or downloaded (each checked against their digests); alone, we keep ours."""
         others = set(self._members(self.round - 1)) - {self.transport.peer_id}  # of the average in flight
         if not others:
             return
-        spread = self._repair(others)
+        spread = self._replay_round_missed()
+        if spread is None:
+            spread = self._repair(others)
         report.repaired, report.spread = spread is not None, spread
         report.digest = self._digests[self.round]
+
+    def _replay_round_missed(self) -> float | None:
+        """Our state with the round just ended replayed from our donor's kept average (it began the round
+        with our state): `_repaired_with` it; None when it could not be (no donor, it kept no such round, or it
+        is rounds further on)."""
+        if not self.replays_rounds or self.donor is None:
+            return None
+        self._wait_for_round(self.donor, self.round)
+        ours = {k: v.clone() for k, v in self.snapshot().items()}
+        replayed = self._replayed(self.donor, {**self._offered_meta(), "round": self.round - 1}, ours)
+        if replayed is None or int(replayed[0]["round"]) != self.round:
+            return None
+        return self._repaired_with(*replayed)
 
     def finish(self) -> None:
         """Apply the average still in flight, so the model holds the last round's progress too."""
@@ -198,9 +226,9 @@ def staleness_penalty(penalty: float, stale_grad: torch.Tensor, gap: torch.Tenso
 
 
 def co2_outer_step(slow: torch.Tensor, stale_grad: torch.Tensor, momentum: torch.Tensor, lr: float, mu: float,
-                   penalty: float, clip: float | None) -> torch.Tensor:
-    """m ← clamp(μ·m + ḡ/p, −c, c) in place on `momentum`; returns φ − lr·m (§4)."""
+                   penalty: float, clip: float | None) -> None:
+    """m ← clamp(μ·m + ḡ/p, −c, c), then φ ← φ − lr·m, in place on `momentum` and `slow` (§4)."""
     momentum.mul_(mu).add_(stale_grad, alpha=1.0 / penalty)
     if clip is not None:
         momentum.clamp_(-clip, clip)
-    return slow - lr * momentum
+    slow.sub_(lr * momentum)
