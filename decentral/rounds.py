@@ -1,8 +1,9 @@
 """The rounds a donor's state went through after it handed that state to a newcomer, kept so that the
 newcomer replays them instead of downloading the state again.
 
-A DiLoCo round changes φ and its momentum by one committed average, the same for every member, and in the
-swarm's codec that average is a fraction of the state (int8: about an eighth of φ and momentum in float32).
+A DiLoCo round changes φ and its momentum by one committed average, the same for every member (CO2's by the
+round before's, Streaming DiLoCo's by each fragment's in turn), and in the swarm's codec that average is a
+fraction of the state (int8: about an eighth of φ and momentum in float32).
 A newcomer whose download took several rounds (a large model over a slow link) would find the swarm rounds
 ahead of the state it got, and a second download would be as late again. Instead it asks for the averages
 of the rounds since (`Transport.fetch_rounds`: on a swarm, in shares from its donor and the peers at the

@@ -2,7 +2,7 @@
 
 import torch
 
-from decentral.transport import state_digest
+from decentral.transport import EncodedAverage, state_digest
 
 
 def test_a_share_whose_holder_moved_on_comes_from_another_holder_not_a_whole_download(make_swarm):
@@ -24,3 +24,28 @@ def test_a_share_whose_holder_moved_on_comes_from_another_holder_not_a_whole_dow
     assert all(torch.equal(got[k], state[k]) for k in state)
     state_bytes = sum(t.nbytes for t in state.values())
     assert state_bytes < received < 1.1 * state_bytes, (received, state_bytes)
+
+
+def test_the_rounds_since_a_state_come_in_shares_as_far_as_other_holders_kept_them(make_swarm):
+    """The donor kept rounds 1-3 after the newcomer's state, the other member only rounds 1-2 so far (it has
+    not ended round 3 yet): rounds 1 and 2 come one from each, and round 3 at the next call, from the donor.
+    (Before, a holder that lacked the donor's last round sent nothing, and the donor all of them alone.)"""
+    a, b, newcomer = make_swarm(3)
+    codec, n = newcomer.averager.codec, 100_000
+    base = {k: torch.randn(n) for k in ("slow", "momentum", "other")}  # as many bytes as the three rounds (kept)
+    averages = [torch.randn(n) for _ in range(3)]
+    digests = [state_digest(base)] + [f"state after round {r}" for r in (1, 2, 3)]
+    for holder, rounds in ((a, 3), (b, 2)):
+        holder.state.offer({"protocol": "diloco", "round": 0}, base)
+        holder.state.rounds.want(digests[0])
+        for r in range(1, rounds + 1):
+            holder.state.offer({"protocol": "diloco", "round": r}, base, digests[r],
+                               EncodedAverage(codec, [(codec.encode(averages[r - 1]), n)]))
+    sent = [a.bytes_sent, b.bytes_sent]
+    rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[0], n, codec, timeout=15)
+    assert [(r.meta["round"], r.digest) for r in rounds] == [(1, digests[1]), (2, digests[2])]
+    assert all(torch.equal(r.average.decode(), average) for r, average in zip(rounds, averages))
+    for peer, before in zip((a, b), sent):
+        assert 4 * n < peer.bytes_sent - before < 1.2 * 4 * n  # one round's float32 average each
+    rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[2], n, codec, timeout=15)
+    assert [r.meta["round"] for r in rounds] == [3] and torch.equal(rounds[0].average.decode(), averages[2])

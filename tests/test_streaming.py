@@ -288,3 +288,21 @@ def test_finish_applies_the_fragment_in_flight(make_loopback):
         torch.testing.assert_close(p.slow, expected, rtol=0, atol=1e-6)
         theta[PARTS[0]] = 0.5 * theta[PARTS[0]] + 0.5 * expected[PARTS[0]]
         torch.testing.assert_close(flat(p.model), theta, rtol=0, atol=1e-6)
+
+
+def test_a_newcomer_whose_state_is_rounds_old_replays_each_rounds_fragment_averages(make_loopback):
+    """A round's fragment averages, in turn, are the round's update of φ and the momentum (element-wise): a
+    newcomer holding the state of round 1 replays rounds 1 and 2 from the donor's kept averages and holds the
+    members' state of round 3, bit for bit."""
+    transports = make_loopback(3)
+    protocols = make_protocols(transports[:2], StreamingDiLoCo, every=12, fragments=3, delay=1)
+    gen = torch.Generator().manual_seed(5)
+    inner_steps(protocols, 12, gen)
+    donor, (meta, tensors) = transports[2].fetch_state()  # the donor keeps the rounds after it for us
+    inner_steps(protocols, 24, gen)
+    model = tiny_model(9)
+    late = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=12, fragments=3,
+                           delay=1)
+    replayed = late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()})
+    assert meta["round"] == 1 and replayed is not None and replayed[0]["round"] == 3
+    assert all(torch.equal(replayed[1][k], v) for k, v in protocols[0].snapshot().items())

@@ -102,9 +102,9 @@ class StateExchange:
         rounds after it, if it is a state we hold: decentral.rounds): a header that lists them (meta, digest,
         and each chunk's element count, or null for a round that changed nothing), then, in one frame, the
         encodings of the averages of the rounds in the requested share ("share": [i, n], the rounds at
-        positions i, i + n, ... of the list; none without one, a list only)."""
+        positions i, i + n, ... of the list, among its first "count" when given; none without one, a list only)."""
         request = await self._request(reader)
-        after, share = request.get("after"), request.get("share")
+        after, share, upto = request.get("after"), request.get("share"), request.get("count")
         i, n = share if _is_share(share) else (0, 0)
         rounds = None
         if isinstance(after, str) and not self._closing:
@@ -113,7 +113,8 @@ class StateExchange:
         if rounds is None:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
-        carried = [r.average is not None and n > 0 and k % n == i for k, r in enumerate(rounds)]
+        upto = upto if type(upto) is int and upto >= 0 else len(rounds)
+        carried = [r.average is not None and n > 0 and k % n == i and k < upto for k, r in enumerate(rounds)]
         step_now = self.live_step() if self.live_step is not None else None
         header = {"ok": True, "step_now": step_now, "rounds": [
             {"meta": r.meta, "digest": r.digest, "numels": None if r.average is None else
@@ -296,7 +297,8 @@ class StateExchange:
         """The rounds the first of `holders` (the donor of our state) kept since the state whose digest is
         `digest` (see decentral.rounds), each an average of exactly `numel` values in `codec` (checked before a
         byte of them is read), and its inner step. The averages come in shares from every holder that kept
-        the same rounds, in parallel: a donor's uplink also carries its own averages, so one alone may send a
+        the same rounds, in parallel (as many rounds as the one that kept the most of them; the rest, the donor's
+        alone, at the next call): a donor's uplink also carries its own averages, so one alone may send a
         round's average barely faster than the swarm averages the next. None when the donor kept none, or its
         transfer failed (no byte for `timeout`); rounds from the first one a share failed to bring are left
         for the next call."""
@@ -315,11 +317,15 @@ class StateExchange:
                 raise lists[0]
             return None
         listed = [entry[:2] for entry in lists[0][0]]
-        sharing = [h for h, got in zip(holders, lists) if isinstance(got, tuple) and _lists_agree(got[0], listed)]
-        shares = await asyncio.gather(*(self._rounds_from(h, digest, numel, codec, timeout, (i, len(sharing)))
+        if not listed:
+            return [], lists[0][1]
+        agreed = {h: _agreeing(got[0], listed) for h, got in zip(holders[1:], lists[1:]) if isinstance(got, tuple)}
+        count = max(agreed.values(), default=0) or len(listed)  # the rounds others kept too; none: the donor's all
+        sharing = [holders[0], *(h for h, n in agreed.items() if n >= count)]  # a holder a round behind still helps
+        shares = await asyncio.gather(*(self._rounds_from(h, digest, numel, codec, timeout, (i, len(sharing)), count)
                                         for i, h in enumerate(sharing)), return_exceptions=True)
         rounds = []
-        for k, (meta, round_digest, numels, _) in enumerate(shares[0][0] if isinstance(shares[0], tuple) else []):
+        for k, (meta, round_digest, numels, _) in enumerate(shares[0][0][:count] if isinstance(shares[0], tuple) else []):
             share = shares[k % len(sharing)]
             if numels is not None and not (isinstance(share, tuple) and len(share[0]) > k
                                            and share[0][k][1] == round_digest and share[0][k][3] is not None):
@@ -328,18 +334,18 @@ class StateExchange:
         return rounds, lists[0][1]
 
     async def _rounds_from(self, holder: str, digest: str, numel: int, codec: Codec, timeout: float,
-                           share: tuple[int, int] | None = None
+                           share: tuple[int, int] | None = None, count: int | None = None
                            ) -> tuple[list[tuple[dict, str, list[int] | None, EncodedAverage | None]], int] | None:
         """One holder's answer to a rounds request: [(meta, digest, chunk sizes or None, the average where
-        its `share` carries it)], its step; None when it holds no such state."""
+        its `share` of the first `count` rounds carries it)], its step; None when it holds no such state."""
         async with _receiving_watch(holder, timeout, timeout, "the rounds since our state") as watch:
-            async with self._asking(holder, "rounds", {"after": digest, "share": share}) as reader:
+            async with self._asking(holder, "rounds", {"after": digest, "share": share, "count": count}) as reader:
                 header = await read_header(reader, self.peer.stats)
                 if not header.get("ok"):
                     return None
                 listed = _checked_rounds(header.get("rounds"), numel)
                 carried = [numels is not None and share is not None and k % share[1] == share[0]
-                           for k, (_, _, numels) in enumerate(listed)]
+                           and (count is None or k < count) for k, (_, _, numels) in enumerate(listed)]
                 total = sum(codec.size(n) for (_, _, numels), c in zip(listed, carried) if c for n in numels)
                 payload = memoryview(await read_frame(reader, self.peer.stats, total, on_progress=watch))
         if len(payload) != total:
@@ -488,9 +494,13 @@ def _is_share(share: object) -> bool:
             and 0 <= share[0] < share[1] <= MAX_SHARES)
 
 
-def _lists_agree(answer: list[tuple], listed: list[tuple[dict, str]]) -> bool:
-    """Whether a holder lists the same rounds (meta and digest) as the donor, at least as far as the donor."""
-    return len(answer) >= len(listed) and all(a[:2] == entry for a, entry in zip(answer, listed))
+def _agreeing(answer: list[tuple], listed: list[tuple[dict, str]]) -> int:
+    """How many of the donor's `listed` rounds (meta and digest) a holder's answer lists the same, from the
+    first on."""
+    same = 0
+    while same < min(len(answer), len(listed)) and answer[same][:2] == listed[same]:
+        same += 1
+    return same
 
 
 def _claimed_round(info: dict) -> int | None:

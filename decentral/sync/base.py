@@ -20,7 +20,8 @@ catches what the averages' commit phase cannot: a member that died inside the co
 late joiner that missed a round, anything that made a replica's bits differ.
 
 A newcomer whose state arrives rounds old (a download longer than a round) catches up by replaying the
-rounds since from their committed averages (`_replayed`, protocols that `replays_rounds`: DiLoCo), each
+rounds since from their committed averages (`_replayed`, protocols that `replays_rounds`: DiLoCo, Streaming
+DiLoCo, CO2), each
 checked against the digest of the state it led to; it downloads the state again only when no member kept
 them, or when a replayed round's result differs.
 """

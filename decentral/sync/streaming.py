@@ -22,7 +22,9 @@ while is counted up to 1/(1−α) times). Without error feedback both are the pa
 
 An average that does not commit is rolled back: φ, the momentum and θ stay, and the fragment's next sync
 carries both rounds' progress. At a round boundary nothing is in flight, so the round's bookkeeping
-(snapshot offered to newcomers, replicas compared by digest and repaired) is DiLoCo's. A checkpoint taken
+(snapshot offered to newcomers, replicas compared by digest and repaired) is DiLoCo's, and so is a late
+newcomer's replay of the rounds it missed: the outer step is element-wise, so a round's fragment averages
+in turn are one DiLoCo average of the whole vector (a round where one did not commit is downloaded). A checkpoint taken
 while a fragment is in flight holds no residual for it and loses nothing of ours: θ holds that progress
 relative to φ, and the fragment's next sync sends it. A peer resumed from it lacks the average the others
 applied: its state is found to differ by digest and repaired (decentral.sync.base).
@@ -37,7 +39,7 @@ import torch
 
 from decentral.sync.base import SyncReport
 from decentral.sync.diloco import DiLoCo, nesterov_sgd_step
-from decentral.transport import AverageResult, Transport
+from decentral.transport import AverageResult, EncodedAverage, Transport
 
 
 @dataclass
@@ -112,6 +114,9 @@ class StreamingDiLoCo(DiLoCo):
             return None
         synced, self._synced = self._synced, []
         results = [r for r, _, _ in synced]
+        encodings = [r.encoded for r in results]  # a newcomer may replay the round: each fragment's average in turn
+        if len(encodings) == len(self.fragments) and all(e is not None for e in encodings):
+            self._led_by = EncodedAverage(encodings[0].codec, [chunk for e in encodings for chunk in e.chunks])
         report = SyncReport(
             self.round, sorted({p for r in results for p in r.group}), all(r.complete for r in results),
             min((r.contributors for r in results), default=1), sum(w for _, w, _ in synced),
