@@ -28,24 +28,34 @@ def test_a_share_whose_holder_moved_on_comes_from_another_holder_not_a_whole_dow
 
 def test_the_rounds_since_a_state_come_in_shares_as_far_as_other_holders_kept_them(make_swarm):
     """The donor kept rounds 1-3 after the newcomer's state, the other member only rounds 1-2 so far (it has
-    not ended round 3 yet): rounds 1 and 2 come one from each, and round 3 at the next call, from the donor.
-    (Before, a holder that lacked the donor's last round sent nothing, and the donor all of them alone.)"""
+    not ended round 3 yet): rounds 1 and 2 come half from each (before, a holder that lacked the donor's last
+    round sent nothing), round 3 at the next call from the donor alone; once the other holds it too, half of
+    round 3 comes from each (a chunk each: before, one round went whole over one uplink)."""
     a, b, newcomer = make_swarm(3)
     codec, n = newcomer.averager.codec, 100_000
     base = {k: torch.randn(n) for k in ("slow", "momentum", "other")}  # as many bytes as the three rounds (kept)
     averages = [torch.randn(n) for _ in range(3)]
     digests = [state_digest(base)] + [f"state after round {r}" for r in (1, 2, 3)]
+
+    def offer(holder, r):
+        halves = [(codec.encode(half), half.numel()) for half in averages[r - 1].tensor_split(2)]  # two owners' chunks
+        holder.state.offer({"protocol": "diloco", "round": r}, base, digests[r], EncodedAverage(codec, halves))
+
+    def fetch(since):
+        sent = [a.bytes_sent, b.bytes_sent]
+        rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[since], n, codec, timeout=15)
+        assert all(torch.equal(r.average.decode(), averages[r.meta["round"] - 1]) for r in rounds)
+        return [r.meta["round"] for r in rounds], [(peer.bytes_sent - s) / (4 * n) for peer, s in zip((a, b), sent)]
+
     for holder, rounds in ((a, 3), (b, 2)):
         holder.state.offer({"protocol": "diloco", "round": 0}, base)
         holder.state.rounds.want(digests[0])
         for r in range(1, rounds + 1):
-            holder.state.offer({"protocol": "diloco", "round": r}, base, digests[r],
-                               EncodedAverage(codec, [(codec.encode(averages[r - 1]), n)]))
-    sent = [a.bytes_sent, b.bytes_sent]
-    rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[0], n, codec, timeout=15)
-    assert [(r.meta["round"], r.digest) for r in rounds] == [(1, digests[1]), (2, digests[2])]
-    assert all(torch.equal(r.average.decode(), average) for r, average in zip(rounds, averages))
-    for peer, before in zip((a, b), sent):
-        assert 4 * n < peer.bytes_sent - before < 1.2 * 4 * n  # one round's float32 average each
-    rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[2], n, codec, timeout=15)
-    assert [r.meta["round"] for r in rounds] == [3] and torch.equal(rounds[0].average.decode(), averages[2])
+            offer(holder, r)
+    got, sent = fetch(0)  # sent: in rounds' averages (float32)
+    assert got == [1, 2] and all(1 < s < 1.2 for s in sent), sent
+    got, sent = fetch(2)
+    assert got == [3] and 1 < sent[0] < 1.2 and sent[1] < 0.2, sent
+    offer(b, 3)
+    got, sent = fetch(2)
+    assert got == [3] and all(0.5 < s < 0.7 for s in sent), sent

@@ -101,8 +101,8 @@ class StateExchange:
         """Hand out the rounds since the state whose digest the request names ("after"; from now on we keep the
         rounds after it, if it is a state we hold: decentral.rounds): a header that lists them (meta, digest,
         and each chunk's element count, or null for a round that changed nothing), then, in one frame, the
-        encodings of the averages of the rounds in the requested share ("share": [i, n], the rounds at
-        positions i, i + n, ... of the list, among its first "count" when given; none without one, a list only)."""
+        chunks of the averages in the requested share ("share": [i, n]: `_pieces_of_share` of the first "count"
+        rounds, all of them without a count; none without a share, a list only)."""
         request = await self._request(reader)
         after, share, upto = request.get("after"), request.get("share"), request.get("count")
         i, n = share if _is_share(share) else (0, 0)
@@ -113,13 +113,13 @@ class StateExchange:
         if rounds is None:
             await write_message(writer, {"ok": False}, b"", self.peer.stats)
             return
-        upto = upto if type(upto) is int and upto >= 0 else len(rounds)
-        carried = [r.average is not None and n > 0 and k % n == i and k < upto for k, r in enumerate(rounds)]
+        numels = [None if r.average is None else [numel for _, numel in r.average.chunks] for r in rounds]
+        pieces = _pieces_of_share(numels, upto if type(upto) is int and upto >= 0 else len(rounds),
+                                  (i, n) if n else None)
         step_now = self.live_step() if self.live_step is not None else None
         header = {"ok": True, "step_now": step_now, "rounds": [
-            {"meta": r.meta, "digest": r.digest, "numels": None if r.average is None else
-             [numel for _, numel in r.average.chunks]} for r in rounds]}
-        chunks = [data for r, c in zip(rounds, carried) if c for data, _ in r.average.chunks]
+            {"meta": r.meta, "digest": r.digest, "numels": chunks} for r, chunks in zip(rounds, numels)]}
+        chunks = [rounds[k].average.chunks[c][0] for k, c in pieces]
         async with self._transfer(reader), _sending_watch() as watch:
             await write_frame(writer, json.dumps(header).encode(), self.peer.stats)
             await write_frame_of(writer, chunks, sum(len(c) for c in chunks), self.peer.stats, watch)
@@ -297,9 +297,10 @@ class StateExchange:
         """The rounds the first of `holders` (the donor of our state) kept since the state whose digest is
         `digest` (see decentral.rounds), each an average of exactly `numel` values in `codec` (checked before a
         byte of them is read), and its inner step. The averages come in shares from every holder that kept
-        the same rounds, in parallel (as many rounds as the one that kept the most of them; the rest, the donor's
-        alone, at the next call): a donor's uplink also carries its own averages, so one alone may send a
-        round's average barely faster than the swarm averages the next. None when the donor kept none, or its
+        the same rounds, in parallel, each round's chunks from several of them (as many rounds as the holder
+        that kept the most of them; the rest, the donor's alone, at the next call): a donor's uplink also
+        carries its own averages, so one alone may send a round's average barely faster than the swarm
+        averages the next. None when the donor kept none, or its
         transfer failed (no byte for `timeout`); rounds from the first one a share failed to bring are left
         for the next call."""
         try:
@@ -324,43 +325,47 @@ class StateExchange:
         sharing = [holders[0], *(h for h, n in agreed.items() if n >= count)]  # a holder a round behind still helps
         shares = await asyncio.gather(*(self._rounds_from(h, digest, numel, codec, timeout, (i, len(sharing)), count)
                                         for i, h in enumerate(sharing)), return_exceptions=True)
+        wanted = lists[0][0][:count]
+        every_piece = _pieces_of_share([numels for _, _, numels, _ in wanted], count, (0, 1))
+        sender = {piece: shares[g % len(sharing)] for g, piece in enumerate(every_piece)}
+
+        def chunk(k: int, c: int) -> memoryview | None:
+            """Round k's chunk c, from the share that carries it; None when it did not come."""
+            share = sender[(k, c)]
+            got = share[0][k] if isinstance(share, tuple) and len(share[0]) > k else None
+            return got[3].get(c) if got is not None and got[1:3] == wanted[k][1:3] else None
+
         rounds = []
-        for k, (meta, round_digest, numels, _) in enumerate(shares[0][0][:count] if isinstance(shares[0], tuple) else []):
-            share = shares[k % len(sharing)]
-            if numels is not None and not (isinstance(share, tuple) and len(share[0]) > k
-                                           and share[0][k][1] == round_digest and share[0][k][3] is not None):
+        for k, (meta, round_digest, numels, _) in enumerate(wanted):
+            chunks = [(chunk(k, c), n) for c, n in enumerate(numels or [])]
+            if any(data is None for data, _ in chunks):
                 break
-            rounds.append(MissedRound(meta, round_digest, share[0][k][3] if numels is not None else None))
+            rounds.append(MissedRound(meta, round_digest, None if numels is None else EncodedAverage(codec, chunks)))
         return rounds, lists[0][1]
 
     async def _rounds_from(self, holder: str, digest: str, numel: int, codec: Codec, timeout: float,
                            share: tuple[int, int] | None = None, count: int | None = None
-                           ) -> tuple[list[tuple[dict, str, list[int] | None, EncodedAverage | None]], int] | None:
-        """One holder's answer to a rounds request: [(meta, digest, chunk sizes or None, the average where
-        its `share` of the first `count` rounds carries it)], its step; None when it holds no such state."""
+                           ) -> tuple[list[tuple[dict, str, list[int] | None, dict[int, bytes]]], int] | None:
+        """One holder's answer to a rounds request: [(meta, digest, chunk sizes or None, {chunk: its bytes} of
+        those its `share` of the first `count` rounds carries)], its step; None when it holds no such state."""
         async with _receiving_watch(holder, timeout, timeout, "the rounds since our state") as watch:
             async with self._asking(holder, "rounds", {"after": digest, "share": share, "count": count}) as reader:
                 header = await read_header(reader, self.peer.stats)
                 if not header.get("ok"):
                     return None
                 listed = _checked_rounds(header.get("rounds"), numel)
-                carried = [numels is not None and share is not None and k % share[1] == share[0]
-                           and (count is None or k < count) for k, (_, _, numels) in enumerate(listed)]
-                total = sum(codec.size(n) for (_, _, numels), c in zip(listed, carried) if c for n in numels)
+                pieces = _pieces_of_share([numels for _, _, numels in listed],
+                                          len(listed) if count is None else count, share)
+                total = sum(codec.size(listed[k][2][c]) for k, c in pieces)
                 payload = memoryview(await read_frame(reader, self.peer.stats, total, on_progress=watch))
         if len(payload) != total:
             raise WireError(f"the rounds' averages came in {len(payload)} bytes, their list says {total}")
-        answer, at = [], 0
-        for (meta, round_digest, numels), c in zip(listed, carried):
-            average = None
-            if c:
-                average = EncodedAverage(codec, [])
-                for n in numels:
-                    average.chunks.append((payload[at:at + codec.size(n)], n))
-                    at += codec.size(n)
-            answer.append((meta, round_digest, numels, average))
+        carried, at = [{} for _ in listed], 0
+        for k, c in pieces:
+            size = codec.size(listed[k][2][c])
+            carried[k][c], at = payload[at:at + size], at + size
         step_now = header.get("step_now")
-        return answer, step_now if isinstance(step_now, int) else 0
+        return [(*entry, got) for entry, got in zip(listed, carried)], step_now if isinstance(step_now, int) else 0
 
     def keep_rounds_for(self, holders: list[str], digest: str) -> None:
         """Ask `holders` to keep the rounds after the state whose digest is `digest` (the one we download from
@@ -486,6 +491,17 @@ def _checked_rounds(listed: object, numel: int) -> list[tuple[dict, str, list[in
             raise WireError(f"a round listed as {str(entry)[:120]!r}, not a round's meta, digest and {numel} values")
         checked.append((entry["meta"], entry["digest"], numels))
     return checked
+
+
+def _pieces_of_share(numels: list[list[int] | None], count: int, share: tuple[int, int] | None
+                     ) -> list[tuple[int, int]]:
+    """The (round, chunk) pieces a share [i, n] of the first `count` rounds' averages carries (none without a
+    share): every chunk of those rounds in order, the ones at i, i + n, ...: each round's chunks come from
+    several holders, so that even one round comes over every holder's uplink."""
+    if share is None:
+        return []
+    pieces = [(k, c) for k, chunks in enumerate(numels[:count]) if chunks is not None for c in range(len(chunks))]
+    return pieces[share[0]::share[1]]
 
 
 def _is_share(share: object) -> bool:
