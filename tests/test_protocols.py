@@ -837,6 +837,26 @@ def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once
     co2_newcomer_takes_the_members_state_at_its_first_boundary([*protocols, late], gen)
 
 
+def test_a_co2_newcomer_whose_donor_does_not_end_the_round_stops_waiting_for_it(make_peers):
+    """At its first boundary a CO2 newcomer waits for its donor to end the round, to replay it; a donor that
+    never does (hung, its heartbeat still going) costs it `repair_timeout_s` for the replay and as much for
+    the repair, not its run."""
+    transports = make_peers(3)
+    protocols = make_protocols(transports[:2], CO2, every=10)
+    gen = torch.Generator().manual_seed(8)
+    two_random_rounds(protocols, gen)
+    (late,) = make_protocols(transports[2:], CO2, seeds=[9], every=10)
+    late.repair_timeout_s = 0.5
+    set_flat(late.model, late.slow + 0.1 * torch.randn(late.slow.numel(), generator=gen))
+    late.step = late._round_start + late.every  # the members never reach their boundary
+    reports = []
+    boundary = threading.Thread(target=lambda: reports.append(late.after_step()), daemon=True)
+    boundary.start()
+    boundary.join(timeout=30)
+    assert reports and not reports[0].repaired and late.round == 3
+    assert late.wait_s >= 2 * late.repair_timeout_s
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 def test_a_newcomer_that_takes_no_part_in_the_round_it_joined_takes_the_members_state_once_they_averaged_it(
         make_peers, cls):

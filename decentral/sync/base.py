@@ -373,12 +373,18 @@ class SyncProtocol:
             else:
                 self._wait_for_round(donor, target, poll_s)
 
-    def _wait_for_round(self, donor: str, round: int, poll_s: float = 0.25) -> None:
-        """Until `donor`'s heartbeat reports `round` (or it is gone), counted in `wait_s`."""
+    def _wait_for_round(self, donor: str, round: int, poll_s: float = 0.25, timeout_s: float = float("inf")) -> bool:
+        """Until `donor`'s heartbeat reports `round` (or it is gone), counted in `wait_s`; False when `timeout_s`
+        passed first."""
         start = time.perf_counter()
-        while heartbeat_round(self.transport.progress().get(donor), round) < round:
-            time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
-        self.wait_s += time.perf_counter() - start
+        try:
+            while heartbeat_round(self.transport.progress().get(donor), round) < round:
+                if time.perf_counter() - start > timeout_s:
+                    return False
+                time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
+            return True
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def _replayed(self, donor: str, meta: dict, tensors: dict[str, torch.Tensor]
                   ) -> tuple[dict, dict[str, torch.Tensor]] | None:

@@ -179,11 +179,11 @@ class CO2(OuterProtocol):
 
     def _replay_round_missed(self) -> float | None:
         """Our state with the round just ended replayed from our donor's kept average (it began the round
-        with our state): `_repaired_with` it; None when it could not be (no donor, it kept no such round, or it
-        is rounds further on)."""
-        if not self.replays_rounds or self.donor is None:
+        with our state): `_repaired_with` it; None when it could not be (no donor, it did not end the round
+        within `repair_timeout_s`, kept no such round, or is rounds further on)."""
+        if not (self.replays_rounds and self.donor is not None
+                and self._wait_for_round(self.donor, self.round, timeout_s=self.repair_timeout_s)):
             return None
-        self._wait_for_round(self.donor, self.round)
         ours = {k: v.clone() for k, v in self.snapshot().items()}
         replayed = self._replayed(self.donor, {**self._offered_meta(), "round": self.round - 1}, ours)
         if replayed is None or int(replayed[0]["round"]) != self.round:
