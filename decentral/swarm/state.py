@@ -97,6 +97,10 @@ class StateExchange:
                              or b"{}")
         return request if isinstance(request, dict) else {}
 
+    def keeps_rounds(self) -> bool:
+        """Whether we keep the rounds we go through for a newcomer now (see decentral.rounds)."""
+        return self.rounds.wanted(busy=bool(self._transfers))
+
     async def _on_rounds(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hand out the rounds since the state whose digest the request names ("after"; from now on we keep the
         rounds after it, if it is a state we hold: decentral.rounds): a header that lists them (meta, digest,
