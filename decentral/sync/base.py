@@ -21,9 +21,8 @@ late joiner that missed a round, anything that made a replica's bits differ.
 
 A newcomer whose state arrives rounds old (a download longer than a round) catches up by replaying the
 rounds since from their committed averages (`_replayed`, protocols that `replays_rounds`: DiLoCo, Streaming
-DiLoCo, CO2), each
-checked against the digest of the state it led to; it downloads the state again only when no member kept
-them, or when a replayed round's result differs.
+DiLoCo, CO2), each checked against the digest of the state it led to; it downloads the state again only
+when no member kept them, or when a replayed round's result differs.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ An average that does not commit is rolled back: φ, the momentum and θ stay, an
 carries both rounds' progress. At a round boundary nothing is in flight, so the round's bookkeeping
 (snapshot offered to newcomers, replicas compared by digest and repaired) is DiLoCo's, and so is a late
 newcomer's replay of the rounds it missed: the outer step is element-wise, so a round's fragment averages
-in turn are one DiLoCo average of the whole vector (a round where one did not commit is downloaded). A checkpoint taken
-while a fragment is in flight holds no residual for it and loses nothing of ours: θ holds that progress
-relative to φ, and the fragment's next sync sends it. A peer resumed from it lacks the average the others
+in turn are one DiLoCo average of the whole vector (a round where one did not commit is downloaded). A
+checkpoint taken while a fragment is in flight holds no residual for it and loses nothing of ours: θ holds
+that progress relative to φ, and the fragment's next sync sends it. A peer resumed from it lacks the average the others
 applied: its state is found to differ by digest and repaired (decentral.sync.base).
 """
 
