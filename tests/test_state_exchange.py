@@ -1,7 +1,11 @@
 """The state exchange on real peers: a newcomer downloads a state in shares from the peers that hold it."""
 
+import threading
+
 import torch
 
+from conftest import wait_until
+from decentral.swarm import wire
 from decentral.transport import EncodedAverage, state_digest
 
 
@@ -59,3 +63,31 @@ def test_the_rounds_since_a_state_come_in_shares_as_far_as_other_holders_kept_th
     offer(b, 3)
     got, sent = fetch(2)
     assert got == [3] and all(0.5 < s < 0.7 for s in sent), sent
+
+
+def test_a_share_waits_for_a_member_a_round_behind_while_the_donor_sends_its_own(make_swarm, monkeypatch):
+    """A member ends its round a moment after the donor (their boundaries are not simultaneous): the newcomer
+    that asks in between gets half the state from the donor and, once that member publishes the same state,
+    the other half from it (before: all of it from the donor, over one uplink)."""
+    monkeypatch.setattr(wire, "LINK", wire.LinkShaper(rate_bps=16e6))  # our streams paced: a share takes 1 s
+    a, b, newcomer = make_swarm(3)
+    state = {"slow": torch.randn(500_000), "momentum": torch.randn(500_000)}
+    digest = state_digest(state)
+    a.offer_state({"protocol": "diloco", "round": 3, "step": 30}, state, digest)
+    a.set_progress(30, 3, digest)
+    b.offer_state({"protocol": "diloco", "round": 2, "step": 20}, {k: t - 1 for k, t in state.items()})
+    b.set_progress(29, 2)
+    wait_until(lambda: newcomer.progress().get(b.peer_id, {}).get("round") == 2
+               and newcomer.progress().get(a.peer_id, {}).get("round") == 3, 30, "the newcomer seeing a at 3, b at 2")
+    sent, got = [a.bytes_sent, b.bytes_sent], []
+    download = threading.Thread(target=lambda: got.append(newcomer.fetch_state(have={k: torch.zeros_like(t) for k, t
+                                                                                      in state.items()})))
+    download.start()
+    wait_until(lambda: a.bytes_sent - sent[0] > 100_000, 30, "the donor sending its share")
+    b.offer_state({"protocol": "diloco", "round": 3, "step": 30}, state, digest)  # b ends its round: the same state
+    b.set_progress(30, 3, digest)
+    download.join(timeout=60)
+    donor, (meta, tensors) = got[0]
+    assert donor == a.peer_id and meta["round"] == 3 and all(torch.equal(tensors[k], state[k]) for k in state)
+    half = 4 * 500_000
+    assert [0.9 * half < peer.bytes_sent - s < 1.2 * half for peer, s in zip((a, b), sent)] == [True, True]

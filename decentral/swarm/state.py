@@ -59,6 +59,7 @@ progress_log = logging.getLogger("decentral.progress")  # shown without --verbos
 REQUEST_TIMEOUT_S = 30.0  # a state request must arrive within this time
 MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more are refused
 MAX_SHARES = 64  # peers a newcomer fetches shares of a state, or of the rounds since it, from at once
+HOLDER_POLL_S = 1.0  # a state's share waits for a peer a round behind to hold it: its heartbeat looked up this often
 PROGRESS_LOG_S = 10.0  # a state download that takes longer says how far it is this often
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
@@ -256,19 +257,37 @@ class StateExchange:
             meta["donor_step"] = header["step_now"]
         return meta, tensors
 
-    async def _download_shares(self, holders: list[str], digest: str, like: dict[str, torch.Tensor], timeout: float
+    async def _download_shares(self, holders: list[str], digest: str, like: dict[str, torch.Tensor], timeout: float,
+                               pending: frozenset[str] = frozenset(), holds: Callable[[str], bool] | None = None
                                ) -> Snapshot | None:
         """The state whose digest is `digest`, in as many shares as `holders` (each peer sends a slice of every
         tensor, read straight into place; the first holder is the donor), at once. A share whose holder no
         longer holds the state, or fails, comes from the other holders in turn (the donor first); None when
-        none of them can send it. `like`: tensors of the state's names, dtypes and shapes (our own state).
-        ValueError when what arrived is not that state; a holder fails as in `_download` (TimeoutError)."""
+        none of them can send it. A holder in `pending` does not hold the state yet (a round behind the donor:
+        its boundary is near): its share waits until `holds(holder)` (a blocking check of its heartbeat), and
+        comes from the others once the donor has sent its own first. `like`: tensors of the state's names,
+        dtypes and shapes (our own state). ValueError when what arrived is not that state; a holder fails as in
+        `_download` (TimeoutError)."""
         tensors = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in like.items()}
         failed: set[str] = set()  # holders that no longer hold the state, or failed: not asked again
+        donor_done = asyncio.Event()  # the donor's own share is in (or failed): it is free for another
 
         async def share(i: int) -> dict | None:
+            try:
+                return await fetch_share(i)
+            finally:
+                if i == 0:
+                    donor_done.set()
+
+        async def fetch_share(i: int) -> dict | None:
             into = {name: t.reshape(-1).tensor_split(len(holders))[i] for name, t in tensors.items()}
             what = f"share {i + 1}/{len(holders)} of the state"
+            if holders[i] in pending:
+                while not await asyncio.to_thread(holds, holders[i]):
+                    if donor_done.is_set():
+                        failed.add(holders[i])
+                        break
+                    await asyncio.sleep(HOLDER_POLL_S)  # polling its heartbeat for the donor's digest
             for holder in [holders[i], *(h for h in holders if h != holders[i])]:
                 if holder in failed:
                     continue
@@ -386,13 +405,14 @@ class StateExchange:
 
     def fetch(
         self, candidates: dict[str, dict], timeout: float, have: dict[str, torch.Tensor] | None = None,
-        meta_if_past: bool = False,
+        meta_if_past: bool = False, progress: Callable[[], dict[str, dict]] | None = None,
     ) -> tuple[str, Snapshot] | None:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}) that claim the highest round
         (at most one past their lower median), in random order.
 
         When other candidates publish the donor's digest for that round, the state comes in shares from all
-        of them at once (`_download_shares`; from the donor alone when none of them can send a share).
+        of them at once (`_download_shares`; from the donor alone when none of them can send a share); with
+        `progress` (the live heartbeats), from those a round behind too, once they publish it.
         Returns (donor, snapshot), or None when no candidate has one to serve, or when the first that
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
         StateUnavailable when a download failed (one fails when no byte of it arrives for `timeout`) and
@@ -414,11 +434,16 @@ class StateExchange:
             if digest is not None and digest != have_digest:  # a download: the others at its round keep what follows
                 self.keep_rounds_for([p for p in order if p != donor], digest)  # (those that hold it: see `want`)
                 holders = [p for p in order if p != donor and heartbeat_digest(candidates[p], top) == digest]
-                if holders and have is not None and not meta_if_past:
+                pending = [p for p, r in rounds.items() if r == top - 1] if progress is not None else []
+                if (holders or pending) and have is not None and not meta_if_past:
+                    def holds(p: str) -> bool:
+                        return heartbeat_digest(progress().get(p), top) == digest
+
                     try:
-                        got = self.peer.call(self._download_shares([donor, *holders], digest, have, timeout)).result()
+                        got = self.peer.call(self._download_shares([donor, *holders, *pending], digest, have, timeout,
+                                                                   frozenset(pending), holds)).result()
                     except Exception as e:  # not the state published: the whole state from the donor alone
-                        log.info("state download in shares from %d peers failed: %r", 1 + len(holders), e)
+                        log.info("state download in shares from %d peers failed: %r", 1 + len(holders) + len(pending), e)
                         got = None
                     if got is not None:
                         return donor, got

@@ -179,7 +179,8 @@ class SwarmTransport:
         candidates = self.membership.alive()
         if donors is not None:
             candidates = {p: info for p, info in candidates.items() if p in donors}
-        return self.state.fetch(candidates, timeout=self.timeout, have=have, meta_if_past=meta_if_past)
+        return self.state.fetch(candidates, timeout=self.timeout, have=have, meta_if_past=meta_if_past,
+                                progress=self.membership.alive)
 
     def request_join(self, donor: str) -> Snapshot | None:
         """Ask `donor` to average with us from its next step (StateExchange.join)."""
