@@ -252,10 +252,7 @@ class StateExchange:
             return None
         if header.get("same"):
             return "same"
-        meta = dict(header["meta"])
-        if isinstance(header.get("step_now"), int):
-            meta["donor_step"] = header["step_now"]
-        return meta, tensors
+        return _served_meta(header), tensors
 
     async def _download_shares(self, holders: list[str], digest: str, like: dict[str, torch.Tensor], timeout: float,
                                pending: frozenset[str] = frozenset(), holds: Callable[[str], bool] | None = None
@@ -273,13 +270,6 @@ class StateExchange:
         donor_done = asyncio.Event()  # the donor's own share is in (or failed): it is free for another
 
         async def share(i: int) -> dict | None:
-            try:
-                return await fetch_share(i)
-            finally:
-                if i == 0:
-                    donor_done.set()
-
-        async def fetch_share(i: int) -> dict | None:
             into = {name: t.reshape(-1).tensor_split(len(holders))[i] for name, t in tensors.items()}
             what = f"share {i + 1}/{len(holders)} of the state"
             if holders[i] in pending:
@@ -305,15 +295,18 @@ class StateExchange:
                 failed.add(holder)
             return None
 
-        headers = await asyncio.gather(*(share(i) for i in range(len(holders))))
+        async def donors_share() -> dict | None:
+            try:
+                return await share(0)
+            finally:
+                donor_done.set()
+
+        headers = await asyncio.gather(donors_share(), *(share(i) for i in range(1, len(holders))))
         if not all(headers):
             return None
         if state_digest(tensors) != digest:
             raise ValueError("the state assembled from its shares is not the one its holders publish")
-        meta = dict(headers[0]["meta"])
-        if isinstance(headers[0].get("step_now"), int):
-            meta["donor_step"] = headers[0]["step_now"]
-        return meta, tensors
+        return _served_meta(headers[0]), tensors
 
     def fetch_rounds(self, holders: list[str], digest: str, numel: int, codec: Codec, timeout: float
                      ) -> tuple[list[MissedRound], int] | None:
@@ -323,9 +316,8 @@ class StateExchange:
         the same rounds, in parallel, each round's chunks from several of them (as many rounds as the holder
         that kept the most of them; the rest, the donor's alone, at the next call): a donor's uplink also
         carries its own averages, so one alone may send a round's average barely faster than the swarm
-        averages the next. None when the donor kept none, or its
-        transfer failed (no byte for `timeout`); rounds from the first one a share failed to bring are left
-        for the next call."""
+        averages the next. None when the donor kept none, or its transfer failed (no byte for `timeout`);
+        rounds from the first one a share failed to bring are left for the next call."""
         try:
             return self.peer.call(self._fetch_rounds(holders, digest, numel, codec, timeout)).result()
         except Exception as e:
@@ -503,6 +495,14 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             while await reader.read(4096):
                 pass
+
+
+def _served_meta(header: dict) -> dict:
+    """The meta of a state a donor served (`header`: its answer), with `donor_step`, its inner step then."""
+    meta = dict(header["meta"])
+    if isinstance(header.get("step_now"), int):
+        meta["donor_step"] = header["step_now"]
+    return meta
 
 
 def _checked_rounds(listed: object, numel: int) -> list[tuple[dict, str, list[int] | None]]:

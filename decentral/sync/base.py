@@ -394,8 +394,8 @@ class SyncProtocol:
         none), its meta's `donor_step` the donor's step then; None when a round's result differed (`tensors`
         then hold neither state)."""
         digest, first, got_bytes = state_digest(tensors), int(meta["round"]), 0
+        numel = tensors[self.weights_key].numel()
         while heartbeat_round(self.transport.progress().get(donor), -1) > int(meta["round"]):
-            numel = tensors[self.weights_key].numel()
             got = self._waiting_on(lambda: self.transport.fetch_rounds(donor, digest, numel))
             if not got or not got[0]:
                 break
