@@ -9,8 +9,8 @@ its protocol with. It is composed of the two transports we have: an `IslandTrans
 a `SwarmTransport` (or k of them) for the islands.
 
 Lockstep: every rank runs the same protocol on the same state, so every rank calls the transport in
-the same order. A call answered by the network (`members`, `progress`, `fetch_state`) is answered by
-the leader and broadcast over the island, so every rank takes the same decisions; `join_rounds` and
+the same order. A call answered by the network (`members`, `progress`, `fetch_state`, `fetch_rounds`) is
+answered by the leader and broadcast over the island, so every rank takes the same decisions; `join_rounds` and
 `set_progress` go to each rank's own swarm connection; `offer_state` to the leader's.
 
 An average of a flat tensor x (the protocol's outer gradient, or φ) goes in three steps:
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from decentral.island import IslandTransport
-from decentral.transport import AverageResult, EncodedAverage, Transport, check_group, with_us
+from decentral.transport import AverageResult, EncodedAverage, MissedRound, Transport, check_group, with_us
 
 MODES = ("leader", "sharded")
 
@@ -197,9 +197,9 @@ class HierarchicalTransport:
         if self.rank == 0:
             self.swarm.offer_state(meta, tensors, digest, led_by)
 
-    def fetch_rounds(self, donor: str, digest: str, numel: int) -> None:
-        """Not done: an island downloads the swarm's state whole (its leader, for every rank)."""
-        return None
+    def fetch_rounds(self, donor: str, digest: str, numel: int) -> tuple[list[MissedRound], int] | None:
+        """The leader's swarm fetches the rounds (from islands and flat peers alike), every rank replays them."""
+        return self._from_leader(lambda: self.swarm.fetch_rounds(donor, digest, numel))
 
     def fetch_state(self, have: dict[str, torch.Tensor] | None = None, donors: set[str] | None = None,
                     meta_if_past: bool = False):
@@ -215,39 +215,58 @@ class HierarchicalTransport:
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
                 note: dict | None = None) -> AverageResult:
-        return self.average_async(tensor, group, tag, round, note).result()
+        """As `average_async`, waited for; its encoding kept only while a newcomer may replay the round (as
+        the leader's swarm connection keeps it: SwarmTransport.average)."""
+        return self._submit(tensor, group, tag, round, note, blocking=True).result()
 
     def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
                       note: dict | None = None) -> Future[AverageResult]:
         """The three steps of the module docstring, on the island's averaging thread; every rank calls it
-        with the same group, tag and round (`group` None: the leader looks the members up on that thread)."""
+        with the same group, tag and round (`group` None: the leader looks the members up on that thread).
+        A committed result's `encoded` (the whole average as it travelled, for `offer_state(led_by=)`) is
+        the leader's only."""
+        return self._submit(tensor, group, tag, round, note, blocking=False)
+
+    def _submit(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None,
+                note: dict | None, blocking: bool) -> Future[AverageResult]:
         check_group(group, round)
         values = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32, copy=True)
-        return self._averages.submit(self._average, values, None if group is None else list(group), tag, round, note)
+        return self._averages.submit(self._average, values, None if group is None else list(group), tag, round, note,
+                                     blocking)
 
     def _average(self, values: torch.Tensor, group: list[str] | None, tag: str, round: int | None,
-                 note: dict | None) -> AverageResult:
+                 note: dict | None, blocking: bool) -> AverageResult:
         if group is None:
             group = self._from_leader(lambda: with_us(self.swarm.members(round), self.peer_id), self._data)
         self._collective(dist.all_reduce, values, group=self._data)
         mean = values / self.size
         if self.mode == "sharded":
-            return self._sharded_average(mean, group, tag, round, note)
+            return self._sharded_average(mean, group, tag, round, note, blocking)
         result = None
 
         def leader_average() -> dict:
             nonlocal result
-            result = self.swarm.average(mean, group, tag, round, note)
+            result = self._swarm_average(mean, group, tag, round, note, blocking)
             return _without_tensors(result)
 
         meta = self._from_leader(leader_average, self._data)
         both = torch.cat([result.tensor, result.sent]) if self.rank == 0 else torch.empty(2 * mean.numel())
         self._collective(dist.broadcast, both, src=0, group=self._data)  # one collective for the two tensors
-        return AverageResult(tensor=both[:mean.numel()], sent=both[mean.numel():], **meta)
+        return AverageResult(tensor=both[:mean.numel()], sent=both[mean.numel():], **meta,
+                             encoded=result.encoded if self.rank == 0 else None)
+
+    def _swarm_average(self, values: torch.Tensor, group: list[str], tag: str, round: int | None, note: dict | None,
+                       blocking: bool) -> AverageResult:
+        """This rank's connection's average (step 2); with its encoding unless `blocking` on a leader whose
+        swarm keeps no rounds now (`average`)."""
+        if blocking and self.rank == 0:
+            return self.swarm.average(values, group, tag, round, note)
+        return self.swarm.average_async(values, group, tag, round, note).result()
 
     def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None,
-                         note: dict | None) -> AverageResult:
-        """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers."""
+                         note: dict | None, blocking: bool) -> AverageResult:
+        """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers (and, when
+        the leader keeps the average's encoding, the leader gathers the shards' encodings in order)."""
         shard_groups = self._from_leader(lambda: self._shard_groups(group), self._data)
         island_of = {conn: island for island, conns in shard_groups[-1].items() for conn in conns}
         mine = shard_bounds(mean.numel(), self.size, self.rank)
@@ -255,8 +274,8 @@ class HierarchicalTransport:
 
         def shard_average() -> dict:
             nonlocal result
-            result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round, note)
-            return _without_tensors(result, island_of)
+            result = self._swarm_average(mean[mine].clone(), shard_groups[self.rank], tag, round, note, blocking)
+            return {**_without_tensors(result, island_of), "encoded": result.encoded is not None}
 
         metas = self._on_every_rank(shard_average, self._data)
         lengths = [len(range(mean.numel())[shard_bounds(mean.numel(), self.size, r)]) for r in range(self.size)]
@@ -267,12 +286,19 @@ class HierarchicalTransport:
         self._collective(dist.all_gather, gathered, own, group=self._data)
         tensor, sent = (torch.cat([g[i, :n] for g, n in zip(gathered, lengths)]) for i in (0, 1))
         complete = all(m["complete"] for m in metas)
+        encoded = None
+        if complete and all(m["encoded"] for m in metas):  # the leader's says whether it keeps them
+            shards = [None] * self.size if self.rank == 0 else None
+            self._collective(dist.gather_object, result.encoded, shards, dst=0, group=self._data)
+            if self.rank == 0:  # each shard's chunks in order: the whole average as it travelled
+                encoded = EncodedAverage(shards[0].codec, [chunk for shard in shards for chunk in shard.chunks])
         return AverageResult(
             tensor=tensor if complete else mean, sent=sent if complete else mean, group=list(group),
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
             notes={p: n for m in metas for p, n in m["notes"].items()} if complete else {},
-            **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")})
+            **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")},
+            encoded=encoded)
 
     def _shard_groups(self, group: list[str]) -> list:
         """(on the leader) For each rank r, the rank-r connections of `group`'s islands; last, a map

@@ -92,6 +92,11 @@ class EncodedAverage:
     def decode(self) -> torch.Tensor:
         return torch.cat([self.codec.decode(data, numel) for data, numel in self.chunks])
 
+    def __getstate__(self) -> dict:
+        """Pickled with its chunks as bytes of their own (a received average's may be views of the frame that
+        brought them), e.g. to reach an island's other ranks."""
+        return {"codec": self.codec, "chunks": [(bytes(data), numel) for data, numel in self.chunks]}
+
 
 @dataclass
 class MissedRound:

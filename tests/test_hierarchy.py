@@ -13,6 +13,7 @@ from conftest import free_port
 from decentral.hierarchy import HierarchicalTransport, shard_bounds, shard_run
 from decentral.island import IslandTransport
 from decentral.swarm import SwarmTransport
+from decentral.transport import state_digest
 
 TIMEOUT = 90.0  # seconds for a whole run of both islands
 ISLANDS, SIZE = 2, 2
@@ -124,3 +125,55 @@ def test_shard_bounds_cover_a_tensor_once():
         for shards in (1, 2, 3, 4):
             covered = torch.cat([torch.arange(numel)[shard_bounds(numel, shards, i)] for i in range(shards)])
             assert covered.tolist() == list(range(numel))
+
+
+def held(phi: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An outer state of φ and a momentum that stays 0 (a peer keeps rounds of at most its state's bytes)."""
+    return {"phi": phi, "momentum": torch.zeros(NUMEL)}
+
+
+def _replay(transport: HierarchicalTransport, island: int, rank: int) -> dict:
+    """Both islands go through rounds 0 and 1 from one state, offering each state with the average that led to
+    it; then island 1 asks island 0 for the rounds since the first state, as a newcomer holding it would."""
+    transport.join_rounds(0)
+    transport.wait_for_peers(ISLANDS, 30.0)
+    group = transport.members(0)
+    other = next(p for p in group if p != transport.peer_id)
+    phi = torch.zeros(NUMEL)
+    transport.offer_state({"round": 0, "step": 0}, held(phi))
+    unwanted = transport.average(rank_values(island, rank), group, "both offered", 0)
+    assert transport.fetch_rounds(other, state_digest(held(phi)), NUMEL)[0] == []  # none yet; keep them from now
+    results = []
+    for r in (0, 1):  # a blocking average, then one in the background (CO2, Streaming DiLoCo)
+        values = rank_values(island, rank) * (r + 2)
+        result = (transport.average(values, group, f"round {r}", 0) if r == 0 else
+                  transport.average_async(values, group, f"round {r}", 0).result(timeout=60))
+        assert result.complete
+        phi = phi + result.tensor
+        transport.offer_state({"round": r + 1, "step": 10 * (r + 1)}, held(phi), led_by=result.encoded)
+        results.append(result)
+    fetched = transport.fetch_rounds(other, state_digest(held(torch.zeros(NUMEL))), NUMEL) if island == 1 else None
+    transport.average(rank_values(island, rank), group, "island 1 has them", 0)  # island 0 serves until then
+    replayed, digests = torch.zeros(NUMEL), []
+    for missed in (fetched[0] if fetched else []):
+        replayed = replayed + missed.average.decode()
+        digests.append((missed.digest, state_digest(held(replayed)), missed.meta["round"]))
+    return {"unwanted": unwanted.encoded, "encoded": [None if r.encoded is None else r.encoded.decode().tolist()
+                                                      for r in results],
+            "tensors": [r.tensor.tolist() for r in results], "digest": state_digest(held(phi)),
+            "digests": digests, "replayed": replayed.tolist()}
+
+
+@pytest.mark.parametrize("mode", ["leader", "sharded"])
+def test_a_newcomer_island_replays_the_rounds_since_its_state_from_another_island(mode):
+    outs = run_islands(_replay, mode)
+    for (island, rank), out in outs.items():
+        assert out["unwanted"] is None  # a blocking average that no newcomer may replay keeps no encoding
+        # the leader holds each round's average as it travelled (in sharded mode its shards' in order)
+        assert out["encoded"] == (out["tensors"] if rank == 0 else [None, None]), (island, rank)
+    for rank in range(SIZE):  # every rank of island 1 replayed both rounds and holds island 0's state, bit for bit
+        replay = outs[1, rank]
+        assert [d[2] for d in replay["digests"]] == [1, 2]
+        assert all(published == ours for published, ours, _ in replay["digests"])
+        assert replay["digests"][-1][0] == outs[0, 0]["digest"]
+        assert replay["replayed"] == outs[1, 0]["replayed"]

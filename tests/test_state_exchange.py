@@ -65,6 +65,28 @@ def test_the_rounds_since_a_state_come_in_shares_as_far_as_other_holders_kept_th
     assert got == [3] and all(0.5 < s < 0.7 for s in sent), sent
 
 
+def test_a_holder_that_cut_the_same_rounds_into_other_chunks_sends_no_share(make_swarm):
+    """Two holders kept the same rounds, one cut each average into 2 chunks (a flat peer), the other into 3
+    (an island in sharded mode: a chunk per shard's owner). Their chunks cannot be mixed: the rounds come from
+    the donor alone (before, the other's share matched none of the donor's chunks and no round came)."""
+    a, b, newcomer = make_swarm(3)
+    codec, n = newcomer.averager.codec, 30_000
+    base = {k: torch.randn(n) for k in ("slow", "momentum")}
+    averages = [torch.randn(n) for _ in range(2)]
+    digests = [state_digest(base), "state after round 1", "state after round 2"]
+    for holder, pieces in ((a, 2), (b, 3)):
+        holder.state.offer({"protocol": "diloco", "round": 0}, base)
+        holder.state.rounds.want(digests[0])
+        for r in (1, 2):
+            chunks = [(codec.encode(piece), piece.numel()) for piece in averages[r - 1].tensor_split(pieces)]
+            holder.state.offer({"protocol": "diloco", "round": r}, base, digests[r], EncodedAverage(codec, chunks))
+    sent = b.bytes_sent
+    rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[0], n, codec, timeout=15)
+    assert [r.meta["round"] for r in rounds] == [1, 2]
+    assert all(torch.equal(r.average.decode(), averages[r.meta["round"] - 1]) for r in rounds)
+    assert b.bytes_sent - sent < 0.1 * 4 * n  # b listed its rounds, and sent none of them
+
+
 def test_a_share_waits_for_a_member_a_round_behind_while_the_donor_sends_its_own(make_swarm, monkeypatch):
     """A member ends its round a moment after the donor (their boundaries are not simultaneous): the newcomer
     that asks in between gets half the state from the donor and, once that member publishes the same state,

@@ -332,7 +332,7 @@ class StateExchange:
             if isinstance(lists[0], BaseException):
                 raise lists[0]
             return None
-        listed = [entry[:2] for entry in lists[0][0]]
+        listed = [entry[:3] for entry in lists[0][0]]
         if not listed:
             return [], lists[0][1]
         agreed = {h: _agreeing(got[0], listed) for h, got in zip(holders[1:], lists[1:]) if isinstance(got, tuple)}
@@ -539,11 +539,11 @@ def _is_share(share: object) -> bool:
             and 0 <= share[0] < share[1] <= MAX_SHARES)
 
 
-def _agreeing(answer: list[tuple], listed: list[tuple[dict, str]]) -> int:
-    """How many of the donor's `listed` rounds (meta and digest) a holder's answer lists the same, from the
-    first on."""
+def _agreeing(answer: list[tuple], listed: list[tuple[dict, str, list[int] | None]]) -> int:
+    """How many of the donor's `listed` rounds (meta, digest and chunk sizes: an island in sharded mode cuts
+    an average into other chunks than a flat peer) a holder's answer lists the same, from the first on."""
     same = 0
-    while same < min(len(answer), len(listed)) and answer[same][:2] == listed[same]:
+    while same < min(len(answer), len(listed)) and answer[same][:3] == listed[same]:
         same += 1
     return same
 
