@@ -438,6 +438,55 @@ def test_a_replica_a_round_behind_the_majority_joins_them_where_they_are(make_pe
     assert all(torch.equal(p.slow, protocols[0].slow) for p in protocols)
 
 
+def test_a_repair_that_outlasts_rounds_replays_them_and_joins_the_members_where_they_are(make_swarm, monkeypatch):
+    """A replica whose state split is repaired by a download held back while the other two average two more
+    rounds (a large state over a slow link) holds, once it arrives, their state of a round they left behind.
+    It replays the rounds since and joins them at their round and step, bit for bit, having received one
+    state (before, it went on from that old round: late for their next average, left out of it, and repaired
+    again, round after round)."""
+    transports = make_swarm(3, codec="int8")
+    protocols = make_protocols(transports, DiLoCo, model=wide_model, every=10, outer_lr=0.7, outer_momentum=0.5)
+    gen = torch.Generator().manual_seed(5)
+    random_round(protocols, gen)
+    ahead, late = protocols[:2], protocols[2]
+    late.slow += 0.05 * torch.randn(late.slow.numel(), generator=gen)
+    late._offer()  # it publishes the digest of another state of round 1 than theirs
+    pair, rounds = sorted(p.transport.peer_id for p in ahead), {late.round, late.round + 1}
+    for p in ahead:  # they average rounds 1 and 2 without it (it is busy repairing)
+        members = p._members
+        p._members = lambda round, members=members: pair if round in rounds else members(round)
+    sending, gate = threading.Event(), threading.Event()
+    real_write = state.write_tensor_message
+
+    async def held_back(*args, **kwargs):
+        sending.set()
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        await real_write(*args, **kwargs)
+
+    monkeypatch.setattr(state, "write_tensor_message", held_back)
+    late.repair_timeout_s = 60.0
+    spreads, before = [], transports[2].bytes_received
+    repairing = threading.Thread(target=lambda: spreads.append(late._repair(set(pair))), daemon=True)
+    repairing.start()
+    assert sending.wait(30), "the repair never asked for the state"
+    wait_until(lambda: all(t.state.rounds.wanted() for t in transports[:2]), 30,
+               "both members keeping the rounds after the state being downloaded")
+    two_random_rounds(ahead, gen)
+    gate.set()
+    repairing.join(timeout=60)
+    assert spreads and spreads[0] > 0
+    assert (late.round, late.step) == (ahead[0].round, ahead[0].step) == (3, 30)
+    assert torch.equal(late.slow, ahead[0].slow) and torch.equal(late.momentum, ahead[0].momentum)
+    state_bytes = 8 * late.slow.numel()
+    assert transports[2].bytes_received - before < 1.4 * state_bytes  # one state and two int8 rounds, no second
+    wait_until(lambda: all(late.transport.peer_id in p.transport.members(3) for p in ahead), 30,
+               "the members seeing its announcement of round 3")
+    reports = random_round(protocols, gen)
+    assert [p.round for p in protocols] == [4, 4, 4]
+    assert len({r.digest for r in reports}) == 1 and all(r.complete for r in reports[:2])
+
+
 def test_a_repair_whose_donors_all_left_gives_up_without_waiting_out_its_timeout(make_peers):
     """A newcomer in a run's last round finds the members gone once they have finished: nobody will serve
     their state, and waiting out `repair_timeout_s` only delays the end of its run."""

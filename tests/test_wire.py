@@ -81,6 +81,9 @@ def test_a_tensor_message_read_into_given_tensors_fills_them_and_refuses_another
     with pytest.raises(WireError, match="other tensors"):
         asyncio.run(across_a_socket(lambda w: write_tensor_message(w, {"ok": True}, sent, TrafficStats()),
                                     lambda r: read_tensor_message(r, TrafficStats(), into={"slow": into["slow"]})))
+    refusal = asyncio.run(across_a_socket(lambda w: write_message(w, {"ok": False}, b"", TrafficStats()),
+                                          lambda r: read_tensor_message(r, TrafficStats(), into=into)))
+    assert refusal == ({"ok": False}, {})  # a refusal names no tensors: read as it is, not as a wrong spec
 
 
 def test_a_tensor_is_sent_from_its_own_memory():

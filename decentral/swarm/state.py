@@ -285,13 +285,15 @@ class StateExchange:
                     async with _receiving_watch(holder, timeout, timeout, what) as watch:
                         async with self._asking(holder, "state", {"share": [i, len(holders)], "digest": digest}
                                                 ) as reader:
-                            header, _ = await read_tensor_message(reader, self.peer.stats, on_progress=watch,
-                                                                  into=into)
+                            header, got = await read_tensor_message(reader, self.peer.stats, on_progress=watch,
+                                                                    into=into)
                 except Exception as e:  # its slice (partly written, perhaps) is asked of the next holder
                     log.info("%s from %s failed: %r", what, holder[-8:], e)
-                    header = {}
-                if header.get("ok"):
+                    header, got = {}, {}
+                if header.get("ok") and got:
                     return header
+                if not header.get("ok"):
+                    log.info("%s: %s no longer holds the state", what, holder[-8:])
                 failed.add(holder)
             return None
 

@@ -214,10 +214,10 @@ async def read_tensor_message(reader: asyncio.StreamReader, stats: TrafficStats,
     before a tensor is allocated (WireError); each tensor is then filled a piece at a time as it arrives,
     and `on_progress(bytes received, bytes in all)` called after each piece (and once before the first).
     `into`: contiguous CPU tensors to fill instead (the spec must name them, in order, with their dtypes and
-    element counts)."""
+    element counts, or none: a message without tensors, e.g. a refusal, is read as it is)."""
     header = await read_header(reader, stats)
     spec = _checked_spec(header.pop("tensors", []))
-    if into is not None and ([(name, dtype, math.prod(shape)) for name, dtype, shape in spec]
+    if into is not None and spec and ([(name, dtype, math.prod(shape)) for name, dtype, shape in spec]
                              != [(name, t.dtype, t.numel()) for name, t in into.items()]):
         raise WireError("a tensor message names other tensors than the ones it is to be read into")
     sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in spec]

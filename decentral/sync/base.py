@@ -305,7 +305,8 @@ class SyncProtocol:
         Where the protocol `replays_rounds`, a snapshot rounds older than its donor's round is brought up to
         that round by the rounds since (`_replayed`), and a later round's state is waited for by replaying the
         rounds after the one we hold, not by a download; with `replay_ours`, the rounds after our own state
-        (our donor's, which we have not changed since) bring us to `after_round + 1`."""
+        (our donor's, which we have not changed since) bring us to `after_round + 1` (without `after_round`: to
+        the donor's round, joined as a newcomer joins it)."""
         target = None if after_round is None else after_round + 1  # the round we announced and wait for
         deadline, failed = time.monotonic() + keep_asking_s, None
         replays = self.replays_rounds  # until a replayed round's result differs from its digest: downloads then
@@ -315,7 +316,8 @@ class SyncProtocol:
         while True:
             replaying = held is not None
             if replaying:
-                self._wait_for_round(held[0], target, poll_s)
+                if target is not None:
+                    self._wait_for_round(held[0], target, poll_s)
                 got, held = (held[0], held[1:]), None
             else:
                 try:
@@ -468,9 +470,11 @@ class SyncProtocol:
     def _repair(self, donors: set[str], poll_s: float = 0.25) -> float | None:
         """Take the state of round `self.round` that `donors` (the majority of the round before) publish
         the digest of, from one of them, checked against that digest; when they are past that round, join
-        them where they are (`_rejoin`). Returns the RMS distance of our `weights_key` tensor from theirs, or
-        None when no donor served it within `repair_timeout_s`, or once none of them has had a live heartbeat
-        for `DONORS_GONE_S` (they left: a newcomer in a run's last round)."""
+        them where they are (`_rejoin`), also when they went past it while the state was on its way (a large
+        state over a slow link: as late again, we would miss their next round and repair again, round after
+        round), by replaying the rounds since where the protocol `replays_rounds`. Returns the RMS distance of
+        our `weights_key` tensor from theirs, or None when no donor served it within `repair_timeout_s`, or once
+        none of them has had a live heartbeat for `DONORS_GONE_S` (they left: a newcomer in a run's last round)."""
         start = time.perf_counter()
         deadline = time.monotonic() + self.repair_timeout_s
         why, listed_at = "none of them published a digest of it", time.monotonic()
@@ -497,7 +501,11 @@ class SyncProtocol:
                     why = ("no download succeeded" if got is None else f"a donor served round {served}"
                            if served != self.round else "its digest differed")
                     if served == self.round and state_digest(got[1][1]) == digest:
-                        return self._repaired_with(*got[1])
+                        spread = self._repaired_with(*got[1])
+                        if self.replays_rounds and self._past_our_round(donors):
+                            self.donor = got[0]
+                            self._rejoin(replay_ours=True)
+                        return spread
                 time.sleep(poll_s)  # polling the donors' heartbeats for their digest of this round
             else:
                 log.warning("round %d: no member served the majority's state within %.0fs (last try: %s); trying "
@@ -517,13 +525,19 @@ class SyncProtocol:
         mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
         return float((mine - now).pow(2).mean().sqrt())
 
-    def _rejoin(self) -> float | None:
+    def _past_our_round(self, peers: set[str]) -> bool:
+        """Whether a heartbeat of one of `peers` reports a round past ours."""
+        progress = self.transport.progress()
+        return any(heartbeat_round(progress.get(p), -1) > self.round for p in peers)
+
+    def _rejoin(self, replay_ours: bool = False) -> float | None:
         """The members we must match went past our round (we fell a round behind: slow, or left out and
         late): join them as a newcomer does, at their state, round and inner step (what of ours their
-        state does not hold is lost, as in a repair). Returns the RMS distance of our `weights_key` tensor
-        from theirs, or None when nobody served their state."""
+        state does not hold is lost, as in a repair); `replay_ours`: our state is our donor's of our round,
+        brought up to theirs by the rounds since (`_fetch_to_join`). Returns the RMS distance of our
+        `weights_key` tensor from theirs, or None when nobody served their state."""
         before, behind = self.snapshot(), self.round
-        if not self._take_swarm_state():
+        if not self._take_swarm_state(replay_ours=replay_ours):
             return None
         log.warning("round %d: the members went on to round %d without us; joined them there at step %d",
                     behind, self.round, self.step)
