@@ -297,7 +297,7 @@ class HierarchicalTransport:
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
             notes={p: n for m in metas for p, n in m["notes"].items()} if complete else {},
-            **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out")},
+            **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out", "elsewhere")},
             encoded=encoded)
 
     def _shard_groups(self, group: list[str]) -> list:
@@ -341,4 +341,5 @@ def _without_tensors(result: AverageResult, rename: dict[str, str] | None = None
     return dict(group=[name(p) for p in result.group], complete=result.complete, contributors=result.contributors,
                 rejected={name(p): why for p, why in result.rejected.items()},
                 absent=[name(p) for p in result.absent], disagree=[name(p) for p in result.disagree],
-                left_out=[name(p) for p in result.left_out], notes={name(p): n for p, n in result.notes.items()})
+                left_out=[name(p) for p in result.left_out], elsewhere=[name(p) for p in result.elsewhere],
+                notes={name(p): n for p, n in result.notes.items()})

@@ -126,6 +126,8 @@ class AverageResult:
     # gone, silent, or left us out
     disagree: list[str] = field(default_factory=list)  # members that ended with another result than ours
     left_out: list[str] = field(default_factory=list)  # absent members that said they average without us
+    elsewhere: list[str] = field(default_factory=list)  # members whose parts came averaged over another member list
+    # (their view of the swarm differs from ours): neither counted the other's part
     notes: dict[str, dict] = field(default_factory=dict)  # member -> the note it sent with its input
     # (`average(note=...)`), for every member a committed average counted, ours included, where the transport
     # carries notes (an island's collectives carry none)

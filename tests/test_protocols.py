@@ -402,6 +402,27 @@ def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_peers):
     assert len({r.digest for r in reports}) == 1
 
 
+def test_a_member_whose_lookup_missed_a_member_takes_the_others_state_at_that_boundary(make_swarm):
+    """Its lookup of round 1's members misses the third member, which the others see (a newcomer's
+    announcement that reached them and not it): its part and theirs are rejected ("averages over another
+    member list") and the two others commit without it. It takes their state at that boundary (before, it
+    trained round 2 from its own state, its outer gradient skewing their average, and was repaired a round
+    later)."""
+    protocols = make_protocols(make_swarm(3), DiLoCo, every=10, outer_lr=0.7, outer_momentum=0.9)
+    gen = torch.Generator().manual_seed(4)
+    random_round(protocols, gen)
+    blind = protocols[0]
+    seen = sorted(p.transport.peer_id for p in protocols[:2])
+    members = blind._members
+    blind._members = lambda round: seen if round == 1 else members(round)
+    reports = random_round(protocols, gen)
+    assert [(r.complete, r.contributors) for r in reports[1:]] == [(True, 2)] * 2
+    assert reports[0].repaired and not reports[1].repaired and not reports[2].repaired
+    for p in protocols[:2]:
+        assert torch.equal(p.slow, protocols[2].slow) and torch.equal(p.momentum, protocols[2].momentum)
+    assert len({r.digest for r in reports}) == 1
+
+
 def fall_a_round_behind(protocols, gen) -> None:
     """Protocols 0 and 1 end round 1 between themselves while protocol 2, a round behind, holds another state
     than theirs of round 1 (as if it had missed round 0's commit) and has not reached its boundary."""

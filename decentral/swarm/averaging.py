@@ -111,6 +111,7 @@ _PUSH_ANSWERS = (_ACK, _REFUSED, _NOT_IN_ROUND, _LEFT_OUT, _DONE)
 _PING_ANSWERS = (_ACK, _NOT_IN_ROUND, _DONE)
 ASK_AGAIN_AFTER_S = 0.5  # the pause before a third stream: a reset's closing connections are gone by then
 _REMEMBERED_VIEWS = 64  # recent averages whose group we still tell late outsiders about
+OTHER_LIST = "averages over another member list (its view of the swarm differs from ours)"  # AverageResult.elsewhere
 AGGREGATIONS = ("mean", "trimmed")
 DEFAULT_MAX_PART_NUMEL = 1 << 28  # before this peer has averaged anything itself: 1 GiB of float32
 _NOTHING = (b"", 0)  # the encoding of an empty tensor in every codec: notices and votes carry no tensor
@@ -558,7 +559,8 @@ class GroupAverager:
             retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round, note)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
                              absent=sorted(set(result.absent) | set(retry.absent)),
-                             left_out=sorted(set(result.left_out) | set(retry.left_out)))
+                             left_out=sorted(set(result.left_out) | set(retry.left_out)),
+                             elsewhere=sorted(set(result.elsewhere) | set(retry.elsewhere)))
         self._finish(tag, f"{tag}/again")
         result.rejected.update({p: f"excluded: {self.banned[p]}" for p in group if p in self.banned
                                 and p not in result.rejected})
@@ -626,7 +628,7 @@ class GroupAverager:
             us the parts we expect either, so we do not wait for them."""
             split = {p for p, msg in messages.items() if msg.view != view}
             for p in split:
-                rejected[p] = "averages over another member list (its view of the swarm differs from ours)"
+                rejected[p] = OTHER_LIST
             return split
 
         def accept(sender: str, reason: str | None) -> bool:
@@ -773,6 +775,7 @@ class GroupAverager:
             absent=absent,
             disagree=disagree,
             left_out=left_out,
+            elsewhere=sorted(p for p, why in rejected.items() if why == OTHER_LIST),
             notes={p: n for p, n in notes.items() if isinstance(n, dict)} if agreed else {},
             encoded=EncodedAverage(self.codec, wire) if agreed else None,
         )

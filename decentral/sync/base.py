@@ -110,7 +110,8 @@ class SyncProtocol:
         self._hooks: list = []
         self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
         self._asked: set[str] = set()  # members we averaged with in this round (replicas only)
-        self._left_out: set[str] = set()  # those of them that said they averaged without us
+        self._left_out: set[str] = set()  # those of them that said they averaged without us, or averaged over
+        # another member list (neither counted the other's part)
         self._round_start = 0  # the inner step at which the current round began
         self.join_within_steps = 0  # a newcomer joins a round its donor is at most this many steps into
         self.donor: str | None = None  # the peer whose state we joined the swarm with, if any
@@ -240,7 +241,7 @@ class SyncProtocol:
         self.wait_s += waited
         if self.identical_replicas:
             self._asked.update(group)
-            self._left_out.update(result.left_out)
+            self._left_out.update(result.left_out, result.elsewhere)
         if result.tensor.device != self.outer_device:
             result = dataclasses.replace(result, tensor=result.tensor.to(self.outer_device),
                                          sent=result.sent.to(self.outer_device))
@@ -436,13 +437,14 @@ class SyncProtocol:
         `report.spread` (0 when every digest we see agrees with ours) and `report.repaired`.
 
         When at least half of the members we averaged with in the round just ended said they averaged
-        without us (their view of the swarm left us out: we joined as they fixed their members), we take
-        their state of this round at once."""
+        without us (their view of the swarm left us out: we joined as they fixed their members), or averaged
+        over another member list (ours missed a member theirs holds: a newcomer's announcement reached them
+        and not us), we take their state of this round at once, not a round later."""
         asked, left_out = self._asked, self._left_out
         self._asked, self._left_out = set(), set()
         if left_out and 2 * len(left_out) >= len(asked):
-            log.warning("round %d: %d of %d members averaged without us; taking their state",
-                        self.round, len(left_out), len(asked))
+            log.warning("round %d: %d of %d members averaged without us (or over another member list); taking "
+                        "their state", self.round, len(left_out), len(asked))
             spread = self._repair(left_out)
             report.repaired, report.spread = spread is not None, spread
             return
