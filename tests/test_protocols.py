@@ -423,6 +423,28 @@ def test_a_member_whose_lookup_missed_a_member_takes_the_others_state_at_that_bo
     assert len({r.digest for r in reports}) == 1
 
 
+def test_a_member_left_alone_by_a_split_that_rolled_back_everywhere_downloads_nothing(make_swarm):
+    """As above, but the third member is gone: the other member's average rolls back too, so both hold the
+    state they began the round with. Taking the other's state then costs no download."""
+    transports = make_swarm(3)
+    protocols = make_protocols(transports, DiLoCo, model=wide_model, every=10, outer_lr=0.7, outer_momentum=0.9)
+    gen = torch.Generator().manual_seed(4)
+    random_round(protocols, gen)
+    blind, other = protocols[:2]
+    pair = sorted(p.transport.peer_id for p in protocols[:2])
+    members = blind._members
+    blind._members = lambda round: pair if round == 1 else members(round)
+    trio = sorted(t.peer_id for t in transports)
+    other._members = lambda round: trio
+    transports[2].close()
+    before = transports[0].bytes_received
+    reports = random_round([blind, other], gen)
+    assert [r.rolled_back for r in reports] == [True, True]
+    assert reports[0].spread == 0.0 and not reports[0].repaired
+    assert torch.equal(blind.slow, other.slow) and torch.equal(blind.momentum, other.momentum)
+    assert transports[0].bytes_received - before < 8 * blind.slow.numel() / 2  # parts, no state
+
+
 def fall_a_round_behind(protocols, gen) -> None:
     """Protocols 0 and 1 end round 1 between themselves while protocol 2, a round behind, holds another state
     than theirs of round 1 (as if it had missed round 0's commit) and has not reached its boundary."""

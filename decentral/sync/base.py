@@ -446,7 +446,7 @@ class SyncProtocol:
             log.warning("round %d: %d of %d members averaged without us (or over another member list); taking "
                         "their state", self.round, len(left_out), len(asked))
             spread = self._repair(left_out)
-            report.repaired, report.spread = spread is not None, spread
+            report.repaired, report.spread = bool(spread), spread  # 0.0: we held their state already
             return
         previous = self.round - 1
         ours = self._digests.get(previous)
@@ -475,8 +475,9 @@ class SyncProtocol:
         them where they are (`_rejoin`), also when they went past it while the state was on its way (a large
         state over a slow link: as late again, we would miss their next round and repair again, round after
         round), by replaying the rounds since where the protocol `replays_rounds`. Returns the RMS distance of
-        our `weights_key` tensor from theirs, or None when no donor served it within `repair_timeout_s`, or once
-        none of them has had a live heartbeat for `DONORS_GONE_S` (they left: a newcomer in a run's last round)."""
+        our `weights_key` tensor from theirs (0.0 without a download when we hold their state already), or None
+        when no donor served it within `repair_timeout_s`, or once none of them has had a live heartbeat for
+        `DONORS_GONE_S` (they left: a newcomer in a run's last round)."""
         start = time.perf_counter()
         deadline = time.monotonic() + self.repair_timeout_s
         why, listed_at = "none of them published a digest of it", time.monotonic()
@@ -493,6 +494,8 @@ class SyncProtocol:
                 theirs = {p: d for p, d in theirs.items() if d is not None}
                 if theirs:
                     digest = majority_digest(theirs)
+                    if digest == self._digests.get(self.round):  # we hold it (both sides of a split rolled back)
+                        return 0.0
                     try:
                         got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
                     except StateUnavailable:
