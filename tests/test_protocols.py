@@ -275,6 +275,22 @@ def wide_model(seed: int) -> torch.nn.Module:
     return torch.nn.Linear(256, 256)  # 65,792 parameters: a state of 514 KiB
 
 
+def hold_back_state_transfers(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(sending, gate): from now on a state transfer sets `sending` and waits until `gate` is set (a large
+    state on a slow link, whose download outlasts rounds)."""
+    sending, gate = threading.Event(), threading.Event()
+    real_write = state.write_tensor_message
+
+    async def held_back(*args, **kwargs):
+        sending.set()
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        await real_write(*args, **kwargs)
+
+    monkeypatch.setattr(state, "write_tensor_message", held_back)
+    return sending, gate
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_instead_of_downloading_again(
         make_swarm, monkeypatch, cls):
@@ -290,16 +306,7 @@ def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_ins
     protocols = make_protocols(transports[:2], cls, model=wide_model, every=10)
     gen = torch.Generator().manual_seed(3)
     two_random_rounds(protocols, gen)
-    sending, gate = threading.Event(), threading.Event()
-    real_write = state.write_tensor_message
-
-    async def held_back(*args, **kwargs):
-        sending.set()
-        while not gate.is_set():
-            await asyncio.sleep(0.01)
-        await real_write(*args, **kwargs)
-
-    monkeypatch.setattr(state, "write_tensor_message", held_back)
+    sending, gate = hold_back_state_transfers(monkeypatch)
     wait_until(lambda: all(heartbeat_digest(transports[2].progress().get(t.peer_id), 2) for t in transports[:2]), 30,
                "the newcomer seeing both members' digest of round 2 (each then sends a share of it)")
     late = []
@@ -498,16 +505,7 @@ def test_a_repair_that_outlasts_rounds_replays_them_and_joins_the_members_where_
     for p in ahead:  # they average rounds 1 and 2 without it (it is busy repairing)
         members = p._members
         p._members = lambda round, members=members: pair if round in rounds else members(round)
-    sending, gate = threading.Event(), threading.Event()
-    real_write = state.write_tensor_message
-
-    async def held_back(*args, **kwargs):
-        sending.set()
-        while not gate.is_set():
-            await asyncio.sleep(0.01)
-        await real_write(*args, **kwargs)
-
-    monkeypatch.setattr(state, "write_tensor_message", held_back)
+    sending, gate = hold_back_state_transfers(monkeypatch)
     late.repair_timeout_s = 60.0
     spreads, before = [], transports[2].bytes_received
     repairing = threading.Thread(target=lambda: spreads.append(late._repair(set(pair))), daemon=True)
