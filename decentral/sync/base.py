@@ -494,8 +494,8 @@ class SyncProtocol:
                 theirs = {p: d for p, d in theirs.items() if d is not None}
                 if theirs:
                     digest = majority_digest(theirs)
-                    if digest == self._digests.get(self.round):  # we hold it (both sides of a split rolled back)
-                        return 0.0
+                    if digest == self._digests.get(self.round) and not self._past_our_round(donors, progress):
+                        return 0.0  # we hold it (both sides of a split rolled back)
                     try:
                         got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
                     except StateUnavailable:
@@ -530,9 +530,9 @@ class SyncProtocol:
         mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
         return float((mine - now).pow(2).mean().sqrt())
 
-    def _past_our_round(self, peers: set[str]) -> bool:
-        """Whether a heartbeat of one of `peers` reports a round past ours."""
-        progress = self.transport.progress()
+    def _past_our_round(self, peers: set[str], progress: dict[str, dict] | None = None) -> bool:
+        """Whether a heartbeat of one of `peers` reports a round past ours (in `progress`, else looked up)."""
+        progress = self.transport.progress() if progress is None else progress
         return any(heartbeat_round(progress.get(p), -1) > self.round for p in peers)
 
     def _rejoin(self, replay_ours: bool = False) -> float | None:
