@@ -297,7 +297,8 @@ class HierarchicalTransport:
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
             notes={p: n for m in metas for p, n in m["notes"].items()} if complete else {},
-            **{key: sorted({p for m in metas for p in m[key]}) for key in ("absent", "disagree", "left_out", "elsewhere")},
+            **{key: sorted({p for m in metas for p in m[key]})
+               for key in ("absent", "disagree", "left_out", "elsewhere")},
             encoded=encoded)
 
     def _shard_groups(self, group: list[str]) -> list:

@@ -437,7 +437,8 @@ class StateExchange:
                         got = self.peer.call(self._download_shares([donor, *holders, *pending], digest, have, timeout,
                                                                    frozenset(pending), holds)).result()
                     except Exception as e:  # not the state published: the whole state from the donor alone
-                        log.info("state download in shares from %d peers failed: %r", 1 + len(holders) + len(pending), e)
+                        log.info("state download in shares from %d peers failed: %r", 1 + len(holders) + len(pending),
+                                 e)
                         got = None
                     if got is not None:
                         return donor, got
