@@ -215,9 +215,8 @@ class HierarchicalTransport:
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
                 note: dict | None = None) -> AverageResult:
-        """As `average_async`, waited for; its encoding kept only while a newcomer may replay the round (as
-        the leader's swarm connection keeps it: SwarmTransport.average)."""
-        return self._submit(tensor, group, tag, round, note, blocking=True).result()
+        """As `average_async`, waited for."""
+        return self.average_async(tensor, group, tag, round, note).result()
 
     def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
                       note: dict | None = None) -> Future[AverageResult]:
@@ -225,28 +224,23 @@ class HierarchicalTransport:
         with the same group, tag and round (`group` None: the leader looks the members up on that thread).
         A committed result's `encoded` (the whole average as it travelled, for `offer_state(led_by=)`) is
         the leader's only."""
-        return self._submit(tensor, group, tag, round, note, blocking=False)
-
-    def _submit(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None,
-                note: dict | None, blocking: bool) -> Future[AverageResult]:
         check_group(group, round)
         values = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32, copy=True)
-        return self._averages.submit(self._average, values, None if group is None else list(group), tag, round, note,
-                                     blocking)
+        return self._averages.submit(self._average, values, None if group is None else list(group), tag, round, note)
 
     def _average(self, values: torch.Tensor, group: list[str] | None, tag: str, round: int | None,
-                 note: dict | None, blocking: bool) -> AverageResult:
+                 note: dict | None) -> AverageResult:
         if group is None:
             group = self._from_leader(lambda: with_us(self.swarm.members(round), self.peer_id), self._data)
         self._collective(dist.all_reduce, values, group=self._data)
         mean = values / self.size
         if self.mode == "sharded":
-            return self._sharded_average(mean, group, tag, round, note, blocking)
+            return self._sharded_average(mean, group, tag, round, note)
         result = None
 
-        def leader_average() -> dict:
+        def leader_average() -> dict:  # step 2 over the leader's connection
             nonlocal result
-            result = self._swarm_average(mean, group, tag, round, note, blocking)
+            result = self.swarm.average(mean, group, tag, round, note)
             return _without_tensors(result)
 
         meta = self._from_leader(leader_average, self._data)
@@ -255,18 +249,10 @@ class HierarchicalTransport:
         return AverageResult(tensor=both[:mean.numel()], sent=both[mean.numel():], **meta,
                              encoded=result.encoded if self.rank == 0 else None)
 
-    def _swarm_average(self, values: torch.Tensor, group: list[str], tag: str, round: int | None, note: dict | None,
-                       blocking: bool) -> AverageResult:
-        """This rank's connection's average (step 2); with its encoding unless `blocking` on a leader whose
-        swarm keeps no rounds now (`average`)."""
-        if blocking and self.rank == 0:
-            return self.swarm.average(values, group, tag, round, note)
-        return self.swarm.average_async(values, group, tag, round, note).result()
-
     def _sharded_average(self, mean: torch.Tensor, group: list[str], tag: str, round: int | None,
-                         note: dict | None, blocking: bool) -> AverageResult:
+                         note: dict | None) -> AverageResult:
         """Step 2 and 3 in sharded mode: our shard over our connection, then the island all-gathers (and, when
-        the leader keeps the average's encoding, the leader gathers the shards' encodings in order)."""
+        every shard's encoding came, the leader gathers them in order)."""
         shard_groups = self._from_leader(lambda: self._shard_groups(group), self._data)
         island_of = {conn: island for island, conns in shard_groups[-1].items() for conn in conns}
         mine = shard_bounds(mean.numel(), self.size, self.rank)
@@ -274,7 +260,7 @@ class HierarchicalTransport:
 
         def shard_average() -> dict:
             nonlocal result
-            result = self._swarm_average(mean[mine].clone(), shard_groups[self.rank], tag, round, note, blocking)
+            result = self.swarm.average(mean[mine].clone(), shard_groups[self.rank], tag, round, note)
             return {**_without_tensors(result, island_of), "encoded": result.encoded is not None}
 
         metas = self._on_every_rank(shard_average, self._data)
@@ -287,7 +273,7 @@ class HierarchicalTransport:
         tensor, sent = (torch.cat([g[i, :n] for g, n in zip(gathered, lengths)]) for i in (0, 1))
         complete = all(m["complete"] for m in metas)
         encoded = None
-        if complete and all(m["encoded"] for m in metas):  # the leader's says whether it keeps them
+        if complete and all(m["encoded"] for m in metas):
             shards = [None] * self.size if self.rank == 0 else None
             self._collective(dist.gather_object, result.encoded, shards, dst=0, group=self._data)
             if self.rank == 0:  # each shard's chunks in order: the whole average as it travelled

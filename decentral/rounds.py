@@ -1,5 +1,5 @@
-"""The rounds a donor's state went through after it handed that state to a newcomer, kept so that the
-newcomer replays them instead of downloading the state again.
+"""The rounds a peer's state went through, kept so that a newcomer it handed an older state to (or a member
+the others averaged a round without) replays them instead of downloading the state again.
 
 A DiLoCo round changes φ and its momentum by one committed average, the same for every member (CO2's by the
 round before's, Streaming DiLoCo's by each fragment's in turn), and in the swarm's codec that average is a
@@ -10,9 +10,12 @@ of the rounds since (`Transport.fetch_rounds`: on a swarm, in shares from its do
 donor's round, asked to keep them as the download began) and applies them as the members did, bit for bit
 (checked against each round's digest).
 
-A peer keeps rounds only while a newcomer may want them: from the state it served (or a newcomer asked
-after) on, while a transfer of its state is under way and for KEEP_S after the last request, and never more
-bytes of averages than the state itself holds (a replay that long costs more than a download).
+A peer always keeps the last round (its average, as it travelled: int8, about a quarter of φ's bytes), so
+that a member the others averaged without (left out of their member list, or theirs of another) replays it
+on the state it began the round with instead of downloading theirs (sync/base.py `_repair`). It keeps more
+rounds only while a newcomer may want them: from the state it served (or a newcomer asked after) on, while a
+transfer of its state is under way and for KEEP_S after the last request, and never more bytes of averages
+than the state itself holds (a replay that long costs more than a download).
 """
 
 from __future__ import annotations
@@ -47,26 +50,28 @@ class RoundLog:
                 self._chain = [self._latest]
 
     def wanted(self, busy: bool = False) -> bool:
-        """Whether the next offer will be kept (unless it breaks the chain): a newcomer wants the rounds, or
-        `busy`, a transfer is under way."""
+        """Whether the next offer will be kept with the rounds before it (unless it breaks the chain): a newcomer
+        wants the rounds, or `busy`, a transfer is under way."""
         with self._lock:
             return self._keeping(busy)
 
     def offered(self, meta: dict, digest: str, led_by: EncodedAverage | None, state_bytes: int,
                 busy: bool = False) -> None:
         """We offer the state (meta, digest) now, which `led_by` turned the previous offer into (None: not an
-        average we can hand out, e.g. a repair, unless the state is unchanged). Kept while wanted (or `busy`:
-        a transfer is under way), the oldest rounds dropped beyond `state_bytes` of averages."""
+        average we can hand out, e.g. a repair, unless the state is unchanged). Kept after the rounds before
+        while wanted (or `busy`: a transfer is under way), the oldest dropped beyond `state_bytes` of averages;
+        otherwise after the previous offer alone."""
         with self._lock:
             previous, self._latest = self._latest, MissedRound(dict(meta), digest, None)
-            if not self._keeping(busy):
-                self._chain = []
-                return
             unchanged = previous is not None and digest == previous.digest
-            if led_by is None and not unchanged:  # the chain breaks here: a newcomer can start from this state only
+            if previous is None or (led_by is None and not unchanged):  # the chain breaks: it starts at this state
                 self._chain = [self._latest]
                 return
-            self._chain.append(MissedRound(dict(meta), digest, None if unchanged else led_by))
+            link = MissedRound(dict(meta), digest, None if unchanged else led_by)
+            if not self._keeping(busy):
+                self._chain = [previous, link]  # the last round only
+                return
+            self._chain.append(link)
             while len(self._chain) > 1 and sum(r.average.nbytes for r in self._chain[1:] if r.average) > state_bytes:
                 self._chain.pop(0)  # the next is the base now: its own average is never handed out
 

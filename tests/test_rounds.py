@@ -1,5 +1,6 @@
-"""What a donor keeps of the rounds after a state it served (decentral.rounds): only while a newcomer may
-want them, only as a chain that leads from that state, and never more bytes than the state."""
+"""What a peer keeps of the rounds it went through (decentral.rounds): the last one always, more only while a
+newcomer may want them, only as a chain that leads from a state it offered, and never more bytes than the
+state."""
 
 import torch
 
@@ -19,20 +20,23 @@ def offer(log: RoundLog, round: int, digest: str, led_by: EncodedAverage | None,
     log.offered({"round": round}, digest, led_by, STATE_BYTES, busy=busy)
 
 
-def test_rounds_are_kept_once_a_newcomer_wants_the_state_they_follow_and_lead_from_it():
+def test_the_last_round_is_kept_always_and_more_once_a_newcomer_wants_the_state_they_follow():
     log = RoundLog()
     offer(log, 1, "d1", None)
     offer(log, 2, "d2", average(1.0))
-    assert log.since("d1") is None and log.since("d2") is None  # nobody asked: nothing kept
-    log.want("d2")
     offer(log, 3, "d3", average(2.0))
-    offer(log, 4, "d3", None)  # a round that rolled back: the state did not change
-    offer(log, 5, "d5", average(3.0))
-    rounds = log.since("d2")
-    assert [(r.meta["round"], r.digest) for r in rounds] == [(3, "d3"), (4, "d3"), (5, "d5")]
-    assert torch.equal(rounds[0].average.decode(), torch.full((100,), 2.0)) and rounds[1].average is None
-    assert [r.digest for r in log.since("d3")] == ["d5"]  # from the latest state with that digest
-    assert log.since("d5") == [] and log.since("d0") is None
+    (last,) = log.since("d2")  # nobody asked: the last round alone, for a member left out of it
+    assert last.meta["round"] == 3 and torch.equal(last.average.decode(), torch.full((100,), 2.0))
+    assert log.since("d1") is None
+    log.want("d3")
+    offer(log, 4, "d4", average(3.0))
+    offer(log, 5, "d4", None)  # a round that rolled back: the state did not change
+    offer(log, 6, "d6", average(4.0))
+    rounds = log.since("d3")
+    assert [(r.meta["round"], r.digest) for r in rounds] == [(4, "d4"), (5, "d4"), (6, "d6")]
+    assert torch.equal(rounds[0].average.decode(), torch.full((100,), 3.0)) and rounds[1].average is None
+    assert [r.digest for r in log.since("d4")] == ["d6"]  # from the latest state with that digest
+    assert log.since("d6") == [] and log.since("d0") is None
 
 
 def test_a_state_reached_otherwise_than_by_an_average_starts_the_chain_afresh():
@@ -63,13 +67,13 @@ def test_rounds_are_dropped_once_nobody_asked_for_keep_s_unless_a_transfer_is_un
     offer(log, 2, "d2", average(1.0), busy=True)  # the newcomer's download is still on its way
     assert [r.digest for r in log.since("d1")] == ["d2"]
     offer(log, 3, "d3", average(2.0))
-    assert log.since("d1") is None and log.since("d2") is None
+    assert log.since("d1") is None and [r.digest for r in log.since("d2")] == ["d3"]  # the last round only
 
 
 def test_a_log_says_whether_it_wants_the_next_average_only_while_a_newcomer_may_replay_it():
     log = RoundLog(keep_s=60.0)
     offer(log, 1, "d1", None)
-    assert not log.wanted()  # nobody asked: averages need not keep their encoding
+    assert not log.wanted()  # nobody asked: the next offer keeps only the round that led to it
     log.want("d1")
     assert log.wanted()
     expired = RoundLog(keep_s=0.0)

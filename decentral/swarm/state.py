@@ -80,7 +80,7 @@ class StateExchange:
         peer.add_handler("state", self._on_request)
         peer.add_handler("join", self._on_join)
         peer.add_handler("rounds", self._on_rounds)
-        self.rounds = RoundLog()  # the rounds since a state we served, for its newcomer to replay
+        self.rounds = RoundLog()  # our last round, and those since a state we served: replayed instead of downloads
 
     def offer(self, meta: dict, tensors: dict[str, torch.Tensor], digest: str | None = None,
               led_by: EncodedAverage | None = None) -> None:
@@ -97,10 +97,6 @@ class StateExchange:
         request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
                              or b"{}")
         return request if isinstance(request, dict) else {}
-
-    def keeps_rounds(self) -> bool:
-        """Whether we keep the rounds we go through for a newcomer now (see decentral.rounds)."""
-        return self.rounds.wanted(busy=bool(self._transfers))
 
     async def _on_rounds(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hand out the rounds since the state whose digest the request names ("after"; from now on we keep the

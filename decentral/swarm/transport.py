@@ -131,13 +131,8 @@ class SwarmTransport:
 
     def average(self, tensor: torch.Tensor, group: list[str], tag: str, round: int | None = None,
                 note: dict | None = None) -> AverageResult:
-        """Blocking mean of a flat tensor over `group`; see GroupAverager.average. Its encoding
-        (`AverageResult.encoded`) is kept only while a newcomer may replay the round (`average_async`'s until
-        the caller applies it later: a newcomer may ask meanwhile)."""
-        result = self.average_async(tensor, group, tag, round, note).result()
-        if not self.state.keeps_rounds():
-            result.encoded = None  # the members' bytes it was decoded from: not held through the outer step
-        return result
+        """Blocking mean of a flat tensor over `group`; see GroupAverager.average."""
+        return self.average_async(tensor, group, tag, round, note).result()
 
     def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
                       note: dict | None = None) -> Future[AverageResult]:

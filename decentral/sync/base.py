@@ -27,14 +27,16 @@ when no member kept them, or when a replayed round's result differs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import time
 import weakref
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -106,6 +108,7 @@ class SyncProtocol:
         self.step = 0  # inner steps done by this worker
         self.round = 0  # outer rounds done by the swarm (agreed through state transfer)
         self.wait_s = 0.0  # cumulative seconds blocked on the network
+        self._waiting_since: float | None = None  # the start of the wait under way (`_waiting`)
         self._report: SyncReport | None = None
         self._hooks: list = []
         self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
@@ -117,6 +120,8 @@ class SyncProtocol:
         self.donor: str | None = None  # the peer whose state we joined the swarm with, if any
         self.onlooking = False  # a newcomer training the round under way without being a member of it
         self._members_ahead: tuple[int, Future[list[str]]] | None = None  # (round, its members' lookup under way)
+        self._offered: tuple[dict, dict[str, torch.Tensor]] | None = None  # our snapshot offered last (protocols
+        # that `replays_rounds`): a member the others averaged without replays their round on it (`_repair`)
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -247,13 +252,24 @@ class SyncProtocol:
                                          sent=result.sent.to(self.outer_device))
         return result, waited
 
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """The block's time counts in `wait_s`, once: a wait inside another (a replay inside a repair) is the
+        outer one's."""
+        if self._waiting_since is not None:
+            yield
+            return
+        self._waiting_since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - self._waiting_since
+            self._waiting_since = None
+
     def _waiting_on(self, call: Callable[[], T]) -> T:
         """`call()` (a lookup on the network), its time counted in `wait_s`."""
-        start = time.perf_counter()
-        try:
+        with self._waiting():
             return call()
-        finally:
-            self.wait_s += time.perf_counter() - start
 
     def _members(self, round: int) -> list[str]:
         """`round`'s members, with us: the lookup `_look_up_members_ahead` started for it, else one now."""
@@ -274,9 +290,11 @@ class SyncProtocol:
     def _offer(self, led_by: EncodedAverage | None = None) -> str:
         """Serve our snapshot of this round to newcomers and publish its digest; returns the digest. `led_by`:
         the committed average that turned the previous snapshot into this one (see Transport.offer_state)."""
-        tensors = self.snapshot()
+        meta, tensors = self._offered_meta(), self.snapshot()
         digest = state_digest(tensors)
-        self.transport.offer_state(self._offered_meta(), tensors, digest, led_by)
+        self.transport.offer_state(meta, tensors, digest, led_by)
+        if self.replays_rounds:
+            self._offered = meta, tensors  # offered: never changed in place (the transport holds it too)
         self._digests = {r: d for r, d in self._digests.items() if r > self.round - KEPT_DIGESTS}
         self._digests[self.round] = digest
         self.transport.set_progress(self.step, self.round, digest)
@@ -379,31 +397,31 @@ class SyncProtocol:
         """Until `donor`'s heartbeat reports `round` (or it is gone), counted in `wait_s`; False when `timeout_s`
         passed first."""
         start = time.perf_counter()
-        try:
+        with self._waiting():
             while heartbeat_round(self.transport.progress().get(donor), round) < round:
                 if time.perf_counter() - start > timeout_s:
                     return False
                 time.sleep(poll_s)  # polling the donor's heartbeat until its round ends
             return True
-        finally:
-            self.wait_s += time.perf_counter() - start
 
-    def _replayed(self, donor: str, meta: dict, tensors: dict[str, torch.Tensor]
+    def _replayed(self, donor: str, meta: dict, tensors: dict[str, torch.Tensor], upto: float = math.inf
                   ) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        """The snapshot (meta, tensors) `donor` served, brought up to the donor's current round by the rounds
-        it went through since (their committed averages, a fraction of a download: decentral.rounds), applied
-        in place as the members applied them; each round's result is checked against the digest the donor
-        published for it. Returns it as far as the donor's kept rounds reach (as it was when the donor kept
-        none), its meta's `donor_step` the donor's step then; None when a round's result differed (`tensors`
-        then hold neither state)."""
+        """The snapshot (meta, tensors) `donor` served, brought up to the donor's current round (at most to
+        round `upto`) by the rounds it went through since (their committed averages, a fraction of a
+        download: decentral.rounds), applied in place as the members applied them; each round's result is
+        checked against the digest the donor published for it. Returns it as far as the donor's kept rounds
+        reach (as it was when the donor kept none), its meta's `donor_step` the donor's step then; None when
+        a round's result differed (`tensors` then hold neither state)."""
         digest, first, got_bytes = state_digest(tensors), int(meta["round"]), 0
         numel = tensors[self.weights_key].numel()
-        while heartbeat_round(self.transport.progress().get(donor), -1) > int(meta["round"]):
+        while int(meta["round"]) < min(upto, heartbeat_round(self.transport.progress().get(donor), -1)):
             got = self._waiting_on(lambda: self.transport.fetch_rounds(donor, digest, numel))
             if not got or not got[0]:
                 break
             rounds, step_now = got
             for missed in rounds:
+                if int(missed.meta["round"]) > upto:
+                    break
                 if missed.average is not None:
                     self._apply_average(tensors, missed.average.decode())
                     digest = state_digest(tensors)
@@ -431,10 +449,12 @@ class SyncProtocol:
         round's end."""
         return False
 
-    def _check_replicas(self, group: list[str], report: SyncReport) -> None:
+    def _check_replicas(self, group: list[str], report: SyncReport,
+                        base: tuple[dict, dict[str, torch.Tensor]] | None = None) -> None:
         """At a boundary, once our snapshot of `self.round` is offered: compare our digest of the round
-        before with `group`'s, and when the group's majority held another state, repair ours. Fills
-        `report.spread` (0 when every digest we see agrees with ours) and `report.repaired`.
+        before with `group`'s, and when the group's majority held another state, repair ours (`base`: our
+        snapshot of the round before, see `_repair`). Fills `report.spread` (0 when every digest we see
+        agrees with ours) and `report.repaired`.
 
         When at least half of the members we averaged with in the round just ended said they averaged
         without us (their view of the swarm left us out: we joined as they fixed their members), or averaged
@@ -445,7 +465,7 @@ class SyncProtocol:
         if left_out and 2 * len(left_out) >= len(asked):
             log.warning("round %d: %d of %d members averaged without us (or over another member list); taking "
                         "their state", self.round, len(left_out), len(asked))
-            spread = self._repair(left_out)
+            spread = self._repair(left_out, base)
             report.repaired, report.spread = bool(spread), spread  # 0.0: we held their state already
             return
         previous = self.round - 1
@@ -466,22 +486,25 @@ class SyncProtocol:
             return
         log.warning("round %d: our state differs from the one %d of %d members held; repairing it from theirs",
                     previous, sum(d == majority for d in held.values()), len(held))
-        spread = self._repair({p for p, d in held.items() if d == majority})
+        spread = self._repair({p for p, d in held.items() if d == majority}, base)
         report.repaired, report.spread = spread is not None, spread
 
-    def _repair(self, donors: set[str], poll_s: float = 0.25) -> float | None:
+    def _repair(self, donors: set[str], base: tuple[dict, dict[str, torch.Tensor]] | None = None,
+                poll_s: float = 0.25) -> float | None:
         """Take the state of round `self.round` that `donors` (the majority of the round before) publish
-        the digest of, from one of them, checked against that digest; when they are past that round, join
+        the digest of, checked against that digest: where the protocol `replays_rounds` and `base`, our
+        snapshot of the round before, is the state they held then (we were left out of their average), by
+        replaying their last average on it (each member keeps its last round, a fraction of the state:
+        decentral.rounds), else downloaded from one of them. When they are past that round, join
         them where they are (`_rejoin`), also when they went past it while the state was on its way (a large
         state over a slow link: as late again, we would miss their next round and repair again, round after
         round), by replaying the rounds since where the protocol `replays_rounds`. Returns the RMS distance of
         our `weights_key` tensor from theirs (0.0 without a download when we hold their state already), or None
         when no donor served it within `repair_timeout_s`, or once none of them has had a live heartbeat for
         `DONORS_GONE_S` (they left: a newcomer in a run's last round)."""
-        start = time.perf_counter()
         deadline = time.monotonic() + self.repair_timeout_s
         why, listed_at = "none of them published a digest of it", time.monotonic()
-        try:
+        with self._waiting():
             while time.monotonic() < deadline:
                 progress = self.transport.progress()
                 if donors & set(progress):
@@ -496,10 +519,13 @@ class SyncProtocol:
                     digest = majority_digest(theirs)
                     if digest == self._digests.get(self.round) and not self._past_our_round(donors, progress):
                         return 0.0  # we hold it (both sides of a split rolled back)
-                    try:
-                        got = self.transport.fetch_state(donors={p for p, d in theirs.items() if d == digest})
-                    except StateUnavailable:
-                        got = None
+                    holders = {p for p, d in theirs.items() if d == digest}
+                    got = self._replayed_their_round(holders, base, progress)
+                    if got is None:
+                        try:
+                            got = self.transport.fetch_state(donors=holders)
+                        except StateUnavailable:
+                            got = None
                     served = -1 if got is None else int(got[1][0].get("round", -1))
                     if served > self.round:
                         break
@@ -516,9 +542,23 @@ class SyncProtocol:
                 log.warning("round %d: no member served the majority's state within %.0fs (last try: %s); trying "
                             "again next round", self.round, self.repair_timeout_s, why)
                 return None
-        finally:
-            self.wait_s += time.perf_counter() - start
         return self._rejoin()  # they went past this round
+
+    def _replayed_their_round(self, holders: set[str], base: tuple[dict, dict[str, torch.Tensor]] | None,
+                              progress: dict[str, dict]) -> tuple[str, tuple[dict, dict[str, torch.Tensor]]] | None:
+        """(holder, (meta, tensors)): the state `holders` publish for this round, as `base` (our snapshot of
+        the round before, left unchanged) with their average of that round replayed on a copy (`_replayed`),
+        from a holder whose heartbeat (in `progress`) says it held our state of that round too; None when
+        none did, or kept no such round, or the result differs from the state it published."""
+        if base is None or not self.replays_rounds or int(base[0]["round"]) != self.round - 1:
+            return None
+        ours = self._digests.get(self.round - 1)
+        held = sorted(p for p in holders if heartbeat_digest(progress.get(p), self.round - 1) == ours)
+        if not held:
+            return None
+        meta, tensors = base
+        replayed = self._replayed(held[0], meta, {k: v.clone() for k, v in tensors.items()}, upto=self.round)
+        return (held[0], replayed) if replayed is not None and int(replayed[0]["round"]) == self.round else None
 
     def _repaired_with(self, meta: dict, tensors: dict[str, torch.Tensor]) -> float:
         """Replace our state of this round by the members' (`_on_repaired`) and offer it; the RMS distance of
@@ -736,10 +776,10 @@ class OuterProtocol(SyncProtocol):
         from, compare our state with the group's (replicas), announce the coming rounds; `report`, completed."""
         self.round += 1
         self._round_start = self.step
-        led_by, self._led_by = self._led_by, None
+        base, led_by, self._led_by = self._offered, self._led_by, None
         self._offer(led_by)
         if self.identical_replicas:
-            self._check_replicas(report.group, report)
+            self._check_replicas(report.group, report, base)
         report.digest = self._digests[self.round]
         self.transport.join_rounds(self.round + 1)
         return report

@@ -167,28 +167,13 @@ class CO2(OuterProtocol):
     def _take_members_state(self, report: SyncReport) -> None:
         """After our first boundary, the state the other members hold once they applied the average we
         had no part in: our state (theirs of the round before: we had nothing to apply) with that round
-        replayed, or downloaded (each checked against their digests); alone, we keep ours."""
+        replayed, or downloaded (`_repair`, each checked against their digests); alone, we keep ours."""
         others = set(self._members(self.round - 1)) - {self.transport.peer_id}  # of the average in flight
         if not others:
             return
-        spread = self._replay_round_missed()
-        if spread is None:
-            spread = self._repair(others)
+        spread = self._repair(others, base=({**self._offered_meta(), "round": self.round - 1}, self.snapshot()))
         report.repaired, report.spread = spread is not None, spread
         report.digest = self._digests[self.round]
-
-    def _replay_round_missed(self) -> float | None:
-        """Our state with the round just ended replayed from our donor's kept average (it began the round
-        with our state): `_repaired_with` it; None when it could not be (no donor, it did not end the round
-        within `repair_timeout_s`, kept no such round, or is rounds further on)."""
-        if not (self.replays_rounds and self.donor is not None
-                and self._wait_for_round(self.donor, self.round, timeout_s=self.repair_timeout_s)):
-            return None
-        ours = {k: v.clone() for k, v in self.snapshot().items()}
-        replayed = self._replayed(self.donor, {**self._offered_meta(), "round": self.round - 1}, ours)
-        if replayed is None or int(replayed[0]["round"]) != self.round:
-            return None
-        return self._repaired_with(*replayed)
 
     def finish(self) -> None:
         """Apply the average still in flight, so the model holds the last round's progress too."""
