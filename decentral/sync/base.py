@@ -17,7 +17,10 @@ the previous round with its group's; a peer that held another state than the gro
 lowest peer id's digest breaks a tie) downloads the majority's state of the current round from one of
 the peers that held it, checks it against the digest they publish, and goes on from there. This
 catches what the averages' commit phase cannot: a member that died inside the commit phase, a
-late joiner that missed a round, anything that made a replica's bits differ.
+late joiner that missed a round, anything that made a replica's bits differ. A peer the others averaged a
+round without (they said so) takes their state at that boundary instead, by replaying their average on its
+state of the round before (which was theirs: every member keeps its last round, decentral.rounds), or
+downloading it when that fails.
 
 A newcomer whose state arrives rounds old (a download longer than a round) catches up by replaying the
 rounds since from their committed averages (`_replayed`, protocols that `replays_rounds`: DiLoCo, Streaming
