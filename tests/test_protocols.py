@@ -933,8 +933,8 @@ def test_a_co2_newcomer_late_in_a_round_onlooks_and_takes_the_members_state_once
 
 
 def test_a_co2_newcomer_whose_donor_does_not_end_the_round_stops_waiting_for_it(make_peers):
-    """At its first boundary a CO2 newcomer waits for its donor to end the round, to replay it (or download
-    the state it led to); a donor that never does (hung, its heartbeat still going) costs it
+    """At its first boundary a CO2 newcomer waits for the members to end the round, to replay it (or download
+    the state it led to); members that never do (hung, their heartbeats still going) cost it
     `repair_timeout_s`, not its run."""
     transports = make_peers(3)
     protocols = make_protocols(transports[:2], CO2, every=10)
