@@ -409,21 +409,26 @@ def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_peers):
     assert len({r.digest for r in reports}) == 1
 
 
-def test_a_member_whose_lookup_missed_a_member_takes_the_others_state_at_that_boundary_by_replaying_it(make_swarm):
+@pytest.mark.parametrize("cls", [DiLoCo, CO2])
+def test_a_member_whose_lookup_missed_a_member_takes_the_others_state_at_that_boundary_by_replaying_it(
+        make_swarm, cls):
     """Its lookup of round 1's members misses the third member, which the others see (a newcomer's
     announcement that reached them and not it): its part and theirs are rejected ("averages over another
-    member list") and the two others commit without it. It takes their state at that boundary (before, it
-    trained round 2 from its own state, its outer gradient skewing their average, and was repaired a round
-    later), by replaying their round's average on the state it began the round with, which every member
-    keeps (int8: an eighth of φ and momentum; before, it downloaded their whole state)."""
+    member list") and the two others commit without it. It takes their state once they applied that average
+    (DiLoCo at that boundary, CO2 at the next), by replaying it on the state it began the round with, which
+    every member keeps (int8: an eighth of φ and momentum; before, it downloaded their whole state). The two
+    others took part in the average they committed, and repair nothing (CO2's did: its redo's group had
+    dropped the third member, so the third's "another member list" looked like half of theirs)."""
     transports = make_swarm(3, codec="int8")
-    protocols = make_protocols(transports, DiLoCo, model=wide_model, every=10, outer_lr=0.7, outer_momentum=0.9)
+    protocols = make_protocols(transports, cls, model=wide_model, every=10, outer_lr=0.7, outer_momentum=0.9)
     gen = torch.Generator().manual_seed(4)
     random_round(protocols, gen)
     blind = protocols[0]
     seen = sorted(p.transport.peer_id for p in protocols[:2])
-    members = blind._members
-    blind._members = lambda round: seen if round == 1 else members(round)
+    members = blind.transport.members
+    blind.transport.members = lambda round: seen if round == 1 else members(round)
+    if cls is CO2:  # round 1's average, in flight, is applied at the next boundary
+        random_round(protocols, gen)
     before = transports[0].bytes_received
     reports = random_round(protocols, gen)
     assert [(r.complete, r.contributors) for r in reports[1:]] == [(True, 2)] * 2
@@ -455,6 +460,79 @@ def test_a_member_left_alone_by_a_split_that_rolled_back_everywhere_downloads_no
     assert reports[0].spread == 0.0 and not reports[0].repaired
     assert torch.equal(blind.slow, other.slow) and torch.equal(blind.momentum, other.momentum)
     assert transports[0].bytes_received - before < 8 * blind.slow.numel() / 2  # parts, no state
+
+
+def split_lookups(pair_sees: list, trio_sees: list, rounds: set[int]) -> None:
+    """From now on, `pair_sees[0]`'s lookups of `rounds`' members see only `pair_sees`, and `trio_sees[0]`'s see
+    every peer of `trio_sees` (one of them gone): each one's average of such a round rolls back (the other's
+    part is over another member list, the third is gone, and one member is too few to redo it)."""
+    for protocols in (pair_sees, trio_sees):
+        ids = sorted(p.transport.peer_id for p in protocols)
+        members = protocols[0].transport.members
+        protocols[0].transport.members = lambda round, ids=ids, members=members: ids if round in rounds else members(round)
+
+
+@pytest.mark.parametrize("cls", [DiLoCo, CO2])
+@pytest.mark.parametrize("second_try_commits", [True, False])
+def test_a_runs_last_average_that_rolled_back_everywhere_is_tried_again_at_the_end_or_dropped(
+        make_swarm, cls, second_try_commits):
+    """The run's last average rolls back for both members left (their lookups of its members differ, the third
+    member is gone). Leaving the protocol, they average what it held once more, over the members of a round of
+    its own, and apply it; if that rolls back as well, both drop that progress. Either way the two end on the
+    same φ and momentum, their models on it (before, each ended on φ plus its own last round). Outer lr 1 and
+    no momentum: φ goes down by each committed average, the mean of its members' outer gradients."""
+    transports = make_swarm(3)
+    kwargs = {"clip": None} if cls is CO2 else {}
+    protocols = make_protocols(transports, cls, every=10, outer_lr=1.0, outer_momentum=0.0, **kwargs)
+    blind, other, gone = protocols
+    gen = torch.Generator().manual_seed(13)
+    phi = blind.slow.clone()
+    starts = [flat(p.model) for p in protocols]
+    sent = [s - f for s, f in zip(starts, [p.slow + 0.1 * torch.randn(phi.numel(), generator=gen) for p in protocols])]
+    outer_round(protocols, [s - g for s, g in zip(starts, sent)])
+    if cls is CO2:  # round 0's average, in flight, is applied at the next boundary: over all three
+        for p in protocols:
+            assert p.in_flight.future.result().complete
+    last = blind.round  # the round whose average rolls back: DiLoCo's round 1, CO2's round 1 (applied at the end)
+    again = last + 1 if cls is DiLoCo else last + 2  # the second try's round: CO2 closes the applied one first
+    split_lookups([blind, other], [blind, other, gone], {last} | (set() if second_try_commits else {again}))
+    gone.transport.close()
+    phi = phi - torch.stack(sent).mean(0)  # round 0's average, over all three
+    starts = [flat(p.model) for p in (blind, other)]
+    last_sent = [0.1 * torch.randn(phi.numel(), generator=gen) for _ in range(2)]
+    reports = outer_round([blind, other], [s - g for s, g in zip(starts, last_sent)])
+    if cls is DiLoCo:
+        assert [r.rolled_back for r in reports] == [True, True]
+    run_in_threads([blind.finish, other.finish])
+    if second_try_commits:
+        phi = phi - torch.stack(last_sent).mean(0)
+    for p in (blind, other):
+        torch.testing.assert_close(p.slow, phi, rtol=0, atol=1e-5)
+        assert torch.equal(p.slow, blind.slow) and torch.equal(p.momentum, blind.momentum)
+        assert torch.equal(flat(p.model), p.slow)
+        assert p.round == again + 1
+
+
+@pytest.mark.parametrize("cls", [DiLoCo, CO2])
+def test_a_member_the_runs_last_average_left_out_ends_on_the_others_state_without_its_own_progress(make_swarm, cls):
+    """The run's last average commits over two members without the third (its lookup missed one of them). It
+    takes their state (DiLoCo at that boundary, CO2 when the average in flight is applied at the end) and,
+    leaving the protocol, drops the progress no average counted: all three end on one φ, momentum and model."""
+    transports = make_swarm(3)
+    protocols = make_protocols(transports, cls, every=10)
+    gen = torch.Generator().manual_seed(14)
+    random_round(protocols, gen)
+    blind = protocols[0]
+    seen = sorted(p.transport.peer_id for p in protocols[:2])
+    members = blind.transport.members
+    blind.transport.members = lambda round: seen if round == 1 else members(round)
+    reports = random_round(protocols, gen)
+    if cls is DiLoCo:
+        assert reports[0].repaired and [r.complete for r in reports] == [False, True, True]
+    run_in_threads([p.finish for p in protocols])
+    for p in protocols:
+        assert torch.equal(p.slow, blind.slow) and torch.equal(p.momentum, blind.momentum)
+        assert torch.equal(flat(p.model), p.slow)
 
 
 def fall_a_round_behind(protocols, gen) -> None:

@@ -248,7 +248,7 @@ class SyncProtocol:
         waited = time.perf_counter() - start
         self.wait_s += waited
         if self.identical_replicas:
-            self._asked.update(group)
+            self._asked.update(group, result.left_out, result.elsewhere)  # a redo's group lacks these (CO2's)
             self._left_out.update(result.left_out, result.elsewhere)
         if result.tensor.device != self.outer_device:
             result = dataclasses.replace(result, tensor=result.tensor.to(self.outer_device),
@@ -627,6 +627,7 @@ class OuterProtocol(SyncProtocol):
         self.residual = torch.zeros_like(self.slow) if transport.error_feedback else None
         self._shared: dict[str, weakref.ref] = {}  # name -> the tensor `snapshot` handed out under it
         self._led_by: EncodedAverage | None = None  # the committed average the outer step just applied, if kept
+        self._closed: SyncReport | None = None  # the report of the last round closed (`finish` reads it)
 
     def _pieces(self, part: slice) -> list[tuple[torch.Tensor, int, int]]:
         """(parameter, start, stop) of each parameter's flat values that fall in `part` of θ's flat vector
@@ -785,11 +786,43 @@ class OuterProtocol(SyncProtocol):
             self._check_replicas(report.group, report, base)
         report.digest = self._digests[self.round]
         self.transport.join_rounds(self.round + 1)
+        self._closed = report
         return report
 
     def outer_step(self, fast: torch.Tensor) -> SyncReport:
         """Update self.slow (and outer state) from our fast weights and the peers'; one round."""
         raise NotImplementedError
+
+    def finish(self) -> None:
+        """When the run's last average did not count our progress, the model holds progress φ lacks, and each
+        member's differs. If it rolled back for everyone (the members' lists differed, a member died in it),
+        average it once more (`_average_again`), a round of its own over the members still there, which are
+        ending too and do the same. If the others averaged without us (we took their state at the boundary),
+        or the second try rolls back as well, the progress is dropped (`_drop_uncounted`): every member ends
+        on φ, the state replicas agree on, not on its own."""
+        last = self._closed
+        if not self.identical_replicas or last is None or last.complete or len(last.group) < 2:
+            return
+        again = None if last.repaired else self._average_again()
+        if again is None or (not again.complete and len(again.group) > 1):
+            log.warning("round %d: the run's last average did not count our progress%s; ending on the slow weights "
+                        "the members hold, without it", self.round, "" if again is None else ", nor did a second try")
+            self._drop_uncounted()
+        else:
+            progress_log.info("round %d: the run's last average rolled back; averaged it again at the end, over "
+                              "%d members", self.round, again.contributors)
+        self._load_fast(self.round_start_weights())
+        if again is not None:
+            self._close_round(again)
+
+    def _average_again(self) -> SyncReport:
+        """At the run's end, average the progress the last average did not count (θ holds it) once more: an
+        outer step (see `finish`)."""
+        return self.outer_step(self._finite_fast())
+
+    def _drop_uncounted(self) -> None:
+        """Forget the progress no average counted, so that θ starts from φ (`round_start_weights`) without it;
+        θ alone holds it here: nothing to forget."""
 
     def state_dict(self) -> dict:
         """φ and the outer state, and our own residual (never offered: it is ours, not the replicas')."""

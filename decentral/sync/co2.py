@@ -176,12 +176,24 @@ class CO2(OuterProtocol):
         report.digest = self._digests[self.round]
 
     def finish(self) -> None:
-        """Apply the average still in flight, so the model holds the last round's progress too."""
+        """Apply the average still in flight, so the model holds the last round's progress too: a round of
+        its own, closed as a boundary closes one (the replicas compare states; a member the others averaged
+        without takes theirs), then tried once more where it rolled back (OuterProtocol.finish)."""
         if self.in_flight is not None:
             stale, self.in_flight = self.in_flight, None
-            self._apply(stale)
+            report = self._apply(stale)
             self._load_fast(self.round_start_weights())
-            self._offer()
+            self._close_round(report)
+            super().finish()
+
+    def _average_again(self) -> SyncReport:
+        """Our part that the last average did not count, averaged now and applied (see OuterProtocol.finish)."""
+        sent, self._unsent = self._unsent, None
+        future = self.transport.average_async(sent, None, f"co2/{self.round}", self.round)
+        return self._apply(InFlight(future, sent, self.slow.clone() if self.staleness_adaptive else None))
+
+    def _drop_uncounted(self) -> None:
+        self._unsent = None
 
     def state_dict(self) -> dict:
         """Also our part of the average in flight: a peer resumed alone applies it at its first boundary
