@@ -19,7 +19,8 @@ What it reports (issue #10's targets):
   against one round;
 - replicas (DiLoCo, DDP): for every round that two or more workers recorded, whether their state
   digests agree; and the repairs made;
-- loss: the mean final validation loss over workers, churn ÷ steady.
+- loss: the mean final validation loss over workers, churn ÷ steady; and how many workers end on one
+  model (the same final validation loss: replicas that end identical score alike).
 Writes OUT/results.json and OUT/soak.png and prints the tables.
 """
 
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -207,6 +209,12 @@ def final_loss(records: list[dict]) -> float | None:
     return finals[-1] if finals else None
 
 
+def final_agreement(run: Run) -> tuple[int, int]:
+    """(workers whose final validation loss is the one most of them end on, workers that recorded one)."""
+    finals = [v for v in (final_loss(records) for records in run.records.values()) if v is not None]
+    return max(Counter(finals).values(), default=0), len(finals)
+
+
 def digest_agreement(run: Run) -> tuple[int, int, int]:
     """(rounds where every worker that recorded a digest agrees, rounds with 2+ digests, repairs)."""
     by_round: dict[int, set[str]] = {}
@@ -252,6 +260,8 @@ def summarize(steady: Run, churn: Run, keep: int) -> dict:
                     "steady": {"agree": steady_agree, "rounds": steady_compared}},
         "final_val_loss": loss,
         "loss_ratio": loss["churn"] / loss["steady"] if loss["churn"] and loss["steady"] else None,
+        "final_models": {name: dict(zip(("agree", "workers"), final_agreement(run)))
+                         for name, run in (("steady", steady), ("churn", churn))},
         "wall_s": {"steady": steady.wall_s, "churn": churn.wall_s},
         "exit_codes": {"steady": steady.codes, "churn": churn.codes},
     }
@@ -277,6 +287,9 @@ def format_summary(summary: dict) -> str:
     loss = summary["final_val_loss"]
     lines.append(f"final validation loss: steady {f(loss['steady'], '.4f')}, churn {f(loss['churn'], '.4f')} "
                  f"(ratio {f(summary['loss_ratio'], '.4f')})")
+    ends = summary["final_models"]
+    lines.append(f"workers ending on one model (equal final loss): {ends['churn']['agree']} of {ends['churn']['workers']} "
+                 f"under churn, {ends['steady']['agree']} of {ends['steady']['workers']} steady")
     return "\n".join(lines)
 
 

@@ -44,7 +44,7 @@ def test_summary_counts_stalls_rejoins_and_the_loss_ratio():
     steady = Run("steady", 100.0, {0: 0, 1: 0, 2: 0}, {i: life(0, [0.5] * 4, final=2.0) for i in range(3)})
     churn = Run("churn", 120.0, {0: 0, 1: 0, 2: 0},
                 {0: life(0, [0.5, 3.0, 0.5, 0.5], final=2.1), 1: life(0, [0.5] * 4, final=2.1),
-                 2: life(0, [0.5] * 4, final=2.1)},
+                 2: life(0, [0.5] * 4, final=2.4)},
                 [Restart(2, 10.0, 10.5, 4, trained_at=12.0), Restart(2, 20.0, 20.2, 6, killed_again=True),
                  Restart(2, 40.0, 40.1, 8, trained_at=45.0)])
     summary = summarize(steady, churn, keep=2)
@@ -52,4 +52,5 @@ def test_summary_counts_stalls_rejoins_and_the_loss_ratio():
     assert summary["kept"]["w0"]["stalls"] == 1 and summary["kept"]["w1"]["stalls"] == 0  # 3.0 s > one round
     assert summary["kept"]["w0"]["wait_fraction"] == pytest.approx(4.5 / 12.5)
     assert summary["rejoined_within_a_round"] == 1  # 1.5 s yes, 4.9 s no, the one killed again not counted
-    assert summary["loss_ratio"] == pytest.approx(2.1 / 2.0)
+    assert summary["loss_ratio"] == pytest.approx(2.2 / 2.0)
+    assert summary["final_models"] == {"steady": {"agree": 3, "workers": 3}, "churn": {"agree": 2, "workers": 3}}
