@@ -33,7 +33,8 @@ every replica. Whatever a round starts from, φ counts every round's average exa
 decides where the next round's gradients are taken.
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
-round's, so nothing trained is lost. With a codec that sends a small part of each tensor (top-k), what
+round's, so nothing trained is lost (the run's last, applied when training ends, goes out once more then:
+OuterProtocol.finish). With a codec that sends a small part of each tensor (top-k), what
 a committed average did not count is the error feedback's residual, added to the next input. A peer that
 starts while an average is in flight that it had no part in (a newcomer, or a resumed peer) takes the
 members' state at its first boundary, when they have applied it: it replays that round's average on the

@@ -7,13 +7,14 @@ Every H inner steps (ALGORITHMS.md §1):
     θ_i ← φ
 Inner optimizer states are never averaged. A round whose average does not commit (swarm.averaging:
 every member holds the same result, or nobody uses it) is rolled back: φ and the momentum stay, the
-fast weights train on, and the next boundary retries with the progress of both rounds. With a codec
-that sends a small part of each tensor (top-k), what the average did not count is kept and added to the
-next round's outer gradient (error feedback, SparseLoCo; decentral.sync.base `_with_residual`), and the
-next round starts from θ_i ← φ − e_i, so that progress stays in our own model while it waits to be sent
-(from φ alone, demo with topk: final validation loss 2.61; from φ − e: 2.05; float16 DiLoCo 1.96). Replicas whose
-φ or momentum differ anyway are found by digest and repaired (decentral.sync.base). A newcomer whose state
-arrived rounds late replays those rounds' averages on it (`_apply_average`, decentral.rounds).
+fast weights train on, and the next boundary retries with the progress of both rounds (the run's last
+round, once more at the end: OuterProtocol.finish). With a codec that sends a small part of each tensor
+(top-k), what the average did not count is kept and added to the next round's outer gradient (error
+feedback, SparseLoCo; decentral.sync.base `_with_residual`), and the next round starts from θ_i ← φ − e_i,
+so that progress stays in our own model while it waits to be sent (from φ alone, demo with topk: final
+validation loss 2.61; from φ − e: 2.05; float16 DiLoCo 1.96). Replicas whose φ or momentum differ anyway
+are found by digest and repaired (decentral.sync.base). A newcomer whose state arrived rounds late replays
+those rounds' averages on it (`_apply_average`, decentral.rounds).
 """
 
 from __future__ import annotations
