@@ -409,6 +409,13 @@ def test_a_diloco_replica_that_split_is_repaired_from_the_majority(make_peers):
     assert len({r.digest for r in reports}) == 1
 
 
+def sees_only(protocol, peers: list, rounds: set[int]) -> None:
+    """From now on, `protocol`'s lookups of `rounds`' members list only the peers of `peers` (protocols)."""
+    ids = sorted(p.transport.peer_id for p in peers)
+    members = protocol.transport.members
+    protocol.transport.members = lambda round: ids if round in rounds else members(round)
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 def test_a_member_whose_lookup_missed_a_member_takes_the_others_state_at_that_boundary_by_replaying_it(
         make_swarm, cls):
@@ -424,9 +431,7 @@ def test_a_member_whose_lookup_missed_a_member_takes_the_others_state_at_that_bo
     gen = torch.Generator().manual_seed(4)
     random_round(protocols, gen)
     blind = protocols[0]
-    seen = sorted(p.transport.peer_id for p in protocols[:2])
-    members = blind.transport.members
-    blind.transport.members = lambda round: seen if round == 1 else members(round)
+    sees_only(blind, protocols[:2], {1})
     if cls is CO2:  # round 1's average, in flight, is applied at the next boundary
         random_round(protocols, gen)
     before = transports[0].bytes_received
@@ -462,16 +467,6 @@ def test_a_member_left_alone_by_a_split_that_rolled_back_everywhere_downloads_no
     assert transports[0].bytes_received - before < 8 * blind.slow.numel() / 2  # parts, no state
 
 
-def split_lookups(pair_sees: list, trio_sees: list, rounds: set[int]) -> None:
-    """From now on, `pair_sees[0]`'s lookups of `rounds`' members see only `pair_sees`, and `trio_sees[0]`'s see
-    every peer of `trio_sees` (one of them gone): each one's average of such a round rolls back (the other's
-    part is over another member list, the third is gone, and one member is too few to redo it)."""
-    for protocols in (pair_sees, trio_sees):
-        ids = sorted(p.transport.peer_id for p in protocols)
-        members = protocols[0].transport.members
-        protocols[0].transport.members = lambda round, ids=ids, members=members: ids if round in rounds else members(round)
-
-
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 @pytest.mark.parametrize("second_try_commits", [True, False])
 def test_a_runs_last_average_that_rolled_back_everywhere_is_tried_again_at_the_end_or_dropped(
@@ -487,20 +482,20 @@ def test_a_runs_last_average_that_rolled_back_everywhere_is_tried_again_at_the_e
     blind, other, gone = protocols
     gen = torch.Generator().manual_seed(13)
     phi = blind.slow.clone()
-    starts = [flat(p.model) for p in protocols]
-    sent = [s - f for s, f in zip(starts, [p.slow + 0.1 * torch.randn(phi.numel(), generator=gen) for p in protocols])]
-    outer_round(protocols, [s - g for s, g in zip(starts, sent)])
+    sent = [0.1 * torch.randn(phi.numel(), generator=gen) for _ in protocols]  # each one's outer gradient
+    outer_round(protocols, [flat(p.model) - g for p, g in zip(protocols, sent)])
     if cls is CO2:  # round 0's average, in flight, is applied at the next boundary: over all three
         for p in protocols:
             assert p.in_flight.future.result().complete
     last = blind.round  # the round whose average rolls back: DiLoCo's round 1, CO2's round 1 (applied at the end)
     again = last + 1 if cls is DiLoCo else last + 2  # the second try's round: CO2 closes the applied one first
-    split_lookups([blind, other], [blind, other, gone], {last} | (set() if second_try_commits else {again}))
+    split = {last} | (set() if second_try_commits else {again})  # each one's average of these rolls back: the
+    sees_only(blind, [blind, other], split)  # other's part is over another member list, the third is gone, and
+    sees_only(other, protocols, split)  # one member is too few to redo it
     gone.transport.close()
     phi = phi - torch.stack(sent).mean(0)  # round 0's average, over all three
-    starts = [flat(p.model) for p in (blind, other)]
     last_sent = [0.1 * torch.randn(phi.numel(), generator=gen) for _ in range(2)]
-    reports = outer_round([blind, other], [s - g for s, g in zip(starts, last_sent)])
+    reports = outer_round([blind, other], [flat(p.model) - g for p, g in zip((blind, other), last_sent)])
     if cls is DiLoCo:
         assert [r.rolled_back for r in reports] == [True, True]
     run_in_threads([blind.finish, other.finish])
@@ -523,9 +518,7 @@ def test_a_member_the_runs_last_average_left_out_ends_on_the_others_state_withou
     gen = torch.Generator().manual_seed(14)
     random_round(protocols, gen)
     blind = protocols[0]
-    seen = sorted(p.transport.peer_id for p in protocols[:2])
-    members = blind.transport.members
-    blind.transport.members = lambda round: seen if round == 1 else members(round)
+    sees_only(blind, protocols[:2], {1})
     reports = random_round(protocols, gen)
     if cls is DiLoCo:
         assert reports[0].repaired and [r.complete for r in reports] == [False, True, True]
