@@ -209,12 +209,6 @@ def final_loss(records: list[dict]) -> float | None:
     return finals[-1] if finals else None
 
 
-def final_agreement(run: Run) -> tuple[int, int]:
-    """(workers whose final validation loss is the one most of them end on, workers that recorded one)."""
-    finals = [v for v in (final_loss(records) for records in run.records.values()) if v is not None]
-    return max(Counter(finals).values(), default=0), len(finals)
-
-
 def digest_agreement(run: Run) -> tuple[int, int, int]:
     """(rounds where every worker that recorded a digest agrees, rounds with 2+ digests, repairs)."""
     by_round: dict[int, set[str]] = {}
@@ -248,9 +242,10 @@ def summarize(steady: Run, churn: Run, keep: int) -> dict:
     one_round = statistics.median([k["round_s"] for k in kept.values() if k["round_s"]] or [float("nan")])
     agree, compared, repairs = digest_agreement(churn)
     steady_agree, steady_compared, _ = digest_agreement(steady)
-    finals = {name: [final_loss(recs) for recs in run.records.values()] for name, run in (("steady", steady), ("churn", churn))}
+    finals = {name: [v for v in map(final_loss, run.records.values()) if v is not None]
+              for name, run in (("steady", steady), ("churn", churn))}
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    loss = {name: mean([v for v in values if v is not None]) for name, values in finals.items()}
+    loss = {name: mean(values) for name, values in finals.items()}
     return {
         "kept": kept,
         "round_s": one_round,
@@ -260,8 +255,8 @@ def summarize(steady: Run, churn: Run, keep: int) -> dict:
                     "steady": {"agree": steady_agree, "rounds": steady_compared}},
         "final_val_loss": loss,
         "loss_ratio": loss["churn"] / loss["steady"] if loss["churn"] and loss["steady"] else None,
-        "final_models": {name: dict(zip(("agree", "workers"), final_agreement(run)))
-                         for name, run in (("steady", steady), ("churn", churn))},
+        "final_models": {name: {"agree": max(Counter(values).values(), default=0), "workers": len(values)}
+                         for name, values in finals.items()},  # workers on the final loss most of them end on
         "wall_s": {"steady": steady.wall_s, "churn": churn.wall_s},
         "exit_codes": {"steady": steady.codes, "churn": churn.codes},
     }

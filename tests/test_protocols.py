@@ -453,11 +453,8 @@ def test_a_member_left_alone_by_a_split_that_rolled_back_everywhere_downloads_no
     gen = torch.Generator().manual_seed(4)
     random_round(protocols, gen)
     blind, other = protocols[:2]
-    pair = sorted(p.transport.peer_id for p in protocols[:2])
-    members = blind._members
-    blind._members = lambda round: pair if round == 1 else members(round)
-    trio = sorted(t.peer_id for t in transports)
-    other._members = lambda round: trio
+    sees_only(blind, [blind, other], {1})
+    sees_only(other, protocols, {1})
     transports[2].close()
     before = transports[0].bytes_received
     reports = random_round([blind, other], gen)

@@ -803,10 +803,10 @@ class OuterProtocol(SyncProtocol):
         progress is dropped (`_drop_uncounted`): every member ends on φ, the state replicas agree on, not on
         its own."""
         last = self._closed
-        if not self.identical_replicas or last is None or last.complete or len(last.group) < 2:
+        if not self.identical_replicas or last is None or not not_committed(last):
             return
         again = None if last.repaired else self._average_again()
-        if again is None or (not again.complete and len(again.group) > 1):
+        if again is None or not_committed(again):
             log.warning("round %d: the run's last average did not count our progress%s; ending on the slow weights "
                         "the members hold, without it", self.round, "" if again is None else ", nor did a second try")
             self._drop_uncounted()
@@ -838,6 +838,12 @@ class OuterProtocol(SyncProtocol):
         self.load_snapshot(state["meta"], state["tensors"])
         if self.residual is not None and "residual" in state["tensors"]:
             self.residual.copy_(state["tensors"]["residual"])
+
+
+def not_committed(outcome: SyncReport | AverageResult) -> bool:
+    """Whether an average (or the report of the round that applied it) did not commit over a group of two or
+    more: nobody used it, and each member still holds its own part (a group of one commits its own)."""
+    return not outcome.complete and len(outcome.group) > 1
 
 
 def heartbeat_round(info: object, default: int) -> int:

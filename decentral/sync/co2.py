@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentral.sync.base import OuterProtocol, SyncReport
+from decentral.sync.base import OuterProtocol, SyncReport, not_committed
 from decentral.transport import AverageResult, Transport, finished
 
 
@@ -148,7 +148,7 @@ class CO2(OuterProtocol):
     def _apply(self, stale: InFlight) -> SyncReport:
         """Wait for the average launched a boundary ago and take the outer step on it."""
         result, waited = self._await_average(stale.future)
-        if not result.complete and len(result.group) > 1:
+        if not_committed(result):
             self._unsent = stale.sent if self._unsent is None else self._unsent + stale.sent
         else:
             self._keep_residual(stale.sent, result.sent)

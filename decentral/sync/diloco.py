@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from decentral.sync.base import OuterProtocol, SyncReport
+from decentral.sync.base import OuterProtocol, SyncReport, not_committed
 from decentral.transport import Transport
 
 
@@ -66,7 +66,7 @@ class DiLoCo(OuterProtocol):
         outer_grad = self._outer_gradient(fast)
         sent = self._with_residual(outer_grad)
         result, waited = self._timed_average(sent, group, f"diloco/{self.round}")
-        rolled_back = not result.complete and len(result.group) > 1
+        rolled_back = not_committed(result)
         if rolled_back:  # retried at the next boundary, with twice the progress (θ holds this round's)
             self._keep_residual(sent, outer_grad)
         else:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentral.sync.base import SyncReport
+from decentral.sync.base import SyncReport, not_committed
 from decentral.sync.diloco import DiLoCo, nesterov_sgd_step
 from decentral.transport import AverageResult, EncodedAverage, Transport
 
@@ -135,7 +135,7 @@ class StreamingDiLoCo(DiLoCo):
         flight, self.in_flight = self.in_flight, None
         part = self.fragments[flight.fragment]
         result, waited = self._await_average(flight.future)
-        rolled_back = not result.complete and len(result.group) > 1
+        rolled_back = not_committed(result)
         if rolled_back:  # sent again at the fragment's next sync, with that round's progress (θ holds it)
             self._keep_residual(flight.sent, flight.grad, part)
         else:
