@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a local swarm of workers training a small GPT on Python's own source",
                           **example("decentral demo --protocol diloco --workers 2 --steps 200 --out runs/demo-diloco"))
     demo.add_argument("--workers", type=positive_int, default=4)
-    demo.add_argument("--protocol", default="noloco", help="co2, ddp, diloco, noloco, streaming, or a recipe file")
+    demo.add_argument("--protocol", default="noloco",
+                      help="co2, ddp, diloco, noloco, streaming, local (no communication), or a recipe file")
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     demo.add_argument("--steps", type=positive_int, help="inner steps per worker (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo")

@@ -1,7 +1,8 @@
 """`decentral demo`: a local swarm of worker processes on loopback, training one recipe.
 
 Worker 0 starts the swarm; the others join through its multiaddr. Each is a separate
-`decentral train` process, exactly what a user runs on separate machines. With `--island-size N`
+`decentral train` process, exactly what a user runs on separate machines (with `local`, the
+no-communication reference, the workers start together and each trains alone). With `--island-size N`
 each worker is a fast island of N ranks (decentral.hierarchy), one member of the swarm. Afterwards the demo
 plots every worker's curves into OUT/report.png and prints a summary.
 """
@@ -65,6 +66,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     maddr_file = out / "bootstrap.maddrs"
     maddr_file.unlink(missing_ok=True)
     island = recipe.island.size
+    swarm = recipe.protocol != "local"  # local averages nothing: no swarm to start or join
     members = f"{workers} islands of {island} ranks" if island > 1 else f"{workers} workers"
     print(f"demo: {members}, protocol {recipe.protocol}, {recipe.train.steps} inner steps each, "
           f"outputs in {out}/", flush=True)
@@ -72,8 +74,10 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     def launch(index: int, join: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(recipe_file),
                "--out", str(out / f"w{index}"), "--name", f"w{index}",
-               "--worker-index", str(index), "--num-workers", str(workers), "--min-peers", str(workers)]
-        cmd += ["--maddr-file", str(maddr_file)] if index == 0 else [a for m in join for a in ("--join", m)]
+               "--worker-index", str(index), "--num-workers", str(workers)]
+        if swarm:
+            cmd += ["--min-peers", str(workers)]
+            cmd += ["--maddr-file", str(maddr_file)] if index == 0 else [a for m in join for a in ("--join", m)]
         cmd += ["--tensorboard", str(tensorboard / f"w{index}")] if tensorboard else []
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
@@ -81,7 +85,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     procs = [launch(0, [])]
     relays = [_relay(procs[0])]
     try:
-        bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120)
+        bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120) if swarm else []
         for i in range(1, workers):
             procs.append(launch(i, bootstrap))
             relays.append(_relay(procs[-1]))
@@ -103,9 +107,10 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     per_step = [s["bytes_sent"] / max(1, s["final_step"]) for s in summary.values()]
     mean_per_step = sum(per_step) / len(per_step)
     ddp = ddp_bytes_per_step(num_params, workers)
-    print(f"demo: {elapsed:.0f}s wall; {num_params:,} parameters; sent per worker per inner step "
-          f"{mean_per_step / 1024:.1f} KiB vs {ddp / 1024:.1f} KiB for a DDP all-reduce "
-          f"({ddp / max(mean_per_step, 1):.0f}x less)" + (f", H={outer}" if outer else ""))
+    traffic = (f"sent per worker per inner step {mean_per_step / 1024:.1f} KiB vs {ddp / 1024:.1f} KiB for a DDP "
+               f"all-reduce ({ddp / max(mean_per_step, 1):.0f}x less)" + (f", H={outer}" if outer else "")
+               if swarm else "no communication (local)")
+    print(f"demo: {elapsed:.0f}s wall; {num_params:,} parameters; {traffic}")
     print(f"demo: plot {out / 'report.png'}, metrics {out}/w*/metrics.jsonl, checkpoints {out}/w*/checkpoint"
           + (f"; tensorboard --logdir {tensorboard}" if tensorboard else ""))
     failed = [i for i, c in enumerate(codes) if c != 0]

@@ -1,0 +1,50 @@
+"""`decentral demo`, the README's first command, end to end: real worker processes on loopback, each a
+`decentral train` as a user runs it, then the demo's report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from decentral.metrics import read_metrics
+from decentral.config import default_recipe_path, load_recipe
+from decentral.models import build_model
+
+
+def demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, list[dict]]]:
+    """Run `decentral demo --workers 2 ARGS` into tmp_path/demo; (the finished process, each worker's records)."""
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "decentral", "demo", "--workers", "2", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    records: dict[str, list[dict]] = {}
+    for r in read_metrics(sorted(out.glob("w*/metrics.jsonl"))):
+        records.setdefault(r["worker"], []).append(r)
+    return done, records
+
+
+def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn(tmp_path):
+    done, records = demo(tmp_path, "--steps", "60")  # NoLoCo, H = 50: one outer round
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(records) == ["w0", "w1"]
+    recipe = load_recipe(default_recipe_path("noloco"))
+    params = build_model(recipe.model_source, recipe.model, recipe.train.context).num_parameters()
+    for worker, recs in records.items():
+        last = recs[-1]
+        assert last["final"] and last["step"] == 60 and last["round"] == 1, (worker, last)
+        assert last["val_loss"] < recs[0]["val_loss"] - 1.0, (worker, recs[0]["val_loss"], last["val_loss"])
+        assert last["bytes_sent"] >= params, (worker, last["bytes_sent"])  # it sent its model-sized part
+    assert (tmp_path / "demo" / "report.png").stat().st_size > 0
+    assert "for a DDP all-reduce" in done.stdout
+
+
+def test_the_demo_of_local_trains_each_worker_alone(tmp_path):
+    done, records = demo(tmp_path, "--protocol", "local", "--steps", "20")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(records) == ["w0", "w1"]
+    for worker, recs in records.items():
+        last = recs[-1]
+        assert last["final"] and last["step"] == 20, (worker, last)
+        assert last["val_loss"] < recs[0]["val_loss"], worker
+        assert last["bytes_sent"] == 0, (worker, last["bytes_sent"])
+    assert "no communication (local)" in done.stdout
