@@ -56,6 +56,11 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     if workers < 1:
         raise ValueError("--workers must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
+    earlier = sorted(out.glob("w*/metrics.jsonl"))  # a worker appends to its file (a restart's lives): not a new demo's
+    for path in earlier:
+        path.unlink()
+    if earlier:
+        print(f"demo: {out}/ held an earlier demo's records; they are replaced", flush=True)
     recipe.swarm.run = f"demo-{uuid.uuid4().hex[:8]}"
     key_file = out / "swarm.key"  # the demo's swarm admits only its own workers
     key_file.unlink(missing_ok=True)
@@ -107,9 +112,11 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     per_step = [s["bytes_sent"] / max(1, s["final_step"]) for s in summary.values()]
     mean_per_step = sum(per_step) / len(per_step)
     ddp = ddp_bytes_per_step(num_params, workers)
-    traffic = (f"sent per worker per inner step {mean_per_step / 1024:.1f} KiB vs {ddp / 1024:.1f} KiB for a DDP "
-               f"all-reduce ({ddp / max(mean_per_step, 1):.0f}x less)" + (f", H={outer}" if outer else "")
-               if swarm else "no communication (local)")
+    if not swarm or workers == 1:
+        traffic = "no communication" + (" (local)" if not swarm else ": one worker")
+    else:
+        traffic = (f"sent per worker per inner step {mean_per_step / 1024:.1f} KiB vs {ddp / 1024:.1f} KiB for a DDP "
+                   f"all-reduce ({ddp / max(mean_per_step, 1):.0f}x less)" + (f", H={outer}" if outer else ""))
     print(f"demo: {elapsed:.0f}s wall; {num_params:,} parameters; {traffic}")
     print(f"demo: plot {out / 'report.png'}, metrics {out}/w*/metrics.jsonl, checkpoints {out}/w*/checkpoint"
           + (f"; tensorboard --logdir {tensorboard}" if tensorboard else ""))

@@ -13,7 +13,8 @@ from decentral.models import build_model
 
 
 def demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, list[dict]]]:
-    """Run `decentral demo --workers 2 ARGS` into tmp_path/demo; (the finished process, each worker's records)."""
+    """Run `decentral demo --workers 2 ARGS` into tmp_path/demo (a later --workers wins); (the finished
+    process, each worker's records in the folder)."""
     out = tmp_path / "demo"
     done = subprocess.run([sys.executable, "-m", "decentral", "demo", "--workers", "2", "--out", str(out), *args],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -38,13 +39,15 @@ def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn(tmp_pat
     assert "for a DDP all-reduce" in done.stdout
 
 
-def test_the_demo_of_local_trains_each_worker_alone(tmp_path):
-    done, records = demo(tmp_path, "--protocol", "local", "--steps", "20")
+def test_the_demo_of_local_trains_each_worker_alone_and_a_rerun_replaces_the_earlier_records(tmp_path):
+    demo(tmp_path, "--protocol", "local", "--workers", "3", "--steps", "10")
+    done, records = demo(tmp_path, "--protocol", "local", "--steps", "20")  # the same OUT, two workers
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(records) == ["w0", "w1"]
     for worker, recs in records.items():
         last = recs[-1]
         assert last["final"] and last["step"] == 20, (worker, last)
+        assert [r["step"] for r in recs if "loss" in r] == list(range(1, 21)), worker  # this run's steps alone
         assert last["val_loss"] < recs[0]["val_loss"], worker
         assert last["bytes_sent"] == 0, (worker, last["bytes_sent"])
     assert "no communication (local)" in done.stdout
