@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import yaml
 
 from decentral.models import GPT_SOURCE, GPTConfig, ModelError, check_source
 from decentral.codec import make_codec
 from decentral.sync import PROTOCOLS
+from decentral.transport import SoloTransport
 
 
 class RecipeError(ValueError):
@@ -157,16 +159,47 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     unknown = sorted(set(proto) - set(allowed))
     if unknown:
         raise RecipeError(f"{where}: protocol {name!r} has no parameter(s) {unknown}; allowed: {sorted(allowed)}")
+    proto = {k: v if v is None or allowed[k] is None else _coerce(v, allowed[k], f"{where}: protocol.{k}")
+             for k, v in proto.items()}  # None: a setting that may be off (clip), or has no typed default
+    check_protocol_settings(name, proto, where)
     model, model_source = _model_section(data.get("model"), f"{where}: model")
     return Recipe(
         protocol=name,
         protocol_args=proto,
-        train=typed_section(TrainConfig, data.get("train"), f"{where}: train"),
+        train=_train_section(data.get("train"), f"{where}: train"),
         model=model,
         swarm=_swarm_section(data.get("swarm"), f"{where}: swarm", name),
         island=_island_section(data.get("island"), f"{where}: island"),
         model_source=model_source,
     )
+
+
+def check_protocol_settings(name: str, settings: dict[str, Any], where: str) -> None:
+    """RecipeError for a value protocol `name` refuses (`every: 0`, a `mix` outside [0, 1], ...) now, not in
+    every worker once its model is built and its swarm joined: the protocol's own constructor checks them,
+    on a small model (4096 parameters: a check against the real model's size passes) with no network."""
+    probe = torch.nn.Linear(64, 64, bias=False)
+    try:
+        PROTOCOLS[name](probe, torch.optim.SGD(probe.parameters(), lr=1.0), SoloTransport(), **settings)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{where}: protocol {name!r}: {e}") from None
+
+
+def _train_section(values: Any, where: str) -> TrainConfig:
+    train = typed_section(TrainConfig, values, where)
+    for key in ("steps", "batch_size", "context", "eval_batches", "eval_every"):
+        if getattr(train, key) < 1:
+            raise RecipeError(f"{where}.{key}: must be >= 1, got {getattr(train, key)}")
+    for key in ("warmup_steps", "weight_decay"):
+        if getattr(train, key) < 0:
+            raise RecipeError(f"{where}.{key}: must be >= 0, got {getattr(train, key)}")
+    if not train.lr > 0:
+        raise RecipeError(f"{where}.lr: must be > 0, got {train.lr}")
+    if not 0 <= train.min_lr_ratio <= 1:
+        raise RecipeError(f"{where}.min_lr_ratio: must be in [0, 1], got {train.min_lr_ratio}")
+    if not train.grad_clip > 0:
+        raise RecipeError(f"{where}.grad_clip: must be > 0 (.inf: no clipping), got {train.grad_clip}")
+    return train
 
 
 def _model_section(values: Any, where: str) -> tuple[GPTConfig, str]:

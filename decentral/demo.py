@@ -55,6 +55,8 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     as TensorBoard scalars into TENSORBOARD/wI. Returns the exit code."""
     if workers < 1:
         raise ValueError("--workers must be >= 1")
+    num_params = build_model(recipe.model_source, recipe.model, recipe.train.context).num_parameters()  # a bad
+    # model source fails here, before any worker starts
     out.mkdir(parents=True, exist_ok=True)
     earlier = sorted(out.glob("w*/metrics.jsonl"))  # a worker appends to its file (a restart's lives): not a new demo's
     for path in earlier:
@@ -90,7 +92,14 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     procs = [launch(0, [])]
     relays = [_relay(procs[0])]
     try:
-        bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120) if swarm else []
+        try:
+            bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120) if swarm else []
+        except RuntimeError as e:  # the first worker failed (it said why) or hangs: nobody to join
+            procs[0].terminate()
+            procs[0].wait()
+            relays[0].join(timeout=5)
+            print(f"demo: {e}; its output is above", file=sys.stderr, flush=True)
+            return 1
         for i in range(1, workers):
             procs.append(launch(i, bootstrap))
             relays.append(_relay(procs[-1]))
@@ -107,7 +116,6 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     elapsed = time.monotonic() - start
     records = read_metrics(sorted(out.glob("w*/metrics.jsonl")))
     summary = write_report(records, out / "report.png", title=f"{recipe.protocol}, {members}")
-    num_params = build_model(recipe.model_source, recipe.model, recipe.train.context).num_parameters()
     outer = recipe.protocol_args.get("every", None)
     per_step = [s["bytes_sent"] / max(1, s["final_step"]) for s in summary.values()]
     mean_per_step = sum(per_step) / len(per_step)

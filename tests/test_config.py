@@ -69,6 +69,16 @@ def test_model_source_round_trips_and_gpt_recipes_stay_as_they_were():
         ({"model": {"source": ""}}, "model.source: model source '': expected gpt, hf:CONFIG.json or a save_pretrained"),
         ({"model": {"source": 3}}, "model.source: expected str"),
         ([1, 2], "expected a mapping"),
+        ({"train": {"steps": 0}}, "train.steps: must be >= 1, got 0"),
+        ({"train": {"eval_every": 0}}, "train.eval_every: must be >= 1"),
+        ({"train": {"lr": -1e-3}}, "train.lr: must be > 0"),
+        ({"train": {"min_lr_ratio": 1.5}}, "train.min_lr_ratio: must be in [0, 1]"),
+        ({"train": {"grad_clip": 0}}, "train.grad_clip: must be > 0"),
+        ({"protocol": {"name": "noloco", "every": "often"}}, "protocol.every: expected int, got 'often'"),
+        # values only the protocol's constructor knows to refuse, refused before any worker starts
+        ({"protocol": {"name": "diloco", "every": 0}}, "protocol 'diloco': every (H, inner steps per outer step) must"),
+        ({"protocol": {"name": "co2", "mix": 2}}, "protocol 'co2': mix (α, the share of our own progress"),
+        ({"protocol": {"name": "streaming", "every": 50, "fragments": 3, "delay": 20}}, "protocol 'streaming': delay"),
     ],
 )
 def test_malformed_recipes_say_what_is_wrong(data, message):
