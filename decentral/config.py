@@ -177,8 +177,10 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
 def check_protocol_settings(name: str, settings: dict[str, Any], where: str) -> None:
     """RecipeError for a value protocol `name` refuses (`every: 0`, a `mix` outside [0, 1], ...) now, not in
     every worker once its model is built and its swarm joined: the protocol's own constructor checks them,
-    on a small model (4096 parameters: a check against the real model's size passes) with no network."""
-    probe = torch.nn.Linear(64, 64, bias=False)
+    on a small model (4096 parameters, zeros: a check against the model's size passes, and torch's random
+    generator is not drawn from, so reading a recipe never changes the weights a seed gives) with no network."""
+    probe = torch.nn.Module()
+    probe.weight = torch.nn.Parameter(torch.zeros(4096))
     try:
         PROTOCOLS[name](probe, torch.optim.SGD(probe.parameters(), lr=1.0), SoloTransport(), **settings)
     except (TypeError, ValueError) as e:

@@ -3,6 +3,7 @@
 import inspect
 
 import pytest
+import torch
 
 from decentral.cli import main
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe, parse_settings, recipe_path
@@ -115,3 +116,14 @@ def test_set_changes_one_setting_of_a_recipe_and_names_itself_in_errors(tmp_path
     assert main(["train", "--protocol", "diloco", "--set", "swarm.codecc=int8", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "with --set swarm.codecc=int8: swarm: unknown key(s) ['codecc']" in err and len(err.splitlines()) == 1
+
+
+def test_reading_a_recipe_leaves_torchs_random_generator_as_it_was():
+    """Its protocol settings are checked by building the protocol on a probe model (check_protocol_settings):
+    a worker that seeds and then reads a recipe must still build the weights that seed gives."""
+    for name in ("co2", "diloco", "noloco", "streaming", "ddp"):
+        torch.manual_seed(0)
+        load_recipe(default_recipe_path(name))
+        after = torch.rand(4)
+        torch.manual_seed(0)
+        assert torch.equal(after, torch.rand(4)), name
