@@ -114,6 +114,7 @@ def train_worker(recipe, args, **overrides) -> int:
 
 
 def cmd_train(args) -> int:
+    from decentral.codec import TOPK_NOTICE, make_codec
     from decentral.ranks import rank_from_env, spawn_ranks
     from decentral.swarm.peer import check_multiaddrs
 
@@ -138,6 +139,8 @@ def cmd_train(args) -> int:
                          local_world_size=launched.local_world_size)
     if recipe.protocol != "local" and not args.island and (launched is None or launched.rank == 0):
         swarm_key(recipe.swarm.key_file)  # a bad key file fails here, before any training; no key: the notice
+        if make_codec(recipe.swarm.codec).error_feedback:
+            print(TOPK_NOTICE, file=sys.stderr, flush=True)
     return train_worker(recipe, args, **overrides)
 
 
