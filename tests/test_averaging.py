@@ -13,6 +13,7 @@ from decentral.swarm import check_part, wire
 from decentral.swarm.wire import LinkShaper
 from decentral.codec import make_codec
 from decentral.swarm.averaging import aggregate, check_owner_result, clip, encode_chunks, norm_bound
+from decentral.swarm.peer import DialHeldBack
 from decentral.transport import FINITE_CHECK_NUMEL, all_finite
 
 
@@ -194,6 +195,35 @@ def test_a_connection_reset_between_live_members_costs_a_resend_not_the_round(ma
     assert ra.complete and rb.complete and not ra.absent and not rb.absent, caplog.text
     for r in (ra, rb):
         torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("address_answers", [True, False])
+def test_members_whose_new_dials_libp2p_holds_back_past_hang_s_wait_for_each_other_while_their_addresses_answer(
+        make_swarm, monkeypatch, address_answers):
+    """After a reset, libp2p may hold back new dials between two live members for its backoff (5 s and
+    more, past `hang_s`), on both sides at once, as the reset test above saw on a loaded machine. Held
+    back here for 6 s: while the address accepts a plain connection (their daemons are up) that is a sign
+    of life, and they commit the exact mean once dials go through; an address that does not answer (a
+    host cut off) gives none, and each takes the other for hung after `hang_s`."""
+    a, b = make_swarm(2, timeout=30.0)
+    group = sorted([a.peer_id, b.peer_id])
+    xs = [torch.randn(1000), torch.randn(1000)]
+    held_until = time.monotonic() + 6.0
+    for t in (a, b):
+        async def held_back(peer, name, real=t.peer.open_stream):
+            if time.monotonic() < held_until:
+                raise DialHeldBack("libp2p holds back dials (injected)", accepted=address_answers)
+            return await real(peer, name)
+
+        monkeypatch.setattr(t.peer, "open_stream", held_back)
+    ra, rb = run_in_threads([lambda: a.average(xs[0], group, "held"), lambda: b.average(xs[1], group, "held")])
+    if address_answers:
+        assert time.monotonic() >= held_until
+        assert ra.complete and rb.complete and ra.contributors == rb.contributors == 2
+        for r in (ra, rb):
+            torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    else:
+        assert not ra.complete and ra.absent == [b.peer_id] and not rb.complete and rb.absent == [a.peer_id]
 
 
 def test_a_closed_peer_costs_at_most_the_timeout_and_the_survivors_end_alike(make_swarm):

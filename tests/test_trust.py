@@ -17,7 +17,7 @@ from conftest import run_in_threads, wait_until
 from decentral.swarm import SwarmPeer, averaging, state, wire
 from decentral.swarm.averaging import GroupAverager, chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
-from decentral.swarm.peer import refuse_plain_dials
+from decentral.swarm.peer import plain_dial
 from decentral.swarm.wire import LinkShaper, read_frame, write_frame, write_message
 from decentral.transport import StateUnavailable
 
@@ -89,9 +89,9 @@ def test_a_plain_dial_tells_a_dead_address_from_a_live_one():
         live.listen()
         dead.bind(("127.0.0.1", 0))  # bound, not listening: the kernel refuses connections to it
         addresses = {name: ("127.0.0.1", str(s.getsockname()[1])) for name, s in (("live", live), ("dead", dead))}
-        assert asyncio.run(refuse_plain_dials([addresses["dead"]]))
-        assert not asyncio.run(refuse_plain_dials([addresses["dead"], addresses["live"]]))
-        assert not asyncio.run(refuse_plain_dials([]))  # no address to try proves nothing
+        assert asyncio.run(plain_dial([addresses["dead"]])) == "refused"
+        assert asyncio.run(plain_dial([addresses["dead"], addresses["live"]])) == "accepted"
+        assert asyncio.run(plain_dial([])) == "silent"  # no address to try proves nothing
 
 
 def test_survivors_redo_the_average_without_a_dead_member_and_agree(make_swarm):

@@ -50,7 +50,8 @@ the average: a restarted process whose first round is later, one that serves no 
 has finished this average already, or one that averages it over a member list without us ("left out").
 A probe that merely times out proves nothing on a congested link, but a member that shows no sign of
 life at all for `hang_s` (no answer to our probes, no probe of its own, no byte of a part: a frozen
-process, a host powered down or cut off) is taken for gone too; the bytes of a large part are watched as
+process, a host powered down or cut off) is taken for gone too (a member whose new dials libp2p holds back
+while its address accepts a plain connection shows one: its connection reset); the bytes of a large part are watched as
 they arrive, so a part that takes long on a slow link keeps its sender alive. Parts still arriving when
 the attempt's time runs out make it roll back like any missing part, with a warning that the link is too
 slow for the timeout at this size (`_tell_if_too_slow`). When the average did not
@@ -424,7 +425,10 @@ class GroupAverager:
         answer (one of `answers`). A stream that closes unanswered (or answers something else) is asked
         again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a connection between two live
         processes can reset, and a fresh dial to a dead one is refused. While libp2p holds back dials to
-        a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout.
+        a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout;
+        while its address accepts a plain connection that counts as a sign of life (`_hear`): libp2p's
+        backoff (5 s and more) outlasts `hang_s`, and two live members whose connection reset would
+        otherwise take each other for hung.
         _Unreachable when its address refuses the connection; _StreamLost when the third stream closes
         unanswered too; NotServing when it has no handler `name`."""
         pauses = [0.0, ASK_AGAIN_AFTER_S]  # before the second and the third stream
@@ -434,6 +438,8 @@ class GroupAverager:
             except ConnectionRefusedError as e:
                 raise _Unreachable(repr(e)) from e
             except DialHeldBack as e:
+                if e.accepted:  # its daemon is up: a reset between live members, not a frozen one (whose
+                    self._hear(target)  # connection stays, so its dials are never held back)
                 log.info("%s to %s: %s; asking again in %.1fs", name, target[-8:], e, ASK_AGAIN_AFTER_S)
                 await asyncio.sleep(ASK_AGAIN_AFTER_S)
                 continue

@@ -71,16 +71,22 @@ class DialHeldBack(Exception):
     """libp2p holds back new dials to a peer for a few seconds after one failed (its dial backoff), yet the
     peer's address does not refuse connections: it may well be alive (a failed dial between live
     processes is seen while a reset closes their connections), only not reachable through a new libp2p
-    connection yet."""
+    connection yet. `accepted`: its address accepted a plain TCP connection (its host and daemon are up);
+    else it did not answer at all (a host cut off or powered down looks so)."""
+
+    def __init__(self, message: str, accepted: bool):
+        super().__init__(message)
+        self.accepted = accepted
 
 
 _BACKOFF_ADDRESS = re.compile(r"\[/ip[46]/([^/\]]+)/tcp/(\d+)\] dial backoff")  # a direct address, not a relay
 PLAIN_DIAL_TIMEOUT_S = 1.0  # a plain TCP dial that tells a live address from a dead one
 
 
-async def refuse_plain_dials(addresses: Sequence[tuple[str, str]]) -> bool:
-    """Whether every (host, port) of `addresses` refuses a plain TCP connection: nothing listens there any
-    more. False when one accepts, or does not answer within PLAIN_DIAL_TIMEOUT_S (which proves nothing)."""
+async def plain_dial(addresses: Sequence[tuple[str, str]]) -> str:
+    """What a plain TCP connection to the (host, port)s of `addresses` finds: "accepted" when one accepts,
+    "refused" when every one refuses (nothing listens there any more), "silent" when one does not answer
+    within PLAIN_DIAL_TIMEOUT_S or there is none to try (which proves nothing)."""
     for host, port in addresses:
         try:
             async with asyncio.timeout(PLAIN_DIAL_TIMEOUT_S):
@@ -88,10 +94,10 @@ async def refuse_plain_dials(addresses: Sequence[tuple[str, str]]) -> bool:
         except ConnectionRefusedError:
             continue
         except (OSError, TimeoutError):
-            return False
+            return "silent"
         writer.close()
-        return False
-    return bool(addresses)
+        return "accepted"
+    return "refused" if addresses else "silent"
 
 
 class NotServing(Exception):
@@ -267,7 +273,7 @@ class SwarmPeer:
         connection (its process is gone, not merely slow). When libp2p holds back dials to it because one
         failed in the last seconds (its dial backoff, 5 s and more: our DHT node may have dialled the dead
         peer first, or a reset between live peers failed one), a plain TCP dial to its addresses tells
-        which: ConnectionRefusedError when they refuse it, DialHeldBack when one accepts (or is silent).
+        which: ConnectionRefusedError when they refuse it, DialHeldBack when one accepts or is silent.
         NotServing when it answers but has no handler `name`; other failures as hivemind raises them."""
         try:
             _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(name))
@@ -275,11 +281,13 @@ class SwarmPeer:
             if "connection refused" in str(e):
                 raise ConnectionRefusedError(f"{peer} refuses connections: {e}") from e
             if "dial backoff" in str(e):
-                if await refuse_plain_dials(_BACKOFF_ADDRESS.findall(str(e))):
+                found = await plain_dial(_BACKOFF_ADDRESS.findall(str(e)))
+                if found == "refused":
                     raise ConnectionRefusedError(f"{peer} refuses connections (libp2p's dial backoff, and a plain "
                                                  f"dial to its address is refused): {e}") from e
-                raise DialHeldBack(f"libp2p holds back dials to {peer} after one failed; its address does not "
-                                   "refuse connections") from e
+                raise DialHeldBack(f"libp2p holds back dials to {peer} after one failed; its address "
+                                   + ("accepts a plain connection" if found == "accepted" else "does not answer"),
+                                   accepted=found == "accepted") from e
             if "protocols not supported" in str(e):
                 raise NotServing(f"{peer} serves no {name!r} stream (yet)") from e
             raise
