@@ -428,7 +428,8 @@ class GroupAverager:
         a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout;
         while its address accepts a plain connection that counts as a sign of life (`_hear`): libp2p's
         backoff (5 s and more) outlasts `hang_s`, and two live members whose connection reset would
-        otherwise take each other for hung.
+        otherwise take each other for hung. (A whole process group stopped, daemon included, whose
+        connection then closed, has its kernel accept the plain dial too: it costs the timeout, not `hang_s`.)
         _Unreachable when its address refuses the connection; _StreamLost when the third stream closes
         unanswered too; NotServing when it has no handler `name`."""
         pauses = [0.0, ASK_AGAIN_AFTER_S]  # before the second and the third stream
@@ -438,8 +439,8 @@ class GroupAverager:
             except ConnectionRefusedError as e:
                 raise _Unreachable(repr(e)) from e
             except DialHeldBack as e:
-                if e.accepted:  # its daemon is up: a reset between live members, not a frozen one (whose
-                    self._hear(target)  # connection stays, so its dials are never held back)
+                if e.accepted:  # its host answers: a reset between live members (a frozen worker's daemon
+                    self._hear(target)  # keeps its connection up, so its dials are not held back)
                 log.info("%s to %s: %s; asking again in %.1fs", name, target[-8:], e, ASK_AGAIN_AFTER_S)
                 await asyncio.sleep(ASK_AGAIN_AFTER_S)
                 continue
