@@ -45,6 +45,14 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> list[s
     raise RuntimeError(f"the first worker did not start the swarm within {timeout:.0f}s")
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the workers (each saves its checkpoint on SIGTERM) and wait for all of them."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait()
+
+
 def ddp_bytes_per_step(num_params: int, workers: int) -> float:
     """Bytes one worker sends per step in a bandwidth-optimal fp32 gradient all-reduce."""
     return 2 * (workers - 1) / workers * 4 * num_params
@@ -95,8 +103,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
         try:
             bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120) if swarm else []
         except RuntimeError as e:  # the first worker failed (it said why) or hangs: nobody to join
-            procs[0].terminate()
-            procs[0].wait()
+            _stop(procs)
             relays[0].join(timeout=5)
             print(f"demo: {e}; its output is above", file=sys.stderr, flush=True)
             return 1
@@ -105,10 +112,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
             relays.append(_relay(procs[-1]))
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        _stop(procs)
         print("demo: interrupted; each worker saved its checkpoint", flush=True)
         return 130
     for r in relays:
