@@ -254,7 +254,11 @@ def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = 
     if not path.is_file():
         raise error(f"{what} {path} does not exist")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not a text file in UTF-8 ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror})") from None
     except yaml.YAMLError as e:  # a MarkedYAMLError's str() spans lines: say where and what, on one
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -29,7 +29,7 @@ import torch
 from decentral.checkpoint import (
     CheckpointError, load_checkpoint, load_training_state, save_checkpoint, training_state,
 )
-from decentral.config import Recipe
+from decentral.config import Recipe, RecipeError
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
@@ -192,12 +192,18 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     device = pick_device(t.device, slot if opts.island else (opts.worker_index or 0))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL collectives run on the current device
-    opts.out.mkdir(parents=True, exist_ok=True)
     if opts.data and opts.domains:
         raise DataError("give either --data (one corpus) or --domain (balanced domains), not both")
     domains = load_domains(opts.domains) if opts.domains else None
     corpus = None if domains else load_corpus(opts.data)
+    if opts.stop_at is not None and opts.stop_at > t.steps:
+        raise RecipeError(f"--stop-at {opts.stop_at} is past the end of the {t.steps}-step schedule (train.steps): "
+                          f"give --steps {opts.stop_at} or more, or an earlier --stop-at")
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
+    if start is not None and opts.stop_at is not None and opts.stop_at <= start.step:
+        raise RegistryError(f"--stop-at {opts.stop_at} is not past {start.source}'s step {start.step}: nothing would "
+                            "train; give a later --stop-at")
+    opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
     with _SEEDED_BUILD:
         torch.manual_seed(t.seed)
         model = build_model(recipe.model_source, recipe.model, t.context).to(device)

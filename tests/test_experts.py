@@ -141,3 +141,68 @@ def test_init_from_refuses_a_different_model_and_a_finished_schedule(tmp_path, p
     done = prefork.run(["train", "--protocol", str(recipe), "--init-from", str(expert.folder),
                         "--out", str(tmp_path / "run")], tmp_path, timeout=120)
     assert done.returncode == 2 and "differs from the recipe" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_taken_name_or_a_stop_at_that_trains_nothing_is_refused_before_training(tmp_path, prefork):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
+                                      "train": {**TINY_TRAIN, "steps": 20}}))
+    common = ["--protocol", str(recipe), "--registry", "reg"]
+    run_cli(prefork, "experts", "seed", "--domain", "code", "--domain", "legal", *common, cwd=tmp_path)
+    seed = Registry(tmp_path / "reg").get("seed")
+
+    def refused(*args, says):
+        done = prefork.run(args, tmp_path, timeout=120)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+    refused("experts", "seed", "--domain", "code", "--domain", "legal", *common, says="'seed' is already in")
+    refused("experts", "branch", "seed", "--from", "seed", "--domain", "code", *common, says="--replace")
+    refused("experts", "branch", "bad/name", "--from", "seed", "--domain", "code", *common, says="expert name")
+    refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--stop-at", "10", *common,
+            says="not past expert 'seed'")
+    refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--stop-at", "30", *common,
+            says="past the end of the 20-step schedule")
+    refused("experts", "add", "runs/btm/seed/checkpoint", "--name", "seed", "--registry", "reg", says="already in")
+    (tmp_path / "avg.yaml").write_text(yaml.safe_dump({"method": "linear", "registry": "reg", "experts": ["seed", "seed"]}))
+    refused("merge", "avg.yaml", "--out", "reg/seed", says="already in")
+    assert not (tmp_path / "runs/btm/c").exists() and not (tmp_path / "runs/btm/bad").exists()  # nothing trained
+    assert Registry(tmp_path / "reg").get("seed") == seed  # nothing replaced
+
+    run_cli(prefork, "experts", "add", "runs/btm/seed/checkpoint", "--name", "seed", "--registry", "reg", "--replace",
+            cwd=tmp_path)
+    again = Registry(tmp_path / "reg").get("seed")
+    assert again.sha256 == seed.sha256 and again.optimizer is None  # replaced, as asked: without its optimizer
+
+
+def test_a_registry_that_cannot_be_read_is_one_line_and_the_rest_is_listed(tmp_path, prefork):
+    tiny_expert(tmp_path / "reg", "good")
+    tiny_expert(tmp_path / "reg", "torn")
+    meta_path = tmp_path / "reg" / "torn" / "expert.json"
+    meta = json.loads(meta_path.read_text())
+    for field, bad in (("tokens", "lots"), ("size", None), ("name", 5), ("model", {**meta["model"], "n_layer": "x"})):
+        meta_path.write_text(json.dumps({**meta, field: bad}))
+        done = prefork.run(["experts", "list", "--registry", "reg"], tmp_path, timeout=60)
+        assert done.returncode == 2 and field in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert "good" in done.stdout  # the readable ones are listed
+    meta_path.write_text(json.dumps(meta))
+    model_file = tmp_path / "reg" / "torn" / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    done = prefork.run(["experts", "eval", "--registry", "reg", "--experts", "good,torn", "--domain", "legal",
+                        "--batches", "1"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "not a readable safetensors file" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_experts_of_different_contexts_are_evaluated_on_the_shortest_in_either_order(tmp_path, prefork):
+    for name, context in (("long", 16), ("short", 8)):
+        config = GPTConfig(n_layer=1, n_head=2, d_model=16, context=context)
+        state = GPT(config).state_dict()
+        write_expert(tmp_path / "reg" / name, lambda path, s=state: path.write_bytes(model_bytes(s)),
+                     Expert(name=name, sha256="", size=0, model=dataclasses.asdict(config), domain="legal"))
+    tables = []
+    for order in ("long,short", "short,long"):
+        out = run_cli(prefork, "experts", "eval", "--registry", "reg", "--experts", order, "--domain", "legal",
+                      "--batches", "2", cwd=tmp_path)
+        tables.append({line.split()[1]: line for line in out.splitlines() if line.startswith("expert ")})
+    assert len(tables[0]) == 2 and tables[0] == tables[1]  # each expert's perplexity, on the same windows whatever the order

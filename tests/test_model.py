@@ -78,6 +78,9 @@ def test_too_long_input_raises():
 def test_bad_head_count_raises():
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(d_model=30, n_head=4)
+    for bad in ({"n_layer": "x"}, {"n_head": 0}, {"context": 1.5}, {"d_model": True}, {"dropout": 1.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            GPTConfig(**bad)
 
 
 def test_learns_repeated_text():

@@ -19,10 +19,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from decentral.cli import _recipe, add_network_arguments, add_worker_arguments, example, serve_until_stopped, train_worker
+from decentral.cli import (
+    _recipe, add_network_arguments, add_worker_arguments, example, positive_int, serve_until_stopped, train_worker,
+)
 from decentral.config import parse_recipe
 from decentral.metrics import format_table
-from decentral.experts.registry import CONFIG_FILE, Registry, RegistryError
+from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError
 from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, absolute_source
 
 DEFAULT_REGISTRY = "runs/btm/experts"
@@ -36,8 +38,21 @@ example:
   decentral experts eval --experts ties --domain code --domain legal --domain manuals"""
 
 
+def _replace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replace", action="store_true", help="replace an expert of the same name in the registry "
+                   "(without it, a name that is taken is refused)")
+
+
 def _registry_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default=DEFAULT_REGISTRY, help=f"folder of experts (default: {DEFAULT_REGISTRY})")
+
+
+def _check_new_expert(registry: Registry, name: str, replace: bool) -> None:
+    """RegistryError when `name` is not a valid expert name, or is taken in `registry` and not `replace`: checked
+    before any work, so that neither a run's training nor an expert others branched from is lost."""
+    if (registry.folder(name) / META_FILE).is_file() and not replace:
+        raise RegistryError(f"expert {name!r} is already in {registry.root}: give another name, or --replace to "
+                            "replace it")
 
 
 def _run_worker(recipe, args, name: str, domain: str | None, with_optimizer: bool, **overrides) -> int:
@@ -57,6 +72,7 @@ def cmd_seed(args) -> int:
         raise RegistryError("a seed trains on all domains: give two or more --domain")
     if not 0 < args.share <= 1:
         raise RegistryError(f"--share must be in (0, 1], got {args.share}")
+    _check_new_expert(Registry(args.registry), args.expert, args.replace)
     recipe = _recipe(args)
     stop_at = args.stop_at or max(1, round(args.share * recipe.train.steps))
     args.out = args.out or f"runs/btm/{args.expert}"
@@ -67,6 +83,7 @@ def cmd_seed(args) -> int:
 
 def cmd_branch(args) -> int:
     registry = Registry(args.registry)
+    _check_new_expert(registry, args.expert, args.replace)
     parents = [registry.get(name) for name in args.parent]
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
@@ -100,6 +117,7 @@ def cmd_branch(args) -> int:
 
 
 def cmd_add(args) -> int:
+    _check_new_expert(Registry(args.registry), args.name, args.replace)
     expert = Registry(args.registry).add_checkpoint(args.checkpoint, args.name, args.domain_name, args.with_optimizer)
     print(f"experts: {expert.name} ({expert.sha256[:12]}) is in {expert.folder}")
     return 0
@@ -123,9 +141,18 @@ def _peer(args):
 def cmd_list(args) -> int:
     header = ["name", "domain", "sha256", "size", "steps", "tokens", "parent", "notes"]
     if not args.join:
-        experts = Registry(args.registry).experts()
-        print(format_table([header] + [_describe(e) for e in experts], numeric=False) if experts else f"no experts in {args.registry}")
-        return 0
+        registry, experts, unreadable = Registry(args.registry), [], []
+        for name in registry.names():
+            try:
+                experts.append(registry.get(name))
+            except RegistryError as e:
+                unreadable.append(str(e))
+        if experts or not unreadable:
+            print(format_table([header] + [_describe(e) for e in experts], numeric=False) if experts
+                  else f"no experts in {args.registry}")
+        for problem in unreadable:
+            print(f"decentral: {' '.join(problem.split())}", file=sys.stderr)
+        return 2 if unreadable else 0
     from decentral.experts.sharing import ExpertSharing
 
     peer = _peer(args)
@@ -167,8 +194,11 @@ def cmd_fetch(args) -> int:
 
     if not args.join:
         raise RegistryError("fetch needs --join: the multiaddr of any peer of the swarm that publishes")
+    registry = Registry(args.registry)
+    for name in args.names:
+        _check_new_expert(registry, name, args.replace)
     peer = _peer(args)
-    sharing = ExpertSharing(peer, Registry(args.registry))
+    sharing = ExpertSharing(peer, registry)
     try:
         for name in args.names:
             with tqdm(unit="B", unit_scale=True, desc=name, file=sys.stderr, disable=None) as bar:  # on a terminal only
@@ -192,8 +222,15 @@ def cmd_eval(args) -> int:
         raise RegistryError(f"no experts in {args.registry}")
     if not args.domain:
         raise RegistryError("give the domains to evaluate on with --domain")
+    if args.top_k is not None and args.top_k >= len(experts):
+        raise RegistryError(f"--top-k {args.top_k} keeps every one of the {len(experts)} experts: give fewer")
     domains = load_domains(args.domain)
-    config = EvalConfig(context=experts[0].context, test_batches=args.batches, mode=args.mode, top_k=args.top_k)
+    contexts = {e.name: e.context for e in experts}
+    context = min(contexts.values())  # every expert scores the same windows: the shortest context's
+    if len(set(contexts.values())) > 1:
+        print(f"experts: windows of {context} tokens, the shortest context of "
+              + ", ".join(f"{name} {c}" for name, c in contexts.items()), file=sys.stderr, flush=True)
+    config = EvalConfig(context=context, test_batches=args.batches, mode=args.mode, top_k=args.top_k)
     scores = score_experts(experts, domains, config,
                            progress=lambda e: print(f"experts: scored {e.name}", file=sys.stderr, flush=True))
     report = ensemble_report(experts, domains, scores, config, PriorCache(registry.root / "priors.json"))
@@ -234,10 +271,12 @@ def cmd_cluster(args) -> int:
 def cmd_merge(args) -> int:
     from decentral.merge import load_merge_recipe, merge
 
+    out = Path(args.out)
+    _check_new_expert(Registry(out.parent), out.name, args.replace)
     recipe = load_merge_recipe(args.recipe, registry=args.registry)
     if args.verify:
         recipe.verify = True
-    expert = merge(recipe, Path(args.out))
+    expert = merge(recipe, out)
     weights = ", ".join(f"{e['name']} {e['weight']:.3g}" for e in expert.merge["experts"])
     print(f"merge: {recipe.method.name} of {weights} -> {expert.folder} ({expert.sha256[:12]})")
     return 0
@@ -249,6 +288,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", help="folder of experts that names in the recipe refer to (default: the recipe's)")
     p.add_argument("--verify", action="store_true", help="check every input's sha256 against its expert.json "
                    "(as the recipe's `verify: true` does)")
+    _replace_argument(p)
     p.set_defaults(func=cmd_merge)
 
 
@@ -278,6 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "swarm recipe (protocols/*.yaml) with --join")
         p.add_argument("--out", help="the training run's folder (default: runs/btm/NAME)")
         _registry_argument(p)
+        _replace_argument(p)
         add_worker_arguments(p)
         p.set_defaults(name=None)  # the name in logs: the expert's
 
@@ -288,6 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--domain-name", help="the domain it was trained on")
     add.add_argument("--with-optimizer", action="store_true", help="keep the inner optimizer state too")
     _registry_argument(add)
+    _replace_argument(add)
 
     lister = command("list", "list the experts of the registry, or with --join those a swarm publishes",
                      "decentral experts list --join /ip4/203.0.113.5/tcp/31337/p2p/Qm...", cmd_list)
@@ -300,6 +342,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fetch.add_argument("names", nargs="+")
     fetch.add_argument("--sha256", help="which version, when publishers disagree (a prefix is enough)")
     fetch.add_argument("--no-optimizer", action="store_true", help="skip the inner optimizer state")
+    _replace_argument(fetch)
     for p in (lister, publish, fetch):
         _registry_argument(p)
         add_network_arguments(p)
@@ -312,8 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     evaluate.add_argument("--domain", action="append", metavar="NAME[=PATH]", help="a domain to evaluate on (repeatable)")
     evaluate.add_argument("--mode", choices=("previous", "prefix"), default="previous",
                           help="the posterior from the previous token (default) or the whole prefix")
-    evaluate.add_argument("--top-k", type=int, help="also report the ensemble of the k experts with the largest prior")
-    evaluate.add_argument("--batches", type=int, default=16, help="test batches per domain")
+    evaluate.add_argument("--top-k", type=positive_int, help="also report the ensemble of the k experts with the "
+                          "largest prior (k below the number of experts)")
+    evaluate.add_argument("--batches", type=positive_int, default=16, help="test batches per domain")
     evaluate.add_argument("--router", help="c-BTM: also route by this router (decentral experts cluster); --experts "
                           "must then name one expert per cluster, in cluster order")
     _registry_argument(evaluate)

@@ -143,6 +143,8 @@ class Ensemble(nn.Module):
 
     @torch.no_grad()
     def log_probs(self, idx: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"tokens must be (batch, time), got shape {tuple(idx.shape)} (one sequence: idx[None])")
         per_expert = torch.stack([torch.log_softmax(e(idx)[0].float(), dim=-1) for e in self.experts])  # (k, B, T, V)
         if route is not None:
             route = torch.as_tensor(route, dtype=torch.float32, device=idx.device)[:, self.used]

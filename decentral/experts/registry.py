@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save as save_tensors
 from torch import nn
 
@@ -157,8 +158,13 @@ class Expert:
                 raise RegistryError(f"expert {self.name!r}: {e}") from None
         model = GPT(self.config())
         try:
-            model.load_state_dict(load_file(self.model_file))
-        except (RuntimeError, OSError) as e:
+            state = load_file(self.model_file)
+        except (SafetensorError, OSError) as e:
+            raise RegistryError(f"expert {self.name!r}: {self.model_file} is not a readable safetensors file ({e}); "
+                                "fetch or train it again") from None
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
             raise RegistryError(f"expert {self.name!r}: {self.model_file} does not fit its model config: {e}") from None
         return model.to(device).eval()
 
@@ -215,6 +221,11 @@ def read_expert(folder: str | Path) -> Expert:
     return expert
 
 
+_COUNT, _TEXT, _MAPPING = (int, "a count >= 0"), ((str, type(None)), "a string or null"), ((dict, type(None)), "a mapping or null")
+_FIELDS = {"name": (str, "a string"), "domain": _TEXT, "parent": _TEXT, "size": _COUNT, "start_step": _COUNT,
+           "steps": _COUNT, "tokens": _COUNT, "recipe": _MAPPING, "merge": _MAPPING}  # expert.json's: (types, said as)
+
+
 def expert_from_json(meta: Any, where: str, path: Path | None = None) -> Expert:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise RegistryError(f"{where}: not a format-{FORMAT} expert record")
@@ -223,6 +234,10 @@ def expert_from_json(meta: Any, where: str, path: Path | None = None) -> Expert:
         expert = Expert(**{k: v for k, v in meta.items() if k in known}, path=path)
     except TypeError as e:
         raise RegistryError(f"{where}: {e}") from None
+    for name, (kinds, said) in _FIELDS.items():
+        value = getattr(expert, name)
+        if not isinstance(value, kinds) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
+            raise RegistryError(f"{where}: {name} must be {said}, got {value!r}")
     if not isinstance(expert.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", expert.sha256):
         raise RegistryError(f"{where}: sha256 must be 64 hex digits")
     if not isinstance(expert.model, dict):
@@ -231,6 +246,8 @@ def expert_from_json(meta: Any, where: str, path: Path | None = None) -> Expert:
         _check_layout(expert, where)
     elif expert.layout is not None:
         raise RegistryError(f"{where}: only a Hugging Face expert (model source {HF_SOURCE!r}) has a layout")
+    else:
+        expert.config()  # RegistryError when its model section does not describe a GPT
     if expert.optimizer is not None and not (
         isinstance(expert.optimizer, dict) and {"sha256", "size", "param_groups"} <= set(expert.optimizer)
     ):
