@@ -83,6 +83,14 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
         time.sleep(0.01)  # polling another peer's state
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def timed_average(finished: dict, name: str, peer, x, group, tag, round: int | None = None):
     """peer.average(x) over `group` (for `round`), noting in finished[name] when it returned."""
     result = peer.average(x, sorted(group), tag, round=round)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, wait_until
+from conftest import free_port, running, wait_until
 from decentral.config import RecipeError, parse_recipe
 from decentral.ranks import LaunchError, rank_from_env
 
@@ -94,13 +94,6 @@ def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(wor
     ranks = [pid for p in w.procs.values() for pid in children(p.pid)]
     w.kill_all()  # SIGKILL the launchers: the kernel sends their ranks SIGTERM, and they stop too
     wait_until(lambda: not any(running(pid) for pid in ranks), 60, "the ranks of killed launchers stopped")
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_rank_from_env_reads_torchrun_and_names_what_is_missing():

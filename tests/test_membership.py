@@ -2,11 +2,14 @@
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import running, wait_until
+from decentral.cpu import descendants
 from decentral.swarm import SwarmError, SwarmPeer
 from decentral.swarm.transport import HEARTBEAT_STALL_S
 
@@ -68,3 +71,39 @@ def test_a_peer_whose_dht_process_died_says_so_and_shuts_down():
     closing.start()
     closing.join(60)
     assert not closing.is_alive()
+
+
+ORPHAN_OWNER = """
+import asyncio, sys, time
+from decentral.swarm.peer import _DHTProcess
+
+class HangingShutdown(_DHTProcess):
+    orphan_grace_s = 1.0
+
+    async def _shutdown(self):  # as a shutdown whose daemon went first can: it never finishes
+        await asyncio.Event().wait()
+
+dht = HangingShutdown(start=True)
+dht._outer_pipe.send(("_shutdown", [], {}))  # the owner's own shutdown request, then it is killed
+print(dht.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the process tree from Linux /proc")
+def test_a_dht_process_whose_owner_dies_mid_shutdown_ends_itself_and_its_daemon(tmp_path):
+    """The owner sent the DHT process its shutdown request and was SIGKILLed (as the launcher kills a node slow
+    to stop); that shutdown hangs. The DHT process and its libp2p daemon still end, within the grace period."""
+    owner = subprocess.Popen([sys.executable, "-c", ORPHAN_OWNER], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        dht_pid = int(owner.stdout.readline())
+        below = {dht_pid} | descendants(dht_pid)
+        assert len(below) >= 2, "the DHT process runs its own libp2p daemon"
+    finally:
+        owner.kill()
+        owner.wait()
+    try:
+        wait_until(lambda: not any(running(pid) for pid in below), 30, "the orphaned DHT process and its daemon to end")
+    finally:
+        for pid in filter(running, below):  # left behind when the test fails
+            os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import wait_until
+from conftest import running, wait_until
 from decentral.checkpoint import load_checkpoint
 from decentral.cpu import descendants
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
@@ -225,13 +225,6 @@ def test_corrupt_checkpoint_is_a_clear_error(workers):
                          "--resume"], w.root, timeout=120)
     assert done.returncode != 0
     assert "checksum" in done.stderr and "Traceback" not in done.stderr
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux /proc")

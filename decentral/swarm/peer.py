@@ -8,11 +8,13 @@ so the training thread only ever waits on futures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -26,6 +28,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
+from decentral.cpu import descendants
 from decentral.swarm.admission import TOKEN_BYTES, SignedRecords, SwarmKey, ensure_identity
 from decentral.swarm.wire import TrafficStats, read_frame, write_frame
 
@@ -119,8 +122,13 @@ class _DHTProcess(DHT):
 
     hivemind's child outlives a parent killed by SIGKILL or the OOM killer, leaving a stray DHT node and
     daemon behind for good. Here a thread in the child watches its parent; once the parent is gone, it
-    asks the child's own loop to shut down exactly as `DHT.shutdown` does, which also stops p2pd.
+    asks the child's own loop to shut down exactly as `DHT.shutdown` does, which also stops p2pd. A
+    parent killed while it was shutting the child down already sent that request, and a shutdown whose
+    daemon went first can hang for good (the loop awaits it and spins on the unread second request): after
+    `orphan_grace_s` the thread ends the child's own processes (p2pd) and the child itself.
     """
+
+    orphan_grace_s = 10.0
 
     def start(self) -> None:
         self._owner_pid = os.getpid()  # set before the fork, so the child knows whom to watch
@@ -134,6 +142,12 @@ class _DHTProcess(DHT):
         while os.getppid() == self._owner_pid:
             time.sleep(ORPHAN_CHECK_S)  # no event announces a parent's death; polling getppid is the portable way
         self._outer_pipe.send(("_shutdown", [], {}))  # the child still holds the sending end of its command pipe
+        time.sleep(self.orphan_grace_s)  # a shutdown that finishes ends the process, and this thread with it
+        log.warning("the DHT process's shutdown hangs %.0f s after its parent died: ending it", self.orphan_grace_s)
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(1)
 
 
 class SwarmPeer:
