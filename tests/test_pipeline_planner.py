@@ -133,6 +133,15 @@ def test_replanning_fills_a_stage_that_lost_every_node():
     check_constraints(again, network.without(dead), 3)
 
 
+def test_replanning_refills_two_stages_that_lost_every_node_at_once():
+    network = regions_network(nodes=16, regions=4, seed=3, stages=5, skip=0.2, microbatches=10)
+    found = plan(network.without(["n15"]), effort=0.05)
+    dead = [found.nodes[n] for stage in (1, 2) for n in found.members(stage)]
+    again = replan(found, network, dead=dead, effort=0.05)  # and n15 is new
+    check_constraints(again, network.without(dead), 4)
+    assert "n15" in again.nodes and all(again.members(stage) for stage in range(5))
+
+
 def test_replanning_places_a_newcomer():
     network = regions_network(nodes=9, regions=3, seed=5, stages=4, skip=0.25, microbatches=9)
     before = plan(network.without(["n8"]), effort=0.05)

@@ -102,15 +102,25 @@ def replan(old: Plan, network: Network, dead: Sequence[str] = (), seed: int = 0,
     pinned = _pinned(survivors, None)
     for node, stage in pinned.items():
         stage_of[node] = stage
-    for node in np.flatnonzero(stage_of < 0):
-        stage_of[node] = min(range(survivors.stages), key=lambda s: _route(problem, _with(stage_of, node, s))[0])
+
+    def refill_cost(node: int, stage: int) -> tuple[int, float]:
+        """How good moving `node` to empty `stage` is: the simulated iteration once no stage is empty; while
+        others still are (no path exists to simulate), leave the most nodes behind (a newcomer: all of them)."""
+        candidate = _with(stage_of, node, stage)
+        if len(set(candidate.tolist()) - {-1}) == survivors.stages:
+            return 0, _route(problem, candidate)[0]
+        return 1, -math.inf if stage_of[node] < 0 else -float((stage_of == stage_of[node]).sum())
+
     for stage in range(survivors.stages):
         if (stage_of == stage).any():
             continue
-        movable = [n for n in range(len(survivors)) if n not in pinned and (stage_of == stage_of[n]).sum() > 1]
+        movable = [n for n in range(len(survivors))
+                   if n not in pinned and (stage_of[n] < 0 or (stage_of == stage_of[n]).sum() > 1)]
         if not movable:
             raise NetworkError(f"stage {stage} lost all its nodes and no survivor can move to it")
-        stage_of[min(movable, key=lambda n: _route(problem, _with(stage_of, n, stage))[0])] = stage
+        stage_of[min(movable, key=lambda n: refill_cost(n, stage))] = stage
+    for node in np.flatnonzero(stage_of < 0):  # newcomers no empty stage took: where they help most
+        stage_of[node] = min(range(survivors.stages), key=lambda s: _route(problem, _with(stage_of, node, s))[0])
     rng = np.random.default_rng(seed)
     kept = stage_of.copy()
     best, paths = _route(problem, stage_of)
