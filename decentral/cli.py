@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -209,15 +210,22 @@ def cmd_demo(args) -> int:
                     tensorboard=Path(args.tensorboard) if args.tensorboard else None)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def number_type(kind: type, minimum: float, *, strict: bool = False):
+    """An argparse type: a finite `kind` (int or float) of at least `minimum` (above it when `strict`)."""
+    said = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {said}: {text!r}") from None
+        if not math.isfinite(value) or (value <= minimum if strict else value < minimum):
+            raise argparse.ArgumentTypeError(f"must be {'above' if strict else 'at least'} {minimum:g}, got {text}")
+        return value
+    return parse
+
+
+positive_int = number_type(int, 1)
 
 
 SET_HELP = ("change one setting of the recipe (repeatable): SECTION.NAME=VALUE (swarm.codec=int8, train.lr=1e-3) "

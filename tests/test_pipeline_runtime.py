@@ -284,6 +284,14 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
         tensors, meta = load_checkpoint(out / name / "stage")
         assert meta["iteration"] == 12 and any(k.startswith("inner.") for k in tensors)
 
+    # a node whose checkpoint is corrupt cannot go on: the run ends at once, saying why (not after the lead's --wait)
+    stage_file = next((out / "a" / "stage").glob("*.safetensors"))
+    stage_file.write_bytes(stage_file.read_bytes()[:1000])
+    done = prefork.run(["pipeline", "train", "--recipe", str(recipe_path), "--out", str(out), "--data", str(small_corpus),
+                        "--steps", "14", "--resume"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "node a could not run as asked" in done.stderr, done.stdout + done.stderr
+    assert "corrupt checkpoint" in done.stderr and done.stderr.count("\n") == 1
+
 
 def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     """`decentral pipeline train` runs a 2-stage pipeline of processes and evaluates it; `pipeline eval`
@@ -325,3 +333,13 @@ def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_on
         args.func(args)
     with pytest.raises(RecipeError, match="calibrate_at >= 0"):
         parse_pipeline_recipe(tiny_recipe(2, 0.0, 2, pipeline={"calibrate_at": -1}))
+    with pytest.raises(RecipeError, match="3 stages need at least 3 transformer blocks"):
+        parse_pipeline_recipe(tiny_recipe(3, 0.0, 2, model={**MODEL, "n_layer": 2}))
+    args = parser.parse_args(["pipeline", "train", "--out", str(tmp_path / "never"), "--drop", "1.5"])
+    with pytest.raises(NetworkError, match=r"--drop must be in \[0, 1\)"):  # before any node starts
+        args.func(args)
+    assert not (tmp_path / "never").exists()
+    for bad in (["train", "--steps", "0"], ["eval", str(tmp_path), "--draws", "0"], ["plan", "n.json", "--effort", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["pipeline", *bad])
+        assert "must be" in capsys.readouterr().err

@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from decentral.cli import described
+from decentral.cli import described, number_type, positive_int
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.constraints import path_length
-from decentral.pipeline.network import load_network
+from decentral.pipeline.network import PipelineError, load_network
 from decentral.pipeline.planner import Plan, plan
 from decentral.pipeline.recipe import SHIPPED_RECIPE
 
@@ -69,8 +69,9 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, help="pipeline stages (default: the file's)")
     p.add_argument("--skip", type=float, help="share of stages each microbatch skips, in [0, 1) (default: the file's)")
     p.add_argument("--microbatches", type=int, help="microbatches per iteration (default: the file's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the planner's search and of the blind baseline")
-    p.add_argument("--effort", type=float, default=1.0, help="scales the planner's search (default 1: seconds "
+    p.add_argument("--seed", type=number_type(int, 0), default=0, help="seed of the planner's search and of the blind "
+                   "baseline")
+    p.add_argument("--effort", type=number_type(float, 0, strict=True), default=1.0, help="scales the planner's search (default 1: seconds "
                    "for 20 nodes)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     p.add_argument("--plot", metavar="PNG", help="also draw the three plans' Gantt charts here")
@@ -82,14 +83,14 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    help="a SkipPipe recipe (default: the shipped protocols/skippipe.yaml)")
     t.add_argument("--network", metavar="NETWORK.json", help="the nodes and links to plan for (default: the "
                    "recipe's pipeline.network, else pipeline.nodes equal nodes)")
-    t.add_argument("--steps", type=int, help="iterations (default: the recipe's train.steps)")
+    t.add_argument("--steps", type=positive_int, help="iterations (default: the recipe's train.steps)")
     t.add_argument("--out", default="runs/skippipe")
     t.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
     t.add_argument("--netlab", metavar="RATE", help="run every node in its own netlab host, uplink capped at RATE "
                    "(e.g. 20mbit); needs root, else loopback with paced sends")
     t.add_argument("--latency-ms", type=float, default=0.0, help="latency added to every message we send")
     t.add_argument("--drop", type=float, default=0.5, help="share of stages dropped in the evaluation (default 0.5)")
-    t.add_argument("--timeout", type=float, default=3600.0, help="the longest the run may take, in seconds")
+    t.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0, help="the longest the run may take, in seconds")
     t.add_argument("--resume", action="store_true", help="go on from the nodes' checkpoints in OUT (a run "
                    "stopped or whose lead died), to --steps")
     t.set_defaults(func=cmd_train)
@@ -98,10 +99,10 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                             **described(EVAL_HELP))
     e.add_argument("run", metavar="RUN", help="a `decentral pipeline train` output folder")
     e.add_argument("--drop", type=float, default=0.5, help="share of stages dropped (default 0.5)")
-    e.add_argument("--draws", type=int, default=10, help="random subsets scored when there are more than 20")
+    e.add_argument("--draws", type=positive_int, default=10, help="random subsets scored when there are more than 20")
     e.add_argument("--data", action="append", metavar="PATH", help="text whose validation split scores the model "
                    "(default: Python's stdlib)")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=number_type(int, 0), default=0)
     e.set_defaults(func=cmd_eval)
 
     n = commands.add_parser("node", help="one node of a pipeline (started by `pipeline train`, or by you per machine)",
@@ -121,11 +122,11 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "recipe's swarm.key_file, else an open swarm)")
     n.add_argument("--maddr-file", help="write our DHT multiaddrs here once up")
     n.add_argument("--lead", action="store_true", help="also coordinate the run (a stage-0 node)")
-    n.add_argument("--steps", type=int, help="iterations, for the lead and any head that may take over from it "
+    n.add_argument("--steps", type=positive_int, help="iterations, for the lead and any head that may take over from it "
                    "(default: the recipe's train.steps)")
     n.add_argument("--data", action="append", metavar="PATH",
                    help="training text, for heads (default: Python's stdlib)")
-    n.add_argument("--wait", type=float, default=300.0, help="seconds the lead waits for the network's nodes")
+    n.add_argument("--wait", type=number_type(float, 0, strict=True), default=300.0, help="seconds the lead waits for the network's nodes")
     n.add_argument("--resume", action="store_true", help="start from OUT/stage (the lead: from its iteration)")
     n.set_defaults(func=cmd_node)
     return pipeline
@@ -175,6 +176,13 @@ def cmd_plan(args) -> int:
 
     from decentral.metrics import format_table
 
+    out = Path(args.out)
+    if out.is_dir():
+        raise PipelineError(f"--out {out} is a folder: give the plan's file name, e.g. {out / 'plan.json'}")
+    if args.plot:
+        from decentral.pipeline.plot import check_plot_path
+
+        check_plot_path(args.plot)
     network = load_network(args.network).replace(stages=args.stages, skip=args.skip, microbatches=args.microbatches)
     length = path_length(network.stages, network.skip)
     with tqdm(total=2, desc="planning", unit="plan", disable=None, leave=False) as bar:  # on a terminal only
@@ -193,7 +201,6 @@ def cmd_plan(args) -> int:
         rows.append((name, f"{found.makespan_ms / 1e3:.1f} s", f"{found.makespan_ms / full.makespan_ms:.2f}x",
                      f"{found.makespan_ms / blind.makespan_ms - 1:+.0%}"))
     print(format_table(rows))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_compact_json(_plan_record(args, network, length, planned, full, blind, planning_s)))
     written = [str(out)]

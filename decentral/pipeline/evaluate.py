@@ -50,10 +50,15 @@ def load_run(run: str | Path) -> tuple[nn.Module, PipelineRecipe]:
     return model, recipe
 
 
-def kept_orders(stages: int, drop: float, draws: int = 10, seed: int = 0) -> list[tuple[int, ...]]:
-    """The stage orders scored with a share `drop` of the stages dropped (module docstring)."""
+def check_drop(drop: float) -> None:
+    """PipelineError unless `drop`, the share of stages dropped, is in [0, 1)."""
     if not 0 <= drop < 1:
         raise PipelineError(f"--drop must be in [0, 1), got {drop}")
+
+
+def kept_orders(stages: int, drop: float, draws: int = 10, seed: int = 0) -> list[tuple[int, ...]]:
+    """The stage orders scored with a share `drop` of the stages dropped (module docstring)."""
+    check_drop(drop)
     keep = max(1, stages - math.floor(drop * stages + 0.5))
     subsets = list(itertools.combinations(range(1, stages), keep - 1))
     if len(subsets) > MAX_SUBSETS:

@@ -23,6 +23,7 @@ from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, shaped_network
 
 TICK_S = 1.0  # how often `pipeline train`'s progress bar reads the lead's metrics
+COULD_NOT_RUN = 2  # a node's exit code when it could not run as asked (a corrupt checkpoint, a bad recipe): for good
 LAUNCHER = (sys.executable, "-m", "decentral.cli")  # what runs `decentral` for a node
 
 
@@ -56,6 +57,15 @@ class LocalPipeline:
     def log(self, name: str) -> str:
         path = self.out / f"{name}.log"
         return path.read_text() if path.exists() else ""
+
+    def last_line(self, name: str) -> str:
+        """The last line node `name` wrote to its log (what it said as it ended)."""
+        lines = [line for line in self.log(name).splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "(nothing)"
+
+    def _could_not_run(self, name: str) -> PipelineError:
+        return PipelineError(f"node {name} could not run as asked and exited: {self.last_line(name)} (its log: "
+                             f"{self.out / (name + '.log')})")
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Start every node; the first one's DHT address must appear within `timeout_s`."""
@@ -120,18 +130,24 @@ class LocalPipeline:
     def wait(self, timeout_s: float, tick: Callable[[], None] | None = None) -> int:
         """Wait for the lead to end the run, then for the others to leave; returns the lead's exit code.
         When the lead dies and heads are left, the one with the lowest name takes over (as the nodes
-        choose it) and ends the run. `tick` is called about every TICK_S seconds meanwhile (it moves a
-        progress bar)."""
+        choose it) and ends the run. A node that exits with COULD_NOT_RUN ends the wait at once (PipelineError
+        with its last line): no other node would go on in its place. `tick` is called about every TICK_S
+        seconds meanwhile (it moves a progress bar)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             try:
                 code = self.procs[self.lead].wait(timeout=max(0.0, min(left, TICK_S)))
+                if code == COULD_NOT_RUN:
+                    raise self._could_not_run(self.lead)
                 left_heads = sorted(name for name in self.heads if self.procs[name].poll() is None)
                 if code == 0 or not left_heads:
                     break
                 self.lead = left_heads[0]
             except subprocess.TimeoutExpired:
+                stopped = [name for name, proc in self.procs.items() if proc.poll() == COULD_NOT_RUN]
+                if stopped:
+                    raise self._could_not_run(stopped[0]) from None
                 if time.monotonic() >= deadline:
                     raise PipelineError(f"the run did not end within {timeout_s:.0f}s; see {self.out}/*.log") from None
                 if tick:
@@ -201,11 +217,15 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
     checkpoint in OUT, with the allocation of OUT/network.json. PipelineError when the run fails."""
     from tqdm import tqdm
 
-    from decentral.pipeline.evaluate import evaluate_run
+    from decentral.pipeline.evaluate import check_drop, evaluate_run
     from decentral.pipeline.recipe import load_pipeline_recipe
     from decentral.swarm.admission import SwarmKey
 
     recipe = load_pipeline_recipe(recipe_path)
+    if steps is not None and steps < 1:
+        raise PipelineError(f"steps must be at least 1, got {steps}")
+    if evaluate:
+        check_drop(drop)  # before the run, not after it
     out = Path(out)
     if resume:
         if not (out / "network.json").exists():
@@ -233,7 +253,7 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
                 code = run.wait(timeout_s, None if bar.disable else lambda: bar.update(run.iterations_done() - bar.n))
             if code != 0:
                 raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
-                                    f"(its log: {out / (run.lead + '.log')}); the nodes' last checkpoints are in "
+                                    f"(its last line: {run.last_line(run.lead)}); the nodes' last checkpoints are in "
                                     f"{out}: `--resume` goes on from them")
             lead = run.lead
     finally:
