@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -151,9 +152,12 @@ def parse_recipe(data: Any, where: str = "recipe") -> Recipe:
     unknown = sorted(set(data) - set(sections))
     if unknown:
         raise RecipeError(f"{where}: unknown section(s) {unknown}; allowed: {sections}")
-    proto = dict(data.get("protocol") or {})
+    proto = data.get("protocol") or {}
+    if not isinstance(proto, dict):
+        raise RecipeError(f"{where}: protocol must be a mapping, e.g. {{name: noloco, every: 50}}, got {proto!r}")
+    proto = dict(proto)
     name = proto.pop("name", "noloco")
-    if name not in PROTOCOLS:
+    if not isinstance(name, str) or name not in PROTOCOLS:
         raise RecipeError(f"{where}: protocol.name {name!r} is not one of {sorted(PROTOCOLS)}")
     allowed = protocol_params(name)
     unknown = sorted(set(proto) - set(allowed))
@@ -195,8 +199,8 @@ def _train_section(values: Any, where: str) -> TrainConfig:
     for key in ("warmup_steps", "weight_decay"):
         if getattr(train, key) < 0:
             raise RecipeError(f"{where}.{key}: must be >= 0, got {getattr(train, key)}")
-    if not train.lr > 0:
-        raise RecipeError(f"{where}.lr: must be > 0, got {train.lr}")
+    if not 0 < train.lr < math.inf:
+        raise RecipeError(f"{where}.lr: must be a number > 0, got {train.lr}")
     if not 0 <= train.min_lr_ratio <= 1:
         raise RecipeError(f"{where}.min_lr_ratio: must be in [0, 1], got {train.min_lr_ratio}")
     if not train.grad_clip > 0:
@@ -237,6 +241,11 @@ def _swarm_section(values: Any, where: str, protocol: str) -> SwarmConfig:
     if isinstance(values, dict) and "wire_dtype" in values:
         raise RecipeError(f"{where}: wire_dtype is now codec (e.g. codec: float16)")
     swarm = typed_section(SwarmConfig, values, where)
+    for key in ("timeout", "hang_s", "heartbeat_s"):
+        if not 0 < getattr(swarm, key) < math.inf:
+            raise RecipeError(f"{where}.{key}: must be a number of seconds > 0, got {getattr(swarm, key)}")
+    if not swarm.max_norm_ratio > 0:
+        raise RecipeError(f"{where}.max_norm_ratio: must be > 0 (.inf: no clipping), got {swarm.max_norm_ratio}")
     try:
         codec = make_codec(swarm.codec)
     except ValueError as e:

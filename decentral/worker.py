@@ -265,6 +265,14 @@ def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> No
         transport.wait_for_peers(opts.min_peers, opts.wait_peers_s, round)
 
 
+def _check_finite(what: str, value: float, step: int) -> float:
+    """`value`; DivergedError when it is not finite (then nothing of this state is saved or sent)."""
+    if not math.isfinite(value):
+        raise DivergedError(f"the {what} is {value} at inner step {step}: training diverged (a learning rate too "
+                            "high?); not saving or sending this state")
+    return value
+
+
 def step_record(name: str, protocol: SyncProtocol, transport: Transport, loss: torch.Tensor, wall_s: float
                 ) -> tuple[dict, SyncReport | None]:
     """The metrics record of the inner step just done, and the sync report it popped (None when the step
@@ -349,6 +357,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 optimizer.step()  # the protocol's hooks run here
                 optimizer.zero_grad(set_to_none=True)
                 record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start)
+                _check_finite("loss", record["loss"], protocol.step)
                 card.update(record["loss"], record["wall_s"])  # what `decentral status` shows of us
                 if report is not None:
                     if _left_alone(protocol, last_sync, report):
@@ -356,18 +365,20 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                                       f"took part (they ended, left or did not answer); training on alone until one does")
                     last_sync = report
                 if protocol.step % t.eval_every == 0:
-                    record["val_loss"] = val_loss = evaluate(model, val)
+                    record["val_loss"] = val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)
                     record.update(children_record())
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
                     _save(protocol, opts, recipe, lineage)
                 log.write(**record)
-        val_loss = evaluate(model, val)  # after the protocol finished what it had in the background
+        val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)  # after the protocol finished
         log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
                   bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
                   wall_s=time.perf_counter() - start, wait_s=protocol.wait_s, **cpu_record(), **children_record())
         _save(protocol, opts, recipe, lineage)
     except DivergedError as e:
-        opts.print_fn(f"[{opts.name}] stopped: {e}; the last good checkpoint is in {opts.out / 'checkpoint'}")
+        checkpoint = opts.out / "checkpoint"
+        opts.print_fn(f"[{opts.name}] stopped: {e}; " + (f"the last good checkpoint is in {checkpoint}"
+                                                         if checkpoint.exists() else "no checkpoint was saved before"))
         raise
     except SwarmError:  # the caller reports the error itself
         opts.print_fn(f"[{opts.name}] stopped at step {protocol.step}; its last checkpoint is in "

@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import write_recipe
+from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
 from decentral.swarm.admission import SwarmKey
 
@@ -133,3 +136,20 @@ def test_a_count_below_one_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as done:
         main(["train", "--num-workers", "0"])
     assert done.value.code == 2 and "--num-workers: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_run_that_diverges_exits_3_and_keeps_its_last_good_checkpoint(tmp_path, small_corpus, prefork):
+    """Training alone (no sync boundary checks the weights): a non-finite loss stops the run with exit code 3
+    before anything of the diverged state is saved; the checkpoint stays the last good one."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=40)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", "run", "--set", "train.eval_every=5"]
+    done = prefork.run([*run, "--stop-at", "10"], tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    good, meta = load_checkpoint(tmp_path / "run" / "checkpoint")
+    assert meta["sync"]["step"] == 10
+    done = prefork.run([*run, "--resume", "--set", "train.lr=1e6"], tmp_path, timeout=120)
+    assert done.returncode == 3 and "training diverged" in done.stdout, done.stdout + done.stderr
+    assert "the last good checkpoint is in" in done.stdout
+    after, meta = load_checkpoint(tmp_path / "run" / "checkpoint")
+    assert meta["sync"]["step"] == 10 and all(torch.equal(after[k], v) for k, v in good.items())
+    assert all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point())
