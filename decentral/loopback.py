@@ -22,8 +22,8 @@ import torch
 from decentral.codec import Dense
 from decentral.rounds import RoundLog
 from decentral.transport import (
-    AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, finished, own_note, state_digest,
-    trained_past, with_digest, with_us,
+    AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, finished, own_note, present_for,
+    state_digest, trained_past, with_digest, with_us,
 )
 
 EXACT = Dense("float32")  # how the hub's averages "travel": exactly
@@ -163,6 +163,7 @@ class LoopbackTransport:
             if digest is not None:
                 digests = with_digest(digests, round, digest)
             self.hub._progress[self.peer_id] = {"step": int(step), "round": int(round), "digests": digests}
+            self.hub._cond.notify_all()
 
     def progress(self, max_age_s: float = 0.0) -> dict[str, dict]:
         with self.hub._cond:
@@ -186,10 +187,11 @@ class LoopbackTransport:
         return self.hub.start_average(self.peer_id, tensor, group, tag, round, note)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
-        """Until `count` open transports announced `round`: a peer that has not joined yet would otherwise
-        find us trained past the start and skip the steps we did (a sweep's worker once joined at round 1)."""
+        """Until `count` open transports are there for `round` (decentral.transport.present_for): a peer that
+        has not joined yet would otherwise find us trained past the start and skip the steps we did (a sweep's
+        worker once joined at round 1)."""
         with self.hub._cond:
-            if not self.hub._cond.wait_for(lambda: len(self.members(round)) >= count, timeout_s):
+            if not self.hub._cond.wait_for(lambda: len(present_for(self, round)) >= count, timeout_s):
                 raise TimeoutError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
 
     def multiaddrs(self) -> list[str]:

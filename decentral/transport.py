@@ -155,6 +155,14 @@ class JoinRequest:
             pass
 
 
+def present_for(transport: "Transport", round: int) -> set[str]:
+    """The peers there for `round`: those taking part in it, and live ones already past it (the round's
+    announcements of a swarm under way have expired; a peer that resumed or joined late waits for no one)."""
+    ahead = {peer for peer, info in transport.progress().items()
+             if isinstance(info.get("round"), int) and info["round"] > round}
+    return set(transport.members(round)) | ahead
+
+
 class Transport(Protocol):
     peer_id: str
     error_feedback: bool  # averages travel in a codec that drops most of a tensor (top-k): a protocol keeps
@@ -208,9 +216,10 @@ class Transport(Protocol):
         `round`'s members (`with_us`), looked up in the background too, as the average starts (`check_group`)."""
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
-        """Block until `count` peers (us included) are live and take part in `round` (so peers started
-        together train their first round together); an error naming the shortfall after `timeout_s`.
-        A transport whose peers meet otherwise (an island's rendezvous), or that has none, returns at once."""
+        """Block until `count` peers (us included) are there for `round` (`present_for`: so peers started
+        together train their first round together, and one joining a swarm under way waits for nobody); an
+        error naming the shortfall after `timeout_s`. A transport whose peers meet otherwise (an island's
+        rendezvous), or that has none, returns at once."""
 
     def multiaddrs(self) -> list[str]:
         """Where other peers join us ([] where nobody can)."""

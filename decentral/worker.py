@@ -329,7 +329,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
             opts.on_ready(transport.multiaddrs())
         card = StatusCard(transport, opts.name, t.batch_size * t.context * (opts.world_size if opts.island_mode else 1))
         with protocol:  # joins the swarm: its state, round and step, and announces the round
-            _wait_for_peers(transport, opts, protocol.round)
+            _wait_for_peers(transport, opts, protocol.first_round)
             batches = batches_from(protocol.step)
             first = dict(worker=opts.name, step=protocol.step, round=protocol.round)
             if protocol.donor is None or protocol.step == 0:  # one joining mid-run skips it: the round

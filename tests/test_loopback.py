@@ -77,6 +77,14 @@ def test_members_progress_and_state_are_what_the_peers_announced():
     c.join_rounds(0)  # announces rounds 0 to 2
     waiter.join(timeout=5)
     assert not waiter.is_alive()
+    # a swarm under way: nobody announces round 1 any more, but b is past it, so a peer back at round 1 (resumed
+    # from an older checkpoint) does not wait for the round's announcements, which the others made long ago
+    a.join_rounds(5)
+    waiter = threading.Thread(target=a.wait_for_peers, args=(2, 5.0, 5))
+    waiter.start()
+    b.set_progress(400, 8)
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
 
 
 def test_the_solo_transports_background_average_is_done_at_once():

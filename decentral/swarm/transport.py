@@ -17,7 +17,9 @@ from decentral.swarm.admission import SwarmKey
 from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.config import HANG_S, HEARTBEAT_S
-from decentral.transport import AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, with_us
+from decentral.transport import (
+    AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, present_for, with_us,
+)
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmError, SwarmPeer
 from decentral.swarm.state import Snapshot, StateExchange
@@ -149,10 +151,10 @@ class SwarmTransport:
         return await self.averager.average(tensor, group, tag, self.timeout, round, note)
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
-        """Block until `count` peers (us included) with a live heartbeat announced `round`; SwarmError
-        after `timeout_s`."""
+        """Block until `count` peers (us included) are there for `round` (decentral.transport.present_for);
+        SwarmError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while len(self.membership.members(round)) < count:
+        while len(present_for(self, round)) < count:
             if time.monotonic() > deadline:
                 raise SwarmError(f"fewer than {count} peers joined within {timeout_s:.0f}s")
             time.sleep(min(self.membership.heartbeat_s / 2, PEER_POLL_S))  # peers announce rounds when ready to train

@@ -161,7 +161,12 @@ class SyncProtocol:
         if self.shares_state:
             self._take_swarm_state(onlook=True, keep_asking_s=self.join_timeout_s)
             self._offer()
-        self.transport.join_rounds(self.round + 1 if self.onlooking else self.round)
+        self.transport.join_rounds(self.first_round)
+
+    @property
+    def first_round(self) -> int:
+        """The first round we take part in: the one under way, or for an onlooker the next."""
+        return self.round + 1 if self.onlooking else self.round
 
     def _take_swarm_state(self, *, onlook: bool = False, after_round: int | None = None, keep_asking_s: float = 0.0,
                           replay_ours: bool = False) -> bool:
