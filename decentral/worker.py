@@ -165,13 +165,37 @@ def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) ->
 
 
 def _swarm_connection(recipe: Recipe, opts: WorkerOptions, run: str, join: Sequence[str], port: int) -> Transport:
+    """Our swarm peer. Joining through `join` and seeing no live member of `run`, it looks whether the run's
+    records are there but do not open with our key (or without one): AdmissionError then, not a run alone."""
     s = recipe.swarm
-    return SwarmTransport(
+    key = SwarmKey.load(s.key_file) if s.key_file else None
+    transport = SwarmTransport(
         run, join, host=opts.host, port=port, announce_host=opts.announce_host,
         timeout=s.timeout, codec=s.codec, max_norm_ratio=s.max_norm_ratio, aggregation=s.aggregation,
-        hang_s=s.hang_s, heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE),
-        swarm_key=SwarmKey.load(s.key_file) if s.key_file else None,
+        hang_s=s.hang_s, heartbeat_s=s.heartbeat_s, identity_path=str(opts.out / IDENTITY_FILE), swarm_key=key,
     )
+    if join and set(transport.progress()) == {transport.peer_id}:
+        try:
+            _check_admitted(run, join, key, transport.peer_id)
+        except BaseException:
+            transport.close()
+            raise
+    return transport
+
+
+def _check_admitted(run: str, join: Sequence[str], key: SwarmKey | None, us: str) -> None:
+    """AdmissionError when `run`'s records are in the swarm but none but ours (`us`) opens with `key` (or without
+    one)."""
+    from decentral.swarm.monitor import SwarmMonitor
+
+    try:
+        monitor = SwarmMonitor(run, join, swarm_key=key)
+    except SwarmError:
+        return  # nobody answers any more: nothing to tell
+    try:
+        monitor.rows(leave_out=frozenset([us]))
+    finally:
+        monitor.close()
 
 
 def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:

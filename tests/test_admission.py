@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import run_in_threads
+from conftest import run_in_threads, write_recipe
 from decentral.cli import main
 from decentral.swarm import AdmissionError, SwarmKey, SwarmPeer
 from decentral.swarm.wire import read_frame, write_frame
@@ -97,3 +97,19 @@ def test_a_malformed_key_file_stops_training_before_it_starts(tmp_path, capsys):
     assert main(["train", "--swarm-key", str(bad), "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
     assert "not a swarm key" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("joiner_key", ["none", "another"])
+def test_a_worker_joining_a_keyed_swarm_without_its_key_stops_instead_of_training_alone(
+        keyed_swarm, tmp_path, small_corpus, prefork, joiner_key):
+    a, _ = keyed_swarm
+    recipe = write_recipe(tmp_path / "r.yaml", {"name": "diloco", "every": 5}, steps=10)
+    args = ["train", "--protocol", str(recipe), "--run", a.peer.run, "--join", a.multiaddrs()[0],
+            "--data", str(small_corpus), "--out", "joiner"]
+    if joiner_key == "another":
+        SwarmKey.generate(tmp_path / "other.key")
+        args += ["--swarm-key", str(tmp_path / "other.key")]
+    done = prefork.run(args, tmp_path, timeout=120)
+    expected = "is keyed" if joiner_key == "none" else "do not open with swarm key"
+    assert done.returncode == 2 and expected in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "joiner" / "metrics.jsonl").exists()  # it trained no step alone

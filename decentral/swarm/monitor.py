@@ -107,12 +107,13 @@ class SwarmMonitor:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise SwarmError(startup_error(e, initial_peers, "127.0.0.1", 0)) from e  # a client listens nowhere
 
-    def rows(self) -> list[dict]:
+    def rows(self, leave_out: frozenset[str] = frozenset()) -> list[dict]:
         """One row per peer with a heartbeat (state "alive"), or that said it left ("left"), or, in a
         monitor that looked before, whose heartbeat expired since ("gone", for `GONE_KEPT_S`), sorted by
         name and id: {"id", "name", "state", "addrs", "step", "round", "loss", "tokens_per_s",
         "sent_per_s", "received_per_s", "last_seen_s"}; None where a peer does not say (an older
-        version). AdmissionError when peers' records exist but none opens with our key (or without one)."""
+        version). AdmissionError when peers' records exist but none opens with our key (or without one).
+        `leave_out`: peers whose records are not counted (a member checking the swarm it joined: itself)."""
         found = self.dht.get(f"{self.run}/peers", latest=True)
         stored = found.value if found is not None and isinstance(found.value, dict) else {}
         now, current, unreadable = get_dht_time(), {}, 0
@@ -120,7 +121,7 @@ class SwarmMonitor:
             opened = self._open(item.value)
             if opened is None:
                 unreadable += 1
-            else:
+            elif opened[0] not in leave_out:
                 current[opened[0]] = opened[1]
         if unreadable and not current:
             if self.swarm_key is None:
