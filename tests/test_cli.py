@@ -109,6 +109,8 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["train", "--join", "/ip4/127.0.0.1/tcp/1"], "names no peer"),
     ([*TRAIN, "--join", "127.0.0.1:31337"], "'127.0.0.1:31337' is not a multiaddr"),
     (["train", "--protocol", "local", "--island", "tcp://127.0.0.1:1"], "give another protocol"),
+    ([*TRAIN, "--announce-host", "example.com", "--port", "31999"], "'example.com' is not an IP address"),
+    ([*TRAIN, "--announce-host", "203.0.113.5"], "--announce-host 203.0.113.5 needs a fixed --port"),
     (["train", "--protocol", "typo.yaml"], "unknown section(s) ['trian']"),
     (["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
     (["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),

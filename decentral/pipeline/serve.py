@@ -93,7 +93,8 @@ def run_node(opts: NodeOptions) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     tokens = load_corpus(opts.data).train if index == 0 else None
     swarm = recipe.recipe.swarm
-    peer = SwarmPeer(swarm.run, opts.join, host=opts.host, port=opts.dht_port, announce_host=opts.announce_host,
+    peer = SwarmPeer(swarm.run, opts.join, host=opts.host, port=opts.dht_port,  # --announce-host is gRPC's, and
+                     announce_host=opts.announce_host if opts.dht_port else None,  # the DHT's with a fixed port
                      identity_path=opts.out / "identity.key", swarm_key=opts.swarm_key)
     closers: list[Callable[[], None]] = [peer.shutdown]
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import os
 import re
@@ -150,6 +151,19 @@ class _DHTProcess(DHT):
         os._exit(1)
 
 
+def announced_maddr(host: str, port: int) -> str:
+    """The multiaddr others reach us at, `host` (an IP address: what a NAT or a public interface forwards to us)
+    on our fixed `port`; SwarmError when either cannot be announced."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise SwarmError(f"--announce-host {host!r} is not an IP address: give the address other machines reach "
+                         "us at, e.g. 203.0.113.5") from None
+    if not port:
+        raise SwarmError(f"--announce-host {host} needs a fixed --port: the port others reach us at there")
+    return f"/ip{address.version}/{address}/tcp/{port}"
+
+
 class SwarmPeer:
     """Start a new swarm (no `initial_peers`) or join one through any member's multiaddr.
 
@@ -174,6 +188,7 @@ class SwarmPeer:
         swarm_key: SwarmKey | None = None,
     ):
         check_multiaddrs(initial_peers)
+        announce = [announced_maddr(announce_host, port)] if announce_host else None
         self.run = run
         self.stats = TrafficStats()
         self.swarm_key = swarm_key
@@ -184,7 +199,6 @@ class SwarmPeer:
         earlier_life = identity_path.exists()
         ensure_identity(identity_path)
         self._refused: set[str] = set()  # peers whose keyless stream we logged already
-        announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
         deadline = time.monotonic() + IDENTITY_RELEASE_S
         while True:
             try:
