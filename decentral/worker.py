@@ -116,9 +116,17 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
     if found != {k: v.shape for k, v in protocol.model.state_dict().items()}:
         raise CheckpointError(f"{path} holds another model than this run's (its recipe's model: "
                               f"{meta.get('recipe', {}).get('model')}); resume with the model it was written with")
-    model, sync = load_training_state(tensors, meta, protocol.optimizer)
-    protocol.model.load_state_dict(model)
-    protocol.load_state_dict(sync)
+    saved = meta.get("sync", {}).get("protocol") if isinstance(meta.get("sync"), dict) else None
+    if saved is not None and saved != protocol.name:
+        raise CheckpointError(f"{path} is a {saved} run's checkpoint, this run is {protocol.name}: resume it with "
+                              f"--protocol {saved}, or train into another --out")
+    try:
+        model, sync = load_training_state(tensors, meta, protocol.optimizer)
+        protocol.model.load_state_dict(model)
+        protocol.load_state_dict(sync)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # metadata that passed its checksum-less read
+        raise CheckpointError(f"{path}: its metadata does not fit this run ({type(e).__name__}: {e}); resume with the "
+                              "recipe it was written with") from None
     return meta.get("lineage", {"parent": None, "start_step": 0, "start_tokens": 0})
 
 

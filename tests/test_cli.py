@@ -4,6 +4,7 @@ what a user can get wrong ends in one line on stderr and exit code 2, not a trac
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import socket
@@ -155,3 +156,19 @@ def test_a_run_that_diverges_exits_3_and_keeps_its_last_good_checkpoint(tmp_path
     after, meta = load_checkpoint(tmp_path / "run" / "checkpoint")
     assert meta["sync"]["step"] == 10 and all(torch.equal(after[k], v) for k, v in good.items())
     assert all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point())
+
+
+def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_one_line(tmp_path, small_corpus, prefork):
+    local = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=20)
+    args = ["train", "--data", str(small_corpus), "--out", "run", "--resume"]
+    done = prefork.run(["train", "--protocol", str(local), "--data", str(small_corpus), "--out", "run", "--stop-at", "5"],
+                       tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    other = write_recipe(tmp_path / "diloco.yaml", {"name": "diloco", "every": 5}, steps=20)
+    done = prefork.run([*args, "--protocol", str(other)], tmp_path, timeout=120)
+    assert done.returncode == 2 and "is a local run's checkpoint, this run is diloco" in done.stderr, done.stderr
+    meta_path = tmp_path / "run" / "checkpoint" / "meta.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "sync": "x"}))
+    done = prefork.run([*args, "--protocol", str(local)], tmp_path, timeout=120)
+    assert done.returncode == 2 and "its metadata does not fit this run" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
