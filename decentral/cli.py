@@ -60,13 +60,15 @@ def swarm_key_path(args) -> str | None:
     return getattr(args, "swarm_key", None) or os.environ.get(KEY_ENV) or None
 
 
-def swarm_key(path: str | None):
-    """The SwarmKey at `path`; without one, say once that the swarm is open."""
+def swarm_key(path: str | None, notice: bool = True):
+    """The SwarmKey at `path`; without one, say once that the swarm is open (unless not `notice`: the caller
+    says it once its swarm is up, so that an error before that is the only line on stderr)."""
     from decentral.swarm.admission import OPEN_SWARM_NOTICE, SwarmKey
 
     if path:
         return SwarmKey.load(path)
-    print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
+    if notice:
+        print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
     return None
 
 
@@ -78,6 +80,10 @@ def train_worker(recipe, args, **overrides) -> int:
     from decentral.worker import WorkerOptions, run_worker
 
     def ready(maddrs: list[str]) -> None:
+        if not recipe.swarm.key_file and not args.island and overrides.get("rank", 0) == 0:
+            from decentral.swarm.admission import OPEN_SWARM_NOTICE
+
+            print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
         print(f"[{args.name}] others join with --join {maddrs[0]}", flush=True)
         if args.maddr_file:
             tmp = Path(args.maddr_file + ".tmp")
@@ -139,7 +145,7 @@ def cmd_train(args) -> int:
                          world_size=launched.world_size, local_rank=launched.local_rank,
                          local_world_size=launched.local_world_size)
     if recipe.protocol != "local" and not args.island and (launched is None or launched.rank == 0):
-        swarm_key(recipe.swarm.key_file)  # a bad key file fails here, before any training; no key: the notice
+        swarm_key(recipe.swarm.key_file, notice=False)  # a bad key file fails here, before any training
         if make_codec(recipe.swarm.codec).error_feedback:
             print(TOPK_NOTICE, file=sys.stderr, flush=True)
     return train_worker(recipe, args, **overrides)
