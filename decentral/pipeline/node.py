@@ -399,6 +399,8 @@ class StageNode:
                 if task.kind != STEP:
                     self._compute.setdefault(task.kind, []).append(1e3 * (time.perf_counter() - started))
             except Exception as e:
+                if self.stopped.is_set():
+                    return  # the node is stopping: its links closed under the task in flight, which no one awaits
                 log.exception("%s: %s of microbatch %s failed", self.name, task.kind, task.key[1:])
                 with self._cond:
                     self._resident.pop(task.key, None)
