@@ -96,8 +96,8 @@ def cmd_branch(args) -> int:
                                            device=args.device or inherited.train.device)
     else:
         print(f"experts: {first.name} has no training recipe (a merge or a download without one): the schedule is "
-              f"this run's ({recipe.train.steps} steps in all, from its step {first.steps}) and AdamW starts fresh",
-              flush=True)
+              f"this run's ({recipe.train.steps} steps in all, from its step {first.steps})"
+              + ("" if first.optimizer else "; AdamW starts fresh"), flush=True)
     if first.is_hf:  # the model is the parent's: a Hugging Face one is built from the config.json in its folder
         recipe.model_source = absolute_source(f"{HF_CONFIG_PREFIX}{first.folder / CONFIG_FILE}")
     else:
