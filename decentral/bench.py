@@ -450,7 +450,12 @@ def main(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"bench: cannot read {out / 'results.json'}: {e}", file=sys.stderr)
             return 2
-        return report(results, out, args.target_loss)
+        try:
+            return report(results, out, args.target_loss)
+        except (KeyError, TypeError, AttributeError) as e:
+            print(f"bench: {out / 'results.json'} is not a `decentral bench` run's results ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
     return run_bench(args)
 
 

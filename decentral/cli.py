@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
 
-from decentral.config import RecipeError, load_recipe, parse_settings, recipe_path
+from decentral.config import RecipeError, load_recipe, parse_settings, protocol_params, recipe_path
 from decentral.models import ModelError, absolute_source, check_source
 
 
@@ -148,6 +148,11 @@ def cmd_train(args) -> int:
         swarm_key(recipe.swarm.key_file, notice=False)  # a bad key file fails here, before any training
         if make_codec(recipe.swarm.codec).error_feedback:
             print(TOPK_NOTICE, file=sys.stderr, flush=True)
+        every = recipe.protocol_args.get("every", protocol_params(recipe.protocol).get("every"))
+        if isinstance(every, int) and recipe.train.steps < every:
+            print(f"note: {recipe.train.steps} steps are less than one round (every {every} steps): no outer step "
+                  f"will run, so this trains as `local` would; give --steps {every} or more, or --set every=N",
+                  file=sys.stderr, flush=True)
     return train_worker(recipe, args, **overrides)
 
 
@@ -465,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
             AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError,
-            StateUnavailable) as e:
+            StateUnavailable, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:  # and an
+        # --out where a folder cannot be
         if args.verbose:
             traceback.print_exc()
         print("decentral: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message

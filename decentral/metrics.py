@@ -151,6 +151,17 @@ def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Pa
     return out
 
 
+def check_picture_path(path: str | Path, option: str = "--out") -> None:
+    """MetricsError unless matplotlib writes a picture to `path` (its suffix names the format) and it is no folder."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in formats:
+        raise MetricsError(f"{option} {path}: name a picture file ending in one of {', '.join(sorted(formats))}")
+    if Path(path).is_dir():
+        raise MetricsError(f"{option} {path} is a folder: give the picture's file name")
+
+
 def write_report(records: list[dict], out_png: str | Path, title: str = "") -> dict[str, dict]:
     """`plot_report` into `out_png`, print the summary table; returns `summarize`'s result."""
     plot_report(records, out_png, title)

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from decentral.metrics import read_metrics, write_report
+from decentral.metrics import check_picture_path, read_metrics, write_report
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -61,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"decentral report: the metrics files under {run} hold no records yet", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "report.png"
+    check_picture_path(out)
     summary = write_report(records, out, title=str(run))
     print(f"report: plot {out}; workers: {len(summary)}")
     return 0

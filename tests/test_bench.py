@@ -178,6 +178,10 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "results.json").read_text()) == results  # the comparison is a function of the records
     assert (out / "bench.png").is_file() and "speedup" in again.stdout
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "results.json").write_text(json.dumps({"points": []}))  # a bench sweep's, say
+    again = prefork.run(["bench", "--report", str(tmp_path / "other")], tmp_path, timeout=60)
+    assert again.returncode == 2 and "is not a `decentral bench` run's results" in again.stderr, again.stderr
 
 
 def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anything_runs(tmp_path, capsys):

@@ -60,6 +60,7 @@ def scratch_folder(tmp: Path) -> dict[str, str]:
     (tmp / "typo.yaml").write_text("protocol: {name: noloco}\ntrian: {steps: 10}\n")
     (tmp / "bad.yaml").write_text("protocol: {name: noloco\n")
     (tmp / "binary.yaml").write_bytes(b"\x00\xff\xfe protocol")
+    (tmp / "afile").write_text("")
     (tmp / "net.json").write_text('{"nodes": [\n')
     (tmp / "registry" / "code").mkdir(parents=True)
     (tmp / "registry" / "code" / "model.safetensors").write_bytes(b"")
@@ -116,6 +117,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
     (["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),
     (["merge", "binary.yaml", "--out", "merged"], "binary.yaml: not a text file in UTF-8"),
+    (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "File exists"),
     (["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
     (["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
     (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),

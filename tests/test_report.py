@@ -96,6 +96,8 @@ def test_report_redraws_the_plot_and_prints_the_table_of_a_train_run(train_run, 
     assert lines[1].split()[:2] == ["solo", str(STEPS)]
     assert lines[1].split()[3] == f"{final['val_loss']:.4f}"
     assert lines[-1] == f"report: plot {png}; workers: 1"
+    assert main(["report", str(out), "--out", str(tmp_path / "plot.bogus")]) == 2  # matplotlib writes no such picture
+    assert "name a picture file ending in one of" in capsys.readouterr().err
 
 
 def test_report_tells_apart_workers_of_the_same_name_in_a_bench_folder(tmp_path, capsys):

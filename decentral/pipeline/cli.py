@@ -180,9 +180,9 @@ def cmd_plan(args) -> int:
     if out.is_dir():
         raise PipelineError(f"--out {out} is a folder: give the plan's file name, e.g. {out / 'plan.json'}")
     if args.plot:
-        from decentral.pipeline.plot import check_plot_path
+        from decentral.metrics import check_picture_path
 
-        check_plot_path(args.plot)
+        check_picture_path(args.plot, "--plot")
     network = load_network(args.network).replace(stages=args.stages, skip=args.skip, microbatches=args.microbatches)
     length = path_length(network.stages, network.skip)
     with tqdm(total=2, desc="planning", unit="plan", disable=None, leave=False) as bar:  # on a terminal only

@@ -8,22 +8,11 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from decentral.pipeline.network import Network, PipelineError
+from decentral.pipeline.network import Network
 from decentral.pipeline.planner import Plan
 from decentral.pipeline.simulator import BACKWARD, FORWARD, LOSS, simulate
 
 COLOURS = {FORWARD: "tab:blue", LOSS: "tab:red", BACKWARD: "tab:orange"}
-
-
-def check_plot_path(path: str | Path) -> None:
-    """PipelineError unless matplotlib writes a picture to `path` (its suffix names the format) and it is no folder."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if Path(path).suffix.lstrip(".").lower() not in formats:
-        raise PipelineError(f"--plot {path}: name a picture file ending in one of {', '.join(sorted(formats))}")
-    if Path(path).is_dir():
-        raise PipelineError(f"--plot {path} is a folder: give the picture's file name")
 
 
 def plot_plans(network: Network, plans: Sequence[tuple[str, Plan]], out_png: str | Path) -> Path:
