@@ -470,8 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
             AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError,
-            StateUnavailable, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:  # and an
-        # --out where a folder cannot be
+            StateUnavailable, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        # (the last four: an --out where no folder can be made, or a file we may not write)
         if args.verbose:
             traceback.print_exc()
         print("decentral: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message

@@ -397,7 +397,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                                       f"took part (they ended, left or did not answer); training on alone until one does")
                     last_sync = report
                 if protocol.step % t.eval_every == 0:
-                    record["val_loss"] = val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)
+                    val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)
+                    record["val_loss"] = val_loss
                     record.update(children_record())
                     opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
                     _save(protocol, opts, recipe, lineage)

@@ -221,7 +221,9 @@ def read_expert(folder: str | Path) -> Expert:
     return expert
 
 
-_COUNT, _TEXT, _MAPPING = (int, "a count >= 0"), ((str, type(None)), "a string or null"), ((dict, type(None)), "a mapping or null")
+_COUNT = (int, "a count >= 0")
+_TEXT = ((str, type(None)), "a string or null")
+_MAPPING = ((dict, type(None)), "a mapping or null")
 _FIELDS = {"name": (str, "a string"), "domain": _TEXT, "parent": _TEXT, "size": _COUNT, "start_step": _COUNT,
            "steps": _COUNT, "tokens": _COUNT, "recipe": _MAPPING, "merge": _MAPPING}  # expert.json's: (types, said as)
 

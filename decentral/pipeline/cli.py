@@ -71,8 +71,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, help="microbatches per iteration (default: the file's)")
     p.add_argument("--seed", type=number_type(int, 0), default=0, help="seed of the planner's search and of the blind "
                    "baseline")
-    p.add_argument("--effort", type=number_type(float, 0, strict=True), default=1.0, help="scales the planner's search (default 1: seconds "
-                   "for 20 nodes)")
+    p.add_argument("--effort", type=number_type(float, 0, strict=True), default=1.0,
+                   help="scales the planner's search (default 1: seconds for 20 nodes)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     p.add_argument("--plot", metavar="PNG", help="also draw the three plans' Gantt charts here")
     p.set_defaults(func=cmd_plan)
@@ -90,7 +90,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "(e.g. 20mbit); needs root, else loopback with paced sends")
     t.add_argument("--latency-ms", type=float, default=0.0, help="latency added to every message we send")
     t.add_argument("--drop", type=float, default=0.5, help="share of stages dropped in the evaluation (default 0.5)")
-    t.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0, help="the longest the run may take, in seconds")
+    t.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
+                   help="the longest the run may take, in seconds")
     t.add_argument("--resume", action="store_true", help="go on from the nodes' checkpoints in OUT (a run "
                    "stopped or whose lead died), to --steps")
     t.set_defaults(func=cmd_train)
@@ -99,7 +100,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                             **described(EVAL_HELP))
     e.add_argument("run", metavar="RUN", help="a `decentral pipeline train` output folder")
     e.add_argument("--drop", type=float, default=0.5, help="share of stages dropped (default 0.5)")
-    e.add_argument("--draws", type=positive_int, default=10, help="random subsets scored when there are more than 20")
+    e.add_argument("--draws", type=positive_int, default=10,
+                   help="random subsets scored when there are more than 20")
     e.add_argument("--data", action="append", metavar="PATH", help="text whose validation split scores the model "
                    "(default: Python's stdlib)")
     e.add_argument("--seed", type=number_type(int, 0), default=0)
@@ -122,11 +124,12 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "recipe's swarm.key_file, else an open swarm)")
     n.add_argument("--maddr-file", help="write our DHT multiaddrs here once up")
     n.add_argument("--lead", action="store_true", help="also coordinate the run (a stage-0 node)")
-    n.add_argument("--steps", type=positive_int, help="iterations, for the lead and any head that may take over from it "
-                   "(default: the recipe's train.steps)")
+    n.add_argument("--steps", type=positive_int, help="iterations, for the lead and any head that may take over from "
+                   "it (default: the recipe's train.steps)")
     n.add_argument("--data", action="append", metavar="PATH",
                    help="training text, for heads (default: Python's stdlib)")
-    n.add_argument("--wait", type=number_type(float, 0, strict=True), default=300.0, help="seconds the lead waits for the network's nodes")
+    n.add_argument("--wait", type=number_type(float, 0, strict=True), default=300.0,
+                   help="seconds the lead waits for the network's nodes")
     n.add_argument("--resume", action="store_true", help="start from OUT/stage (the lead: from its iteration)")
     n.set_defaults(func=cmd_node)
     return pipeline

@@ -136,7 +136,7 @@ class _DHTProcess(DHT):
         super().start()
 
     def run(self) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # hivemind ignores it too, once its loop runs: Ctrl-C is the parent's
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does once its loop runs: Ctrl-C is the parent's
         threading.Thread(target=self._shut_down_when_orphaned, name="orphan-watch", daemon=True).start()
         super().run()
 
