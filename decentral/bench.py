@@ -381,7 +381,10 @@ def format_cpu(results: dict) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.protocols.split(",") if m.strip()]
-    unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS
+    if not methods:
+        print("bench: --protocols names no method; local, the reference, runs with any", file=sys.stderr)
+        return 2
+    unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS or m.endswith(("+", "@"))
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
         print(f"bench: unknown method(s) {unknown}; choose from {list(METHODS)}, those of the swarm optionally "

@@ -532,13 +532,15 @@ def _send_main(address: str, port: int, max_seconds: float, pace_bps: int) -> No
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `decentral netlab`."""
+    from decentral.cli import number_type
+
     parser.add_argument("--hosts", type=int, default=2, help="number of emulated hosts")
     parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host, e.g. 20mbit, or 'none'")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="link latency passed to apps (not kernel-enforced)")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--name", default="dcl", help="prefix of the namespaces, veths and bridge")
     parser.add_argument("--measure", action="store_true", help="measure host0 -> host1 throughput against the cap")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of --measure")
+    parser.add_argument("--seconds", type=number_type(float, 0, strict=True), default=3.0, help="duration of --measure")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- CMD ...: run in every host; {i}, {addr} and {addr0} are replaced per host")
 

@@ -41,7 +41,12 @@ def parse_grid(settings: list[str]) -> dict[str, list]:
         key, values = split_setting(item, "KEY=VALUE[,VALUE...], e.g. outer_lr=0.7,1.0")
         if key.count(".") > 1 or (key.count(".") == 1 and not key.startswith("train.")):
             raise RecipeError(f"--set {item!r}: KEY is a protocol setting (outer_lr) or train.NAME (train.lr)")
-        grid[key] = [setting_value(v.strip()) for v in values.split(",")]
+        if key == "train.steps":
+            raise RecipeError(f"--set {item!r}: a sweep's points all train --steps steps; sweep other settings")
+        texts = [v.strip() for v in values.split(",")]
+        if not all(texts):
+            raise RecipeError(f"--set {item!r}: an empty value; give VALUE[,VALUE...] (values hold no commas)")
+        grid[key] = [setting_value(text) for text in texts]
     return grid
 
 

@@ -103,7 +103,7 @@ def _run_sweep_point(lab: NetLab, method: str, numel: int, rounds: int, out: Pat
 
 
 def run_syncbench(args: argparse.Namespace) -> int:
-    counts = [int(h) for h in args.hosts.split(",")]
+    counts = args.hosts
     bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
     out = Path(args.out)
     results = {"config": {"hosts": counts, "bandwidth": bandwidth, "numel": args.numel, "rounds": args.rounds},
@@ -144,6 +144,16 @@ def _plot(results: dict, out_png: Path) -> None:
     fig.savefig(out_png)
 
 
+def _host_counts(text: str) -> list[int]:
+    try:
+        counts = [int(h) for h in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"{text}: every point needs at least 2 hosts to sync")
+    return counts
+
+
 def _rounds(text: str) -> int:
     value = int(text)
     if value < 2:
@@ -152,9 +162,11 @@ def _rounds(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hosts", default="2,4,8", help="comma-separated host counts")
+    from decentral.cli import positive_int
+
+    parser.add_argument("--hosts", type=_host_counts, default="2,4,8", help="comma-separated host counts")
     parser.add_argument("--bandwidth", default="20mbit")
-    parser.add_argument("--numel", type=int, default=1_000_000, help="model size (floats) being synced")
+    parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")
     parser.add_argument("--rounds", type=_rounds, default=4, help="syncs per point, at least 2: the first warms "
                         "up and is not counted")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")

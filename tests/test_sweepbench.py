@@ -17,7 +17,7 @@ def test_the_grid_is_the_product_of_the_settings_and_a_malformed_one_is_refused(
     recipe = with_settings({"protocol": {"name": "diloco", "outer_lr": 0.5}, "train": {"steps": 9}},
                            {"outer_lr": 1.0, "train.lr": 1e-3})
     assert recipe == {"protocol": {"name": "diloco", "outer_lr": 1.0}, "train": {"steps": 9, "lr": 1e-3}}
-    for bad in ("outer_lr", "outer_lr=", "model.n_layer=2", "a.b.c=1"):
+    for bad in ("outer_lr", "outer_lr=", "model.n_layer=2", "a.b.c=1", "outer_lr=,", "outer_lr=0.5,", "train.steps=5,10"):
         with pytest.raises(RecipeError, match="--set"):
             parse_grid([bad])
 
