@@ -116,7 +116,7 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
     if found != {k: v.shape for k, v in protocol.model.state_dict().items()}:
         raise CheckpointError(f"{path} holds another model than this run's (its recipe's model: "
                               f"{meta.get('recipe', {}).get('model')}); resume with the model it was written with")
-    saved = meta.get("sync", {}).get("protocol") if isinstance(meta.get("sync"), dict) else None
+    saved = meta["sync"].get("protocol") if isinstance(meta.get("sync"), dict) else None
     if saved is not None and saved != protocol.name:
         raise CheckpointError(f"{path} is a {saved} run's checkpoint, this run is {protocol.name}: resume it with "
                               f"--protocol {saved}, or train into another --out")
