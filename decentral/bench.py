@@ -34,7 +34,7 @@ import yaml
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import build_model
-from decentral.netlab import Host, NetLab
+from decentral.netlab import Host, NetLab, bandwidth_argument
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
@@ -391,7 +391,7 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    bandwidth = args.bandwidth
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
     tokens_per_step = base.train.batch_size * base.train.context
@@ -464,7 +464,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
+                        help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--protocols", default=",".join(METHODS),
                         help=f"comma-separated, from {','.join(METHODS)}; METHOD+CODEC runs a method with another "
                              "swarm.codec (e.g. diloco+topk, diloco+float16); METHOD@STEPS gives a method its own "

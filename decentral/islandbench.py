@@ -45,7 +45,7 @@ from decentral.bench import (ISLAND_PORT, REFERENCE, Launch, _command, _recipe_f
 from decentral.config import default_recipe_path, load_recipe
 from decentral.hierarchy import MODES
 from decentral.metrics import format_table, human_bytes
-from decentral.netlab import NetLab
+from decentral.netlab import NetLab, bandwidth_argument
 
 A_METHODS = (REFERENCE, "flat", "hierarchical")
 A_HOSTS = 2
@@ -361,7 +361,7 @@ def run_islands(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    bandwidth = args.bandwidth
     results = {"config": {"parts": sorted(parts), "bandwidth": bandwidth, "date": dt.date.today().isoformat(),
                           "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
                           "python": platform.python_version(), **_source()}}
@@ -391,7 +391,8 @@ def run_islands(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="a,b", help="a (utilisation, hierarchical vs flat), b (sharded vs leader "
                         "sync) or a,b")
-    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
+                        help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--steps", type=int, default=200, help="(A) inner steps per process")
     parser.add_argument("--rounds", type=int, default=8, help="(B) averages timed per point (the first is dropped)")
     parser.add_argument("--ks", default="2,4", help="(B) comma-separated ranks per island")

@@ -76,15 +76,27 @@ def parse_rate(text: str) -> int:
     Prefixes are decimal as in tc (k = 10^3, m = 10^6, g = 10^9, t = 10^12) and
     case-insensitive. Unlike tc, a "bps" suffix ("10mbps") also means *bits*
     per second, as in everyday networking use. A bare number has no unit and is
-    rejected, as is anything that is not a positive rate (LabSettingsError, a ValueError).
+    rejected, as is anything below 8 bit/s, the least tc can shape (it counts bytes per second)
+    (LabSettingsError, a ValueError).
     """
     match = _RATE_RE.match(text) if isinstance(text, str) else None
     if match is None:
         raise LabSettingsError(f"not a link rate: {text!r} (expected e.g. '20mbit', '512kbit', '1gbit', '10mbps')")
     bps = round(float(match.group(1)) * _SCALE[match.group(2).lower()])
-    if bps < 1:
-        raise LabSettingsError(f"link rate must be at least 1 bit/s, got {text!r}")
+    if bps < 8:
+        raise LabSettingsError(f"link rate must be at least 8 bit/s (tc shapes whole bytes per second), got {text!r}")
     return bps
+
+
+def bandwidth_argument(text: str) -> str | None:
+    """argparse type of every `--bandwidth`: a `parse_rate` string, or None for 'none' (uncapped links)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        parse_rate(text)
+    except LabSettingsError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or 'none' for uncapped links") from None
+    return text
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:
@@ -535,7 +547,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type
 
     parser.add_argument("--hosts", type=int, default=2, help="number of emulated hosts")
-    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host, e.g. 20mbit, or 'none'")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
+                        help="uplink cap per host, e.g. 20mbit, or 'none'")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="link latency passed to apps (not kernel-enforced)")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--name", default="dcl", help="prefix of the namespaces, veths and bridge")
@@ -581,11 +594,10 @@ def _run_everywhere(lab: NetLab, cmd: list[str]) -> int:
 def main(args: argparse.Namespace) -> int:
     """`decentral netlab`: open a lab, optionally measure it and/or run a command on every host, tear down."""
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-    bandwidth = None if args.bandwidth.lower() in ("none", "0", "") else args.bandwidth
     if args.measure and args.hosts < 2:
         raise LabSettingsError("--measure needs at least 2 hosts")
     try:
-        with NetLab(args.hosts, bandwidth, latency_ms=args.latency_ms, name=args.name, mode=args.mode) as lab:
+        with NetLab(args.hosts, args.bandwidth, latency_ms=args.latency_ms, name=args.name, mode=args.mode) as lab:
             for host in lab.hosts:
                 print(f"h{host.index} {host.address} {host.namespace or '-'}")
             status = 0

@@ -46,7 +46,7 @@ import yaml
 
 from decentral.config import load_recipe, recipe_path
 from decentral.metrics import format_table
-from decentral.netlab import NetLab
+from decentral.netlab import NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
@@ -325,7 +325,7 @@ def run_soak(args: argparse.Namespace) -> int:
     recipe = load_recipe(recipe_path(args.protocol))
     recipe.train.steps = args.steps
     recipe.swarm.key_file = str(key_file.resolve())
-    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    bandwidth = args.bandwidth
     config = {"hosts": args.hosts, "bandwidth": bandwidth, "protocol": recipe.protocol, "steps": args.steps,
               "kill_every_s": args.kill_every, "minutes": args.minutes, "keep": args.keep, "seed": args.seed,
               "date": dt.date.today().isoformat(),
@@ -350,7 +350,8 @@ def run_soak(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=6)
-    parser.add_argument("--bandwidth", default="20mbit", help="uplink cap per host (tc rate) or 'none'")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
+                        help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
     parser.add_argument("--steps", type=int, default=3000, help="the swarm's inner steps (default: ~20 min on 2 cores)")
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")

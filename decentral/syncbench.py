@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from decentral.config import SwarmConfig
-from decentral.netlab import NetLab
+from decentral.netlab import NetLab, bandwidth_argument
 
 METHODS = ("diloco", "noloco")
 
@@ -104,7 +104,7 @@ def _run_sweep_point(lab: NetLab, method: str, numel: int, rounds: int, out: Pat
 
 def run_syncbench(args: argparse.Namespace) -> int:
     counts = args.hosts
-    bandwidth = None if args.bandwidth.lower() == "none" else args.bandwidth
+    bandwidth = args.bandwidth
     out = Path(args.out)
     results = {"config": {"hosts": counts, "bandwidth": bandwidth, "numel": args.numel, "rounds": args.rounds},
                "points": []}
@@ -165,7 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import positive_int
 
     parser.add_argument("--hosts", type=_host_counts, default="2,4,8", help="comma-separated host counts")
-    parser.add_argument("--bandwidth", default="20mbit")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
+                        help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")
     parser.add_argument("--rounds", type=_rounds, default=4, help="syncs per point, at least 2: the first warms "
                         "up and is not counted")

@@ -143,6 +143,17 @@ def test_a_count_below_one_is_a_usage_error(capsys):
     assert done.value.code == 2 and "--num-workers: must be at least 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["netlab"], ["bench"], ["syncbench"], ["bench", "soak"], ["bench", "islands"]])
+@pytest.mark.parametrize("rate, expected", [("0", "not a link rate"), ("1bit", "at least 8 bit/s")])
+def test_a_bandwidth_that_is_no_rate_tc_can_shape_is_a_usage_error(command, rate, expected, capsys):
+    """'0' once meant uncapped to netlab alone (and '0mbit' was refused); '1bit' reached tc's own usage text."""
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--bandwidth", rate])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and expected in err and "or 'none' for uncapped links" in err, err
+    assert build_parser().parse_args([*command, "--bandwidth", "None"]).bandwidth is None
+
+
 def test_a_run_that_diverges_exits_3_and_keeps_its_last_good_checkpoint(tmp_path, small_corpus, prefork):
     """Training alone (no sync boundary checks the weights): a non-finite loss stops the run with exit code 3
     before anything of the diverged state is saved; the checkpoint stays the last good one."""

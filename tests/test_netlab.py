@@ -56,7 +56,7 @@ def test_parse_rate(text, bps):
     assert parse_rate(text) == bps
 
 
-@pytest.mark.parametrize("text", ["", "20", "fast", "20mb", "-5mbit", "0mbit", "20 mbits", "1e3mbit", "mbit"])
+@pytest.mark.parametrize("text", ["", "20", "fast", "20mb", "-5mbit", "0mbit", "20 mbits", "1e3mbit", "mbit", "7bit"])
 def test_parse_rate_rejects_junk(text):
     with pytest.raises(ValueError, match="rate"):
         parse_rate(text)
