@@ -380,9 +380,10 @@ def format_cpu(results: dict) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    methods = [m.strip() for m in args.protocols.split(",") if m.strip()]
+    methods = [m.strip() for m in args.protocols.split(",") if m.strip() and m.strip() != REFERENCE]
     if not methods:
-        print("bench: --protocols names no method; local, the reference, runs with any", file=sys.stderr)
+        print("bench: --protocols names no method besides local, the reference, which runs with any",
+              file=sys.stderr)
         return 2
     unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS or m.endswith(("+", "@"))
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
@@ -467,7 +468,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--protocols", default=",".join(METHODS),
-                        help=f"comma-separated, from {','.join(METHODS)}; METHOD+CODEC runs a method with another "
+                        help=f"comma-separated, from {','.join(METHODS)} (local, the reference, always runs first); "
+                             "METHOD+CODEC runs a method with another "
                              "swarm.codec (e.g. diloco+topk, diloco+float16); METHOD@STEPS gives a method its own "
                              "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target)")
     parser.add_argument("--steps", type=int, default=300,

@@ -187,7 +187,8 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
 def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anything_runs(tmp_path, capsys):
     for methods, why in (("ddp+int8", "unknown method"), ("diloco+int3", "unknown codec"),
                          ("noloco+topk", "error feedback"), ("ddp@0", "positive integer"),
-                         ("diloco+", "unknown method"), (",", "names no method")):
+                         ("diloco+", "unknown method"), (",", "names no method"),
+                         ("local", "names no method besides local"), ("local,diloco+int3", "unknown codec")):
         code = cli_main(["bench", "--protocols", methods, "--out", str(tmp_path / "out")])
         err = capsys.readouterr().err
         assert code == 2 and why in err, (methods, err)
