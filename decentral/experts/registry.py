@@ -9,7 +9,8 @@ branched from it continues the optimizer as well as the weights), and `expert.js
      "sha256": "...", "size": 1589136,    of model.safetensors: downloads and merges check it
      "parent": "..." | null,              sha256 of the model it was branched from (the seed)
      "start_step": 300, "steps": 600,     the step it branched at, and the step it reached
-     "tokens": 1228800,                   tokens this replica has seen, its ancestors' included
+     "tokens": 1228800,                   tokens this replica has seen, its ancestors' included (a merge:
+                                          the most of its inputs', as the shared seed's are not known apart)
      "recipe": {...} | null,              the training recipe, as `decentral train` ran it
      "optimizer": {"sha256", "size", "param_groups"} | null,   of optimizer.safetensors
      "merge": {...} | null}               for merged models: method, parameters, inputs
