@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from decentral.swarm import SwarmKey
-from decentral.swarm.monitor import WINDOW_S, StatusCard, SwarmMonitor, watch
+from decentral.swarm.monitor import BYTES_WINDOW_S, WINDOW_S, StatusCard, SwarmMonitor, watch
 
 
 def status(*args: str) -> subprocess.Popen:
@@ -146,6 +146,20 @@ def test_a_status_card_reports_window_means_and_rates_and_never_publishes_by_its
     assert t.card["loss"] == 3.5 and t.card["tokens_per_s"] == 6 * 256 / WINDOW_S
     assert t.card["sent_per_s"] == 6000 / WINDOW_S and t.card["received_per_s"] == 3000 / WINDOW_S
     assert t.published == 0  # the next regular heartbeat carries the card
+
+
+def test_a_status_cards_byte_rates_show_a_sync_burst_for_a_minute_then_nothing():
+    """A peer sends in one burst per sync: a window of a few seconds before a heartbeat would mostly read 0 B/s."""
+    t = CardRecorder()
+    card = StatusCard(t, "peer", tokens_per_step=256)
+    card.update(1.0, 0.0)
+    t.bytes_sent = 600_000  # one sync, in the first window
+    rates = []
+    for now in range(3, 100, 3):  # a step every 3 s (each ends a window), nothing more sent
+        card.update(1.0, float(now))
+        rates.append((now, t.card["sent_per_s"]))
+    assert all(rate == pytest.approx(600_000 / now, rel=1e-3) for now, rate in rates if now <= BYTES_WINDOW_S)
+    assert all(rate == 0 for now, rate in rates if now > BYTES_WINDOW_S)  # the burst ended over a minute ago
 
 
 def test_a_swarm_with_no_peer_publishing_yet_is_a_table_of_headers():

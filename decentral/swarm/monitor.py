@@ -2,7 +2,9 @@
 
 A training peer's heartbeat (decentral.swarm.membership) carries its step and round; `StatusCard` adds
 its name, its multiaddrs and, over its last `WINDOW_S` seconds or more, its mean training loss and its
-tokens, bytes sent and bytes received per second. The card rides on the regular heartbeat:
+tokens per second; and its bytes sent and received per second over its last `BYTES_WINDOW_S` (a peer
+sends in bursts, one per sync: a few seconds' window before a heartbeat would mostly show none). The
+card rides on the regular heartbeat:
 no connection and no DHT write of its own.
 
 `SwarmMonitor` joins the run's DHT as a client-only node: it serves nothing, publishes nothing (no
@@ -22,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Sequence, TextIO
 
@@ -33,7 +36,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
 from decentral.swarm.peer import SwarmError, _DHTProcess, check_multiaddrs, startup_error
 
-WINDOW_S = 3.0  # the shortest window a card's rates are measured over
+WINDOW_S = 3.0  # the shortest window a card's loss and tokens per second are measured over
+BYTES_WINDOW_S = 60.0  # the window a card's bytes per second are measured over (shorter in the first minute)
 NAME_CHARS = 64
 MAX_ADDRS = 4
 ADDR_CHARS = 256
@@ -48,28 +52,33 @@ class StatusCard:
 
     def __init__(self, transport, name: str, tokens_per_step: int):
         self.transport, self.tokens_per_step = transport, tokens_per_step
-        self._start: tuple[float, int, int] | None = None  # (time, bytes sent, bytes received) the window began at
+        self._start: float | None = None  # when the window began
+        self._counts: deque[tuple[float, int, int]] = deque()  # (time, bytes sent, received) at each window's end
         self._steps, self._loss = 0, 0.0  # inner steps in the window, and the sum of their losses
         addrs = [a[:ADDR_CHARS] for a in transport.multiaddrs()[:MAX_ADDRS]]
         transport.set_card(False, name=name[:NAME_CHARS], addrs=addrs)
 
     def update(self, loss: float, now_s: float) -> None:
         """After an inner step: its training loss, and the time in seconds (any monotonic clock)."""
+        counts = (now_s, self.transport.bytes_sent, self.transport.bytes_received)
         if self._start is None:
-            self._start = (now_s, self.transport.bytes_sent, self.transport.bytes_received)
+            self._start = now_s
+            self._counts.append(counts)
             self.transport.set_card(False, loss=_rounded(loss))
             return
         self._steps += 1
         self._loss += loss
-        elapsed = now_s - self._start[0]
+        elapsed = now_s - self._start
         if elapsed < WINDOW_S:
             return
-        sent, received = self.transport.bytes_sent, self.transport.bytes_received
+        self._counts.append(counts)
+        while len(self._counts) > 2 and self._counts[1][0] <= now_s - BYTES_WINDOW_S:
+            self._counts.popleft()  # the oldest count left is the last one at least BYTES_WINDOW_S old
+        since, sent, received = (now - then for now, then in zip(counts, self._counts[0]))
         self.transport.set_card(False, loss=_rounded(self._loss / self._steps),
                                 tokens_per_s=_rounded(self._steps * self.tokens_per_step / elapsed),
-                                sent_per_s=_rounded((sent - self._start[1]) / elapsed),
-                                received_per_s=_rounded((received - self._start[2]) / elapsed))
-        self._start, self._steps, self._loss = (now_s, sent, received), 0, 0.0
+                                sent_per_s=_rounded(sent / since), received_per_s=_rounded(received / since))
+        self._start, self._steps, self._loss = now_s, 0, 0.0
 
 
 def _rounded(x: float) -> float:
