@@ -96,6 +96,14 @@ def test_plans_on_random_networks_obey_every_constraint(seed):
     assert moved <= 2 + emptied  # survivors keep their stage, but for refills and at most `moves` (2) moves
 
 
+def test_one_dead_node_may_be_named_alone():
+    """A name is not a sequence of one-letter names."""
+    network, _ = random_case(3)
+    found = plan(network, seed=3, effort=0.05)
+    dead = network.nodes[-1].name
+    assert replan(found, network, dead=dead, effort=0.05) == replan(found, network, dead=[dead], effort=0.05)
+
+
 @pytest.mark.parametrize("seed", range(0, 50, 7))
 def test_baselines_obey_the_constraints_too(seed):
     network, length = random_case(seed)

@@ -87,15 +87,15 @@ def plan(network: Network, seed: int = 0, effort: float = 1.0, swaps: bool = Tru
     return _finish(problem, stage_of, paths, rng, round(effort * POLISH_EVALS))
 
 
-def replan(old: Plan, network: Network, dead: Sequence[str] = (), seed: int = 0, moves: int = 2,
+def replan(old: Plan, network: Network, dead: Sequence[str] | str = (), seed: int = 0, moves: int = 2,
            effort: float = 0.3) -> Plan:
-    """A plan for `network` without the nodes named in `dead` that keeps survivors on their stages in
-    `old` where possible: a stage left with no node takes the survivor whose move gives the shortest
-    simulated iteration; then a short local search may move up to `moves` more survivors (each
+    """A plan for `network` without the nodes named in `dead` (one name, or several) that keeps survivors
+    on their stages in `old` where possible: a stage left with no node takes the survivor whose move gives
+    the shortest simulated iteration; then a short local search may move up to `moves` more survivors (each
     move is a stage's weights to fetch) when that shortens the iteration. Nodes of `network` that
     `old` does not know (newcomers) take the stage where they help most. Paths are routed and
     polished again (`effort` as in `plan`)."""
-    survivors = network.without(list(dead))
+    survivors = network.without([dead] if isinstance(dead, str) else list(dead))
     problem = _Problem(survivors, _check_request(survivors), True)
     old_stage = dict(zip(old.nodes, old.stage_of))
     stage_of = np.array([old_stage.get(node.name, -1) for node in survivors.nodes])
