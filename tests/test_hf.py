@@ -132,6 +132,29 @@ def test_an_unusable_config_is_one_line_and_exit_code_2(tmp_path, small_corpus, 
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_an_encoders_config_is_refused_as_it_would_see_the_byte_it_predicts(tmp_path, small_corpus, capsys):
+    """transformers builds BERT's LM head for AutoModelForCausalLM too: it attends both ways. With is_decoder it
+    is causal, and trains."""
+    bert = dict(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    transformers.BertConfig(**bert).save_pretrained(tmp_path / "bert")
+    recipe = local_recipe(tmp_path / "r.yaml", f"hf:{tmp_path / 'bert' / 'config.json'}")
+    assert main(["train", "--protocol", recipe, "--out", str(tmp_path / "out"), "--data", str(small_corpus)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "attends to later tokens, so it is not a causal LM" in err and len(err.splitlines()) == 1, err
+    transformers.BertConfig(**bert, is_decoder=True).save_pretrained(tmp_path / "decoder")
+    assert isinstance(build_model(f"hf:{tmp_path / 'decoder' / 'config.json'}", {}, 32).lm,
+                      transformers.BertLMHeadModel)
+
+
+def test_a_folder_given_as_a_config_or_a_config_as_a_folder_says_which_is_which(llama_config):
+    from decentral.models import ModelError
+
+    with pytest.raises(ModelError, match="is a folder; hf: takes a config file"):
+        build_model(f"hf:{llama_config.rsplit('/', 1)[0]}", {}, 32)
+    with pytest.raises(ModelError, match="a file, not a save_pretrained folder"):
+        build_model(llama_config, {}, 32)
+
+
 def test_without_transformers_one_line_says_what_to_install(tmp_path, small_corpus, capsys, monkeypatch,
                                                             llama_config):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError

@@ -42,6 +42,21 @@ def _transformers():
 
 
 @contextlib.contextmanager
+def _errors_only():
+    """transformers logging its errors alone, restored afterwards: building a model of a config logs warnings
+    about fields that mean nothing to byte tokens (GPT-2's bos_token_id 50256), which a one-line error or a
+    run's first lines should not drown in."""
+    from transformers.utils import logging
+
+    was = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(was)
+
+
+@contextlib.contextmanager
 def _no_progress_bars():
     """transformers without its progress bars (one per checkpoint written or read), restored afterwards."""
     from transformers.utils import logging
@@ -130,20 +145,51 @@ def load_causal_lm(source: str, context: int) -> HFCausalLM:
     from_config = source.startswith(HF_CONFIG_PREFIX)
     path = Path(source[len(HF_CONFIG_PREFIX):] if from_config else source)
     config_file = path if from_config else path / CONFIG_FILE
+    if from_config and path.is_dir():
+        raise ModelError(f"model {source}: {path} is a folder; hf: takes a config file (hf:{path / CONFIG_FILE}), "
+                         f"and --model {path} starts from the weights of a save_pretrained folder")
+    if not from_config and path.is_file():
+        raise ModelError(f"model {source}: a file, not a save_pretrained folder (hf:{path} builds a new model of a "
+                         "config file)")
     if not config_file.is_file():
         raise ModelError(f"model {source}: {config_file} does not exist" if from_config else
                          f"model {source}: not a save_pretrained folder (no {config_file})")
+    with _errors_only():
+        try:
+            config = t.AutoConfig.from_pretrained(config_file)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"model {source}: {config_file} is not a transformers config: {_first_line(e)}") from None
+        check_config(config, context, f"model {source}")
+        if not from_config:
+            model = HFCausalLM(read_pretrained_layout(path))
+        else:
+            try:
+                model = HFCausalLM(t.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+            except ValueError as e:
+                raise ModelError(f"model {source}: not a causal LM config: {_first_line(e)}") from None
+    check_causal(model, context, f"model {source}")
+    return model
+
+
+def check_causal(model: HFCausalLM, context: int, where: str) -> None:
+    """ModelError unless the model's predictions at a position depend on earlier tokens alone: transformers
+    builds an encoder's LM head (BERT's, without `is_decoder`) for AutoModelForCausalLM too, and such a model
+    would see the very byte it is to predict. Two sequences that differ only in their last token must give
+    the same logits before it."""
+    length = min(8, context)
+    x = torch.randint(ByteTokenizer.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    y[0, -1] = (x[0, -1] + 1) % ByteTokenizer.vocab_size
+    was_training = model.training
+    model.eval()
     try:
-        config = t.AutoConfig.from_pretrained(config_file)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"model {source}: {config_file} is not a transformers config: {_first_line(e)}") from None
-    check_config(config, context, f"model {source}")
-    if not from_config:
-        return HFCausalLM(read_pretrained_layout(path))
-    try:
-        return HFCausalLM(t.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    except ValueError as e:
-        raise ModelError(f"model {source}: not a causal LM config: {_first_line(e)}") from None
+        with torch.no_grad():
+            logits, _ = model(torch.cat([x, y]))
+    finally:
+        model.train(was_training)
+    if not torch.allclose(logits[0, :-1], logits[1, :-1], rtol=1e-4, atol=1e-5):
+        raise ModelError(f"{where}: the model attends to later tokens, so it is not a causal LM (a decoder-only "
+                         "config, or an encoder's with is_decoder: true, is)")
 
 
 def _first_line(error: Exception) -> str:
