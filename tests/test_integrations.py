@@ -291,6 +291,22 @@ def test_an_unknown_protocol_name_is_one_clear_error():
         hf_trainer.DecentralCallback("dilcoo", SoloTransport())
 
 
+@pytest.mark.parametrize("protocol, arguments, error, message", [
+    ("diloco", {"evry": 2}, TypeError, "DiLoCo: got an unexpected keyword argument 'evry'"),
+    ("ddp", {"every": 50}, TypeError, "DDP: got an unexpected keyword argument 'every'"),
+    ("diloco", {"peers": 0}, ValueError, "peers: the number of peers"),
+    ("diloco", {"peers": "2"}, ValueError, "peers: the number of peers"),
+    ("diloco", {"wait_peers_s": 0}, ValueError, "wait_peers_s"),
+    ("diloco", {"transport": None}, TypeError, "transport: a decentral Transport"),
+])
+def test_arguments_the_protocol_would_refuse_are_refused_when_the_callback_is_made(protocol, arguments, error,
+                                                                                   message):
+    """Not when training begins, minutes later, from deep inside the trainer."""
+    transport = arguments.pop("transport", SoloTransport())
+    with pytest.raises(error, match=message):
+        lightning_integration.DecentralCallback(protocol, transport, **arguments)
+
+
 def test_the_examples_train_two_peers_over_the_real_swarm(tmp_path):
     runs = {}
     for script in ("hf_trainer.py", "lightning_loop.py"):  # side by side: most of each is start-up

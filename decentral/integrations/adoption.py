@@ -3,6 +3,7 @@ one run (`with Protocol(model, optimizer, transport)` when the framework's loop 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,8 @@ class Adoption:
     """`protocol`: a name of decentral.sync.PROTOCOLS ("diloco", "noloco", "co2", "streaming", "ddp", "local")
     or a factory called as `protocol(model, optimizer, transport, **kwargs)`. `peers`: how many peers (us
     included) must take part in our first round before the first step (at most `wait_peers_s` seconds).
-    The transport stays the caller's to close."""
+    The transport stays the caller's to close. Arguments the protocol would not take, and peers or a
+    transport that cannot be, are refused here (TypeError, ValueError) rather than when training begins."""
 
     def __init__(self, protocol: str | ProtocolFactory, transport: Transport, *, peers: int = 1,
                  wait_peers_s: float = 300.0, **kwargs):
@@ -25,6 +27,20 @@ class Adoption:
             if protocol not in PROTOCOLS:
                 raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(sorted(PROTOCOLS))}")
             protocol = PROTOCOLS[protocol]
+        try:
+            inspect.signature(protocol).bind(None, None, transport, **kwargs)  # (model, optimizer, transport)
+        except TypeError as e:
+            raise TypeError(f"{getattr(protocol, '__name__', protocol)}: {e}") from None
+        except ValueError:  # a callable without a signature to read: its call will tell
+            pass
+        if not all(hasattr(transport, name) for name in ("peer_id", "average", "join_rounds")):
+            raise TypeError(f"transport: a decentral Transport (SwarmTransport, IslandTransport, SoloTransport, ...), "
+                            f"got {type(transport).__name__}")
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"peers: the number of peers to wait for, us included (an integer, at least 1), got "
+                             f"{peers!r}")
+        if not wait_peers_s > 0:
+            raise ValueError(f"wait_peers_s: seconds to wait for them (more than 0), got {wait_peers_s!r}")
         self.factory, self.transport, self.kwargs = protocol, transport, kwargs
         self.peers, self.wait_peers_s = peers, wait_peers_s
         self.sync: SyncProtocol | None = None  # the protocol of the run under way
