@@ -59,7 +59,7 @@ class Adoption:
         self.sync, self.reports = sync, []
         if self.peers > 1:
             try:
-                self.transport.wait_for_peers(self.peers, self.wait_peers_s, sync.round)
+                self.transport.wait_for_peers(self.peers, self.wait_peers_s, sync.first_round)
             except BaseException as e:
                 self.exit(e)
                 raise
