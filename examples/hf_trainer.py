@@ -3,6 +3,9 @@ it to the swarm (pip install 'decentral[hf]').
 
     python examples/hf_trainer.py --peers 2 --steps 40    # 2 peers in this process, over a real swarm on loopback
 
+(Trainers in one process share accelerate's process-wide state: with gradient_accumulation_steps > 1, one
+would skip real optimizer steps of the other. Run one peer per process then, as across machines.)
+
 Across machines, one peer each (the first prints the address the others pass to --join):
     python examples/hf_trainer.py --host 0.0.0.0 --min-peers 2
     python examples/hf_trainer.py --host 0.0.0.0 --join /ip4/.../p2p/...

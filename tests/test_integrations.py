@@ -196,6 +196,48 @@ def test_a_trainer_run_that_raised_is_unhooked_when_the_next_one_begins(tokens, 
     assert stale.step == 2 and len(sync.adoption.reports) == 2  # the first run's protocol stepped no more
 
 
+class Captures(TrainerCallback):
+    """The protocol's state as a callback listed after DecentralCallback finds it when training begins."""
+
+    def __init__(self, sync):
+        self.sync, self.state = sync, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.state = self.sync.adoption.sync.state_dict()
+
+
+def assert_resumed(state: dict, saved: dict, step: int) -> None:
+    assert state["meta"] == saved["meta"] and state["meta"]["step"] == step and state["meta"]["round"] == 1
+    assert state["tensors"].keys() == saved["tensors"].keys() == {"slow", "momentum"}
+    assert all(torch.equal(state["tensors"][k], saved["tensors"][k]) for k in saved["tensors"])
+    assert state["tensors"]["momentum"].abs().sum() > 0  # a round's outer step was in it
+
+
+def test_a_trainer_resumed_from_its_checkpoint_resumes_the_protocols_state_too(tokens, tmp_path):
+    """DiLoCo's φ, outer momentum, step and round are saved with each Trainer checkpoint and taken back
+    (before: the resumed run's protocol began at step 0 with φ the checkpoint's weights and no momentum)."""
+    from decentral.integrations.adoption import read_protocol_state
+
+    def trainer_of(sync, max_steps):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2,
+                                             max_position_embeddings=CONTEXT))
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+                                 save_strategy="steps", save_steps=3, report_to="none", disable_tqdm=True,
+                                 use_cpu=True)
+        captures = Captures(sync)
+        return Trainer(model=model, args=args, train_dataset=ByteWindows(tokens, 0), callbacks=[sync, captures]), captures
+
+    trainer_of(hf_trainer.DecentralCallback("diloco", SoloTransport(), every=2), 3)[0].train()
+    saved = read_protocol_state(tmp_path / "checkpoint-3" / hf_trainer.PROTOCOL_FOLDER)
+    sync = hf_trainer.DecentralCallback("diloco", SoloTransport(), every=2)
+    again, captures = trainer_of(sync, 4)
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert_resumed(captures.state, saved, step=3)
+    assert again.state.global_step == 4
+
+
 # ----- Lightning -----
 class LitGPT(lightning.LightningModule):
     def __init__(self):
@@ -263,6 +305,35 @@ def test_ddp_under_lightning_averages_the_gradients_of_the_backward_that_runs_in
     assert sent == [STEPS * 4 * n_params] * 2  # one average of the float32 gradients per step
     assert torch.equal(flat(modules[0].model), flat(modules[1].model))
     assert not torch.equal(flat(modules[0].model), flat(LitGPT().model))  # they trained
+
+
+class LightningCaptures(lightning.Callback):
+    def __init__(self, sync):
+        self.sync, self.state = sync, None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.state = self.sync.adoption.sync.state_dict()
+
+
+def test_a_lightning_fit_resumed_from_its_checkpoint_resumes_the_protocols_state_too(tokens, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit_to(max_steps, ckpt_path=None):
+        sync = lightning_integration.DecentralCallback("diloco", SoloTransport(), every=2)
+        captures = LightningCaptures(sync)
+        saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+        trainer = lightning.Trainer(max_steps=max_steps, callbacks=[sync, captures, saves], accelerator="cpu",
+                                    devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LitGPT(), torch.utils.data.DataLoader(ByteBatches(tokens, 0), batch_size=None),
+                    ckpt_path=ckpt_path)
+        return sync, captures
+
+    fit_to(3)
+    checkpoint = tmp_path / "step=3.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)["callbacks"]
+    (saved,) = [state["protocol"] for key, state in saved.items() if key.startswith("DecentralCallback")]
+    sync, captures = fit_to(4, str(checkpoint))
+    assert_resumed(captures.state, saved, step=3)
 
 
 # ----- the package itself -----

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from decentral.checkpoint import load_checkpoint, save_checkpoint
 from decentral.sync import PROTOCOLS, SyncProtocol, SyncReport
 from decentral.transport import Transport
 
@@ -46,15 +48,18 @@ class Adoption:
         self.sync: SyncProtocol | None = None  # the protocol of the run under way
         self.reports: list[SyncReport] = []  # every synchronisation of the run, in order
 
-    def enter(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-              hook_before_step: bool = True) -> SyncProtocol:
+    def enter(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, hook_before_step: bool = True,
+              state: dict | None = None) -> SyncProtocol:
         """Wrap `model` and the torch optimizer under `optimizer`'s wrappers in the protocol and join the
-        swarm (its state, round and step; see SyncProtocol.start). A run left without `exit` (the
-        framework raised and told no callback) is left first."""
+        swarm (its state, round and step; see SyncProtocol.start). `state`: the protocol's `state_dict` of
+        the checkpoint the framework resumes from (model and optimizer already restored). A run left
+        without `exit` (the framework raised and told no callback) is left first."""
         if self.sync is not None:
             self.exit(RuntimeError("the previous run ended without finishing"))
         sync = self.factory(model, real_optimizer(optimizer), self.transport, **self.kwargs)
         sync.hook_before_step = hook_before_step
+        if state is not None:
+            sync.load_state_dict(state)
         sync.__enter__()
         self.sync, self.reports = sync, []
         if self.peers > 1:
@@ -91,6 +96,19 @@ class Adoption:
             out["sync/group"] = float(len(self.reports[-1].group))
             out["sync/complete"] = float(self.reports[-1].complete)
         return out
+
+
+def save_protocol_state(sync: SyncProtocol, folder: Path) -> None:
+    """The protocol's `state_dict` (its step, round and outer tensors) as a checkpoint folder (decentral.checkpoint)
+    beside a framework's own checkpoint."""
+    state = sync.state_dict()
+    save_checkpoint(folder, state["tensors"], {"sync": state["meta"]})
+
+
+def read_protocol_state(folder: Path) -> dict:
+    """What `save_protocol_state` wrote, checked (CheckpointError when damaged), for `Adoption.enter`'s `state`."""
+    tensors, meta = load_checkpoint(folder)
+    return {"meta": meta["sync"], "tensors": tensors}
 
 
 def real_optimizer(optimizer) -> torch.optim.Optimizer:

@@ -7,18 +7,26 @@
 At train begin (the Trainer has made and prepared its optimizer by then) the protocol wraps the model and
 the torch optimizer under accelerate's wrapper, and joins the swarm; at train end it finishes what is in
 flight. Everything else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one
-protocol step per optimizer step.
+protocol step per optimizer step. Each checkpoint the Trainer saves gets the protocol's state (its step,
+round and outer tensors: DiLoCo's φ and momentum, ...) in `checkpoint-N/decentral-protocol/`, and
+`trainer.train(resume_from_checkpoint=...)` takes it back from `checkpoint-N` of `args.output_dir`.
 """
 
 from __future__ import annotations
 
-from decentral.integrations.adoption import Adoption, ProtocolFactory
+import logging
+from pathlib import Path
+
+from decentral.integrations.adoption import Adoption, ProtocolFactory, read_protocol_state, save_protocol_state
 from decentral.transport import Transport
 
 try:
     from transformers import TrainerCallback
 except ImportError as e:
     raise ImportError("decentral.integrations.hf_trainer needs transformers: pip install 'decentral[hf]'") from e
+
+PROTOCOL_FOLDER = "decentral-protocol"  # in the Trainer's checkpoint-N folder
+log = logging.getLogger(__name__)
 
 
 class DecentralCallback(TrainerCallback):
@@ -32,7 +40,20 @@ class DecentralCallback(TrainerCallback):
         self.adoption = Adoption(protocol, transport, peers=peers, wait_peers_s=wait_peers_s, **kwargs)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.adoption.enter(model, optimizer)
+        saved = None
+        if state.global_step > 0:  # resumed from a checkpoint: model and optimizer are restored by now
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROTOCOL_FOLDER
+            if folder.is_dir():
+                saved = read_protocol_state(folder)
+            else:
+                log.warning("resuming at step %d without the protocol's state (no %s): it starts afresh",
+                            state.global_step, folder)
+        self.adoption.enter(model, optimizer, state=saved)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.adoption.sync is not None and state.is_world_process_zero:
+            save_protocol_state(self.adoption.sync,
+                                Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROTOCOL_FOLDER)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.adoption.collect()

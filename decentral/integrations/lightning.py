@@ -8,6 +8,8 @@ At fit start (the strategy has made the optimizer) the protocol wraps the Lightn
 torch optimizer and joins the swarm; at fit end it finishes what is in flight; on an exception it only
 unhooks. Lightning runs the backward inside the optimizer's step (a closure), so a gradient protocol's
 `before_step` (DDP) runs at `on_before_optimizer_step`, after backward, rather than from the step's pre-hook.
+The protocol's state (its step, round and outer tensors) is the callback's state in Lightning's checkpoints,
+so `trainer.fit(..., ckpt_path=...)` resumes it too.
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ class DecentralCallback(Callback):
     def __init__(self, protocol: str | ProtocolFactory, transport: Transport, *, peers: int = 1,
                  wait_peers_s: float = 300.0, **kwargs):
         self.adoption = Adoption(protocol, transport, peers=peers, wait_peers_s=wait_peers_s, **kwargs)
+        self._resumed: dict | None = None  # the protocol's state of the checkpoint being resumed
+
+    def state_dict(self) -> dict:
+        return {} if self.adoption.sync is None else {"protocol": self.adoption.sync.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # before on_fit_start, once the module is restored
+        self._resumed = state_dict.get("protocol")
 
     def on_fit_start(self, trainer, pl_module):
         if len(trainer.optimizers) != 1:
             raise ValueError(f"a protocol hooks one optimizer; the module configured {len(trainer.optimizers)}")
-        self.adoption.enter(pl_module, trainer.optimizers[0], hook_before_step=False)
+        resumed, self._resumed = self._resumed, None
+        self.adoption.enter(pl_module, trainer.optimizers[0], hook_before_step=False, state=resumed)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.adoption.sync.before_step()
