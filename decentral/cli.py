@@ -16,7 +16,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is import
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
 
 from decentral.config import RecipeError, load_recipe, parse_settings, protocol_params, recipe_path
-from decentral.models import ModelError, absolute_source, check_source
+from decentral.models import GPT_SOURCE, ModelError, absolute_source, check_source
 
 
 DOMAIN_HELP = ("a text domain, repeatable: batches are balanced over the domains and validation uses each "
@@ -45,6 +45,11 @@ def _recipe(args):
         recipe.island.mode = args.island_mode
     if getattr(args, "model", None):
         check_source(args.model)
+        shaped = sorted(k for k in parse_settings(getattr(args, "set", None) or []) if k.startswith("model.")
+                        and k != "model.source")
+        if args.model != GPT_SOURCE and shaped:
+            raise RecipeError(f"--set {', '.join(shaped)}: shapes the reference GPT, and --model {args.model} takes "
+                              "its shape from its own config")
         recipe.model_source = args.model
     recipe.model_source = absolute_source(recipe.model_source)  # as a swarm key's: island ranks start elsewhere
     key = swarm_key_path(args)

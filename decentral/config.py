@@ -313,7 +313,8 @@ def parse_settings(items: Sequence[str]) -> dict[str, Any]:
 
 def with_settings(data: dict, settings: dict[str, Any]) -> dict:
     """A copy of recipe mapping `data` with `settings` applied: KEY is SECTION.NAME (swarm.codec, train.lr)
-    or a protocol setting's NAME (outer_lr)."""
+    or a protocol setting's NAME (outer_lr). A `model.source` other than gpt drops the recipe's shape of
+    the reference GPT (the model's own config shapes it), keeping only `model.*` keys set beside it."""
     recipe = copy.deepcopy(data)
     for key, value in settings.items():
         section, _, name = key.rpartition(".")
@@ -321,6 +322,8 @@ def with_settings(data: dict, settings: dict[str, Any]) -> dict:
         if not isinstance(recipe.get(section) or {}, dict):
             raise RecipeError(f"--set {key}: the recipe's {section} section is not a mapping")
         recipe[section] = {**(recipe.get(section) or {}), name: value}
+        if key == "model.source" and value != GPT_SOURCE:
+            recipe["model"] = {k: v for k, v in recipe["model"].items() if k == "source" or f"model.{k}" in settings}
     return recipe
 
 

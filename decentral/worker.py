@@ -39,7 +39,7 @@ from decentral.experts.branch import StartPoint, load_start_point, model_differe
 from decentral.experts.registry import RegistryError
 from decentral.hierarchy import IslandError
 from decentral.metrics import MetricsLog, TensorBoardSink
-from decentral.models import build_model, describe_model
+from decentral.models import GPT_SOURCE, build_model, describe_model
 from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.monitor import StatusCard
@@ -114,8 +114,11 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
     tensors, meta = transport.from_leader(state) if opts.island_mode else state
     found = {k[len("model."):]: v.shape for k, v in tensors.items() if k.startswith("model.")}
     if found != {k: v.shape for k, v in protocol.model.state_dict().items()}:
-        raise CheckpointError(f"{path} holds another model than this run's (its recipe's model: "
-                              f"{meta.get('recipe', {}).get('model')}); resume with the model it was written with")
+        theirs = meta.get("recipe", {}).get("model")
+        source = theirs.get("source") if isinstance(theirs, dict) else None
+        how = f"--model {source}" if source not in (None, GPT_SOURCE) else "the model it was written with"
+        raise CheckpointError(f"{path} holds another model than this run's (its recipe's model: {theirs}); resume "
+                              f"with {how}")
     saved = meta["sync"].get("protocol") if isinstance(meta.get("sync"), dict) else None
     if saved is not None and saved != protocol.name:
         raise CheckpointError(f"{path} is a {saved} run's checkpoint, this run is {protocol.name}: resume it with "

@@ -119,7 +119,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["merge", "binary.yaml", "--out", "merged"], "binary.yaml: not a text file in UTF-8"),
     (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "File exists"),
     (["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
-    (["bench", "--bandwidth", "fast", "--protocols", "ddp"], "not a link rate: 'fast'"),
+    ([*TRAIN, "--model", "hf:x.json", "--set", "model.n_layer=5"], "--set model.n_layer: shapes the reference GPT"),
     (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
     (["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
     (["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),
@@ -144,7 +144,8 @@ def test_a_count_below_one_is_a_usage_error(capsys):
 
 
 @pytest.mark.parametrize("command", [["netlab"], ["bench"], ["syncbench"], ["bench", "soak"], ["bench", "islands"]])
-@pytest.mark.parametrize("rate, expected", [("0", "not a link rate"), ("1bit", "at least 8 bit/s")])
+@pytest.mark.parametrize("rate, expected", [("0", "not a link rate"), ("fast", "not a link rate: 'fast'"),
+                                            ("1bit", "at least 8 bit/s")])
 def test_a_bandwidth_that_is_no_rate_tc_can_shape_is_a_usage_error(command, rate, expected, capsys):
     """'0' once meant uncapped to netlab alone (and '0mbit' was refused); '1bit' reached tc's own usage text."""
     with pytest.raises(SystemExit) as done:

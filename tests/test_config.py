@@ -122,6 +122,16 @@ def test_set_changes_one_setting_of_a_recipe_and_names_itself_in_errors(tmp_path
     assert "with --set swarm.codecc=int8: swarm: unknown key(s) ['codecc']" in err and len(err.splitlines()) == 1
 
 
+def test_setting_another_model_source_drops_the_recipes_gpt_shape():
+    """Every shipped recipe shapes the reference GPT; `--set model.source=hf:...` was refused on each."""
+    path = default_recipe_path("diloco")
+    recipe = load_recipe(path, parse_settings(["model.source=hf:tiny/config.json"]))
+    assert recipe.model_source == "hf:tiny/config.json"
+    assert load_recipe(path, parse_settings(["model.source=gpt", "model.n_layer=3"])).model.n_layer == 3
+    with pytest.raises(RecipeError, match=r"\['n_layer'\] shape the reference GPT"):
+        load_recipe(path, parse_settings(["model.n_layer=3", "model.source=hf:tiny/config.json"]))
+
+
 def test_reading_a_recipe_leaves_torchs_random_generator_as_it_was():
     """Its protocol settings are checked by building the protocol on a probe model (check_protocol_settings):
     a worker that seeds and then reads a recipe must still build the weights that seed gives."""

@@ -190,6 +190,7 @@ def test_resume_and_a_new_run_from_the_checkpoint_folder(tmp_path, small_corpus,
     assert main([*args, "--resume", "--model", f"hf:{wider}"]) == 2
     err = capsys.readouterr().err
     assert "holds another model than this run's" in err and len(err.strip().splitlines()) == 1, err
+    assert f"resume with --model hf:{llama_config}" in err  # the source the checkpoint was written with
     weights = out / "checkpoint" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
