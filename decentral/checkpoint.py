@@ -140,6 +140,13 @@ def _add_files(folder: Path, write: Callable[[Path], None]) -> dict[str, str]:
     return digests
 
 
+def checkpoint_present(directory: str | Path) -> bool:
+    """Whether `load_checkpoint(directory)` has something to read (a folder there, or one a crashed save moved
+    aside)."""
+    directory = Path(directory)
+    return directory.is_dir() or _aside(directory).is_dir()
+
+
 def _aside(directory: Path) -> Path:
     return directory.with_name(f".{directory.name}.old")
 

@@ -9,6 +9,7 @@ plots every worker's curves into OUT/report.png and prints a summary.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -69,6 +70,8 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     earlier = sorted(out.glob("w*/metrics.jsonl"))  # a worker appends to its file (a restart's lives): not a new demo's
     for path in earlier:
         path.unlink()
+    for checkpoint in [*out.glob("w*/**/checkpoint"), *out.glob("w*/**/.checkpoint.old")]:  # (an island's ranks'
+        shutil.rmtree(checkpoint)  # too) a worker refuses to start over a checkpoint it does not resume
     if earlier:
         print(f"demo: {out}/ held an earlier demo's records; they are replaced", flush=True)
     recipe.swarm.run = f"demo-{uuid.uuid4().hex[:8]}"

@@ -89,6 +89,8 @@ class Swarm:
 
     def start(self, index: int, initial: bool) -> None:
         host = self.lab.hosts[index]
+        if not initial:  # a restart is a fresh peer that catches up from the swarm, not a --resume of its checkpoint
+            shutil.rmtree(self.out / f"w{index}" / "checkpoint", ignore_errors=True)
         cmd = [sys.executable, "-m", "decentral.cli", "-v", "train", "--protocol", str(self.recipe_file),
                "--out", str(self.out / f"w{index}"), "--name", f"w{index}", "--worker-index", str(index),
                "--num-workers", str(len(self.lab.hosts)), "--steps", str(self.steps), "--host", host.address]

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from decentral.checkpoint import (
-    CheckpointError, load_checkpoint, load_training_state, save_checkpoint, training_state,
+    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, save_checkpoint, training_state,
 )
 from decentral.config import Recipe, RecipeError
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
@@ -238,6 +238,9 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     if start is not None and opts.stop_at is not None and opts.stop_at <= start.step:
         raise RegistryError(f"--stop-at {opts.stop_at} is not past {start.source}'s step {start.step}: nothing would "
                             "train; give a later --stop-at")
+    if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
+        raise CheckpointError(f"{opts.out / 'checkpoint'} holds an earlier run: --resume goes on from it; to start "
+                              "over, remove it or give another --out")
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
     with _SEEDED_BUILD:
         torch.manual_seed(t.seed)
@@ -422,7 +425,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         raise
     except KeyboardInterrupt:
         _save(protocol, opts, recipe, lineage)
-        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in {opts.out / 'checkpoint'}")
+        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in {opts.out / 'checkpoint'} "
+                      "(--resume goes on from it)")
         raise
     finally:
         log.close()

@@ -172,6 +172,19 @@ def test_a_run_that_diverges_exits_3_and_keeps_its_last_good_checkpoint(tmp_path
     assert all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point())
 
 
+def test_a_run_into_an_out_with_a_checkpoint_it_does_not_resume_is_refused_and_the_checkpoint_kept(
+        tmp_path, small_corpus, prefork):
+    """Found after Ctrl-C: the same command again (no --resume) trained from step 0 over the saved checkpoint."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=40)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", "run"]
+    done = prefork.run([*run, "--stop-at", "5"], tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    saved = (tmp_path / "run" / "checkpoint" / "meta.json").read_bytes()
+    done = prefork.run([*run, "--stop-at", "10"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "holds an earlier run: --resume goes on from it" in done.stderr, done.stderr
+    assert (tmp_path / "run" / "checkpoint" / "meta.json").read_bytes() == saved
+
+
 def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_one_line(tmp_path, small_corpus, prefork):
     local = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=20)
     args = ["train", "--data", str(small_corpus), "--out", "run", "--resume"]
