@@ -279,3 +279,33 @@ def test_routed_ensemble_weights_each_window_by_the_text_before_it(tmp_path):
             mixture = sum(w * scores["mixed"].test[j, b, row].exp() for j, w in enumerate(weights))
             nll.append(-mixture.log())
     assert report["perplexity"] == pytest.approx(float(torch.stack(nll).mean().exp()), rel=1e-4)
+
+
+def test_cluster_cli_refuses_a_used_out_and_bad_counts_and_replace_clears_old_clusters(tmp_path, prefork):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "docs"
+    data.mkdir()
+    vocabularies = [[f"{kind}{i}" for i in range(50)] for kind in ("alpha", "beta", "gamma")]
+    for i in range(24):
+        (data / f"{i}.txt").write_text(" ".join(rng.choice(vocabularies[i % 3], 200)))
+
+    def cluster(*args):
+        return prefork.run(["experts", "cluster", "--data", "docs", "--out", "out", *args], tmp_path, timeout=120)
+
+    done = cluster("--k", "3")
+    assert done.returncode == 0, done.stderr
+    router = (tmp_path / "out" / "router.npz").read_bytes()
+    done = cluster("--k", "2")
+    assert done.returncode == 2 and "--out out is not empty" in done.stderr and "--replace" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "clustering" not in done.stderr, done.stderr
+    assert (tmp_path / "out" / "router.npz").read_bytes() == router and (tmp_path / "out" / "c2").is_dir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    done = cluster("--k", "2", "--replace")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c0", "c1", "notes.txt", "router.npz"]
+    assert sum(len(list((tmp_path / "out" / c).iterdir())) for c in ("c0", "c1")) == 24  # no document of the old run
+    assert Router.load(tmp_path / "out" / "router.npz").k == 2
+    for bad in (["--k", "0"], ["--k", "-2"], ["--k", "2", "--max-bytes", "0"]):
+        done = prefork.run(["experts", "cluster", "--data", "docs", "--out", "new", *bad], tmp_path, timeout=60)
+        assert done.returncode == 2 and "must be at least 1" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "new").exists()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, Registr
 from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, absolute_source
 
 DEFAULT_REGISTRY = "runs/btm/experts"
+CLUSTER_FOLDER = re.compile(r"c[0-9]+")  # what `experts cluster` writes into --out, beside ROUTER_FILE
+ROUTER_FILE = "router.npz"
 MERGE_HELP = """Merge experts as a recipe (merges/*.yaml) says: linear, posterior, task_arithmetic, ties, dare,
 slerp, model_stock. Tensors stream one at a time from safetensors, so memory holds a few tensors,
 not the models; the output is an expert folder, written to a temporary folder and renamed into
@@ -249,26 +253,45 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _old_clusters(out: Path, replace: bool) -> list[Path]:
+    """The clusters and router an earlier `experts cluster` left in `out`, for a `replace` to remove; RegistryError
+    when `out` is a file, or holds anything and not `replace`."""
+    if out.exists() and not out.is_dir():
+        raise RegistryError(f"--out {out} is a file, not a folder")
+    held = sorted(out.iterdir()) if out.is_dir() else []
+    if held and not replace:
+        raise RegistryError(f"--out {out} is not empty (it holds {', '.join(p.name for p in held[:3])}"
+                            f"{', ...' if len(held) > 3 else ''}): give a new folder, or --replace to replace the "
+                            "clusters in it")
+    return [p for p in held if (p.is_dir() and CLUSTER_FOLDER.fullmatch(p.name)) or p.name == ROUTER_FILE]
+
+
 def cmd_cluster(args) -> int:
     from decentral.data.corpus import load_documents
     from decentral.experts.clusters import fit_router
 
+    out = Path(args.out)
+    old = _old_clusters(out, args.replace)
     documents, source = load_documents(args.data, max_bytes=args.max_bytes)
     if len(documents) < 2 * args.k:
         raise RegistryError(f"{len(documents)} documents from {source} are too few for {args.k} clusters")
     print(f"experts: clustering {len(documents)} documents from {source} into {args.k}", file=sys.stderr, flush=True)
     router, assignment = fit_router([d.text.decode("utf-8", "replace") for d in documents], args.k, seed=args.seed)
-    out = Path(args.out)
+    for path in old:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     for j in range(args.k):
         (out / f"c{j}").mkdir(parents=True, exist_ok=True)
     for document, cluster in zip(documents, assignment):
         (out / f"c{cluster}" / f"{document.key[:16]}{document.path.suffix if document.path.suffix != '.gz' else ''}"
          ).write_bytes(document.text)
-    router.save(out / "router.npz")
+    router.save(out / ROUTER_FILE)
     for j in range(args.k):
         members = [d for d, c in zip(documents, assignment) if c == j]
         print(f"c{j}: {len(members)} documents, {sum(len(d.text) for d in members) / 2**20:.1f} MiB, e.g. {members[0].path}")
-    print(f"experts: router in {out / 'router.npz'}; train one expert per cluster with --domain cJ={out}/cJ")
+    print(f"experts: router in {out / ROUTER_FILE}; train one expert per cluster with --domain cJ={out}/cJ")
     return 0
 
 
@@ -370,7 +393,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "per cluster, plus a router", "decentral experts cluster --data mytexts/ --k 4 --out runs/cbtm/clusters",
                       cmd_cluster)
     cluster.add_argument("--data", action="append", required=True, metavar="PATH", help="text files or folders")
-    cluster.add_argument("--k", type=int, required=True, help="number of clusters (experts)")
-    cluster.add_argument("--out", required=True, help="writes OUT/c0 ... OUT/c{k-1} and OUT/router.npz")
-    cluster.add_argument("--max-bytes", type=int, default=8_000_000, help="read at most this much text")
+    cluster.add_argument("--k", type=positive_int, required=True, help="number of clusters (experts)")
+    cluster.add_argument("--out", required=True, help="a new or empty folder: writes OUT/c0 ... OUT/c{k-1} and "
+                         "OUT/router.npz")
+    cluster.add_argument("--replace", action="store_true", help="replace the clusters and router of an earlier run "
+                         "in --out (other files there stay)")
+    cluster.add_argument("--max-bytes", type=positive_int, default=8_000_000, help="read at most this much text")
     cluster.add_argument("--seed", type=int, default=0)
