@@ -27,6 +27,7 @@ import dataclasses
 import datetime as dt
 import json
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,8 +37,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from decentral.config import default_recipe_path, load_recipe
-from decentral.data.domains import load_domains
+from decentral.cli import positive_int
+from decentral.config import RecipeError, default_recipe_path, load_recipe
+from decentral.data.domains import BUILTIN_DOMAINS, load_domains, parse_domain
 from decentral.experts.ensemble import PriorCache, ensemble_nll
 from decentral.experts.evaluate import DomainScores, EvalConfig, domain_prior, perplexity, score_experts
 from decentral.experts.registry import Registry
@@ -58,31 +60,55 @@ class Job:
 
 
 def run_jobs(jobs: list[Job], out: Path, parallel: int) -> dict[str, int]:
-    """Run `jobs` as subprocesses, at most `parallel` at once, each after the jobs it names; returns exit
-    codes (a job whose dependency failed is skipped, code None). Logs go to OUT/NAME.log."""
+    """Run `jobs` as subprocesses, at most `parallel` (>= 1) at once, each after the jobs it names; returns exit
+    codes (a job whose dependency failed is skipped, code None). Logs go to OUT/NAME.log. Call it from the main
+    thread: SIGTERM interrupts it as Ctrl-C does, and either terminates the jobs still running (SIGTERM: a training
+    job saves its checkpoint) before KeyboardInterrupt goes on."""
     codes: dict[str, int | None] = {}
     running: dict[str, subprocess.Popen] = {}
     waiting = list(jobs)
-    while waiting or running:
-        for job in [j for j in waiting if all(codes.get(a) == 0 for a in j.after)][: parallel - len(running)]:
-            waiting.remove(job)
-            log = open(out / f"{job.name}.log", "w")
-            running[job.name] = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT)
-            log.close()
-            print(f"bench btm: started {job.name}", flush=True)
-        for job in [j for j in waiting if any(a in codes and codes[a] != 0 for a in j.after)]:
-            waiting.remove(job)
-            codes[job.name] = None
-            print(f"bench btm: skipped {job.name} (a job it needs failed)", flush=True)
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                codes[name] = proc.returncode
-                del running[name]
-                print(f"bench btm: {name} {'done' if proc.returncode == 0 else f'FAILED ({proc.returncode}), see {out / name}.log'}",
-                      flush=True)
-        if running:
-            time.sleep(0.5)  # polling child processes
-    return codes
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while waiting or running:
+            for job in [j for j in waiting if all(codes.get(a) == 0 for a in j.after)][: parallel - len(running)]:
+                waiting.remove(job)
+                with open(out / f"{job.name}.log", "w") as log:  # its own session: Ctrl-C reaches us, not it
+                    running[job.name] = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                         start_new_session=True)
+                print(f"bench btm: started {job.name}", flush=True)
+            for job in [j for j in waiting if any(a in codes and codes[a] != 0 for a in j.after)]:
+                waiting.remove(job)
+                codes[job.name] = None
+                print(f"bench btm: skipped {job.name} (a job it needs failed)", flush=True)
+            for name, proc in list(running.items()):
+                if proc.poll() is not None:
+                    codes[name] = proc.returncode
+                    del running[name]
+                    print(f"bench btm: {name} "
+                          f"{'done' if proc.returncode == 0 else f'FAILED ({proc.returncode}), see {out / name}.log'}",
+                          flush=True)
+            if running:
+                time.sleep(0.5)  # polling child processes
+        return codes
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop(running)
+
+
+def _stop(running: dict[str, subprocess.Popen], grace_s: float = 60.0) -> None:
+    """Terminate the `running` jobs, killing those still there after `grace_s` seconds."""
+    if not running:
+        return
+    print(f"bench btm: stopping {', '.join(running)}", file=sys.stderr, flush=True)
+    for proc in running.values():
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in running.values():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def plan_seed(out: Path, seed: int, domains: list[str], seed_steps: int, branch_steps: int) -> list[Job]:
@@ -217,12 +243,34 @@ def plot(summary: dict, heldout: str, out_png: Path) -> Path:
     return out_png
 
 
+def check_domains(domains: list[str], heldout: str) -> None:
+    """RecipeError unless `domains` are two or more distinct built-in domains and `heldout` another one."""
+    for name in [*domains, heldout]:
+        if parse_domain(name)[1] is not None:  # DataError for a name that is not a domain
+            raise RecipeError(f"bench btm: {name!r}: give built-in domain names ({', '.join(BUILTIN_DOMAINS)})")
+    if len(domains) < 2:
+        raise RecipeError(f"bench btm: --domains {','.join(domains)}: a seed and its experts need two or more domains")
+    if len(set(domains)) < len(domains):
+        raise RecipeError(f"bench btm: --domains {','.join(domains)} names a domain twice")
+    if heldout in domains:
+        raise RecipeError(f"bench btm: --heldout {heldout} is one of --domains; the held-out domain is one no model "
+                          "trains on")
+
+
 def run_btm_bench(args: argparse.Namespace) -> int:
     if args.report:
-        return report(json.loads((Path(args.report) / "results.json").read_text()), Path(args.report))
+        results = Path(args.report) / "results.json"
+        if not results.is_file():
+            raise RecipeError(f"bench btm: --report {args.report}: no results.json there (a run that did not finish?)")
+        return report(json.loads(results.read_text()), Path(args.report))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     domains = args.domains.split(",")
+    check_domains(domains, args.heldout)
+    previous = [out / f"seed{seed}" for seed in range(args.seeds) if (out / f"seed{seed}").exists()]
+    if previous:
+        redraw = f", or redraw its results with --report {out}" if (out / "results.json").is_file() else ""
+        raise RecipeError(f"bench btm: --out {out} holds a previous run ({previous[0]}): give another --out{redraw}")
+    out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     per_seed = []
     for seed in range(args.seeds):
@@ -257,11 +305,14 @@ def report(results: dict, out: Path) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domains", default="code,legal,manuals", help="training domains, comma-separated")
     parser.add_argument("--heldout", default="changelogs", help="a domain no model trains on")
-    parser.add_argument("--seed-steps", type=int, default=500, help="S: the seed phase's inner steps")
-    parser.add_argument("--branch-steps", type=int, default=500, help="B: each expert's inner steps after the seed")
-    parser.add_argument("--seeds", type=int, default=3, help="repeat with this many seeds; tables show mean ± std")
-    parser.add_argument("--jobs", type=int, default=2, help="training processes at a time")
-    parser.add_argument("--test-batches", type=int, default=32, help="test batches (16 × 128 bytes) per domain")
-    parser.add_argument("--out", default="runs/bench-btm")
+    parser.add_argument("--seed-steps", type=positive_int, default=500, help="S: the seed phase's inner steps")
+    parser.add_argument("--branch-steps", type=positive_int, default=500,
+                        help="B: each expert's inner steps after the seed")
+    parser.add_argument("--seeds", type=positive_int, default=3,
+                        help="repeat with this many seeds; tables show mean ± std")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="training processes at a time")
+    parser.add_argument("--test-batches", type=positive_int, default=32,
+                        help="test batches (16 × 128 bytes) per domain")
+    parser.add_argument("--out", default="runs/bench-btm", help="a new folder, or one without a previous run")
     parser.add_argument("--report", metavar="DIR", help="run nothing: redo the table and plot of DIR/results.json")
     parser.set_defaults(func=run_btm_bench)

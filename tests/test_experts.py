@@ -2,6 +2,12 @@
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +212,63 @@ def test_experts_of_different_contexts_are_evaluated_on_the_shortest_in_either_o
                       "--batches", "2", cwd=tmp_path)
         tables.append({line.split()[1]: line for line in out.splitlines() if line.startswith("expert ")})
     assert len(tables[0]) == 2 and tables[0] == tables[1]  # each expert's perplexity, on the same windows whatever the order
+
+
+def test_bench_btm_refuses_impossible_settings_before_anything_starts(tmp_path, prefork):
+    (tmp_path / "used" / "seed0").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for args, says in ((["--heldout", "code"], "--heldout code is one of --domains"),
+                       (["--domains", "code"], "two or more domains"),
+                       (["--domains", "code,code"], "names a domain twice"),
+                       (["--domains", "code,nope"], "unknown domain 'nope'"),
+                       (["--heldout", "x=/tmp"], "give built-in domain names"),
+                       (["--out", "used"], "--out used holds a previous run"),
+                       (["--report", "empty"], "--report empty: no results.json there"),
+                       (["--jobs", "0"], "--jobs: must be at least 1"),
+                       (["--seeds", "0"], "--seeds: must be at least 1"),
+                       (["--seed-steps", "0"], "--seed-steps: must be at least 1")):
+        done = prefork.run(["bench", "btm", "--out", "run", *args], tmp_path, timeout=60)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+        assert "started" not in done.stdout and not (tmp_path / "run").exists(), args
+        if not args[0].startswith(("--jobs", "--seed")):  # argparse's own errors come with the usage line
+            assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+JOBS_CHILD = """
+import sys
+from pathlib import Path
+from decentral.btmbench import Job, run_jobs
+sleeper = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(300)"]
+try:
+    run_jobs([Job("a", sleeper), Job("b", sleeper), Job("c", sleeper, after=("a",))], Path(sys.argv[1]), 2)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_bench_btm_jobs_end_with_the_bench(tmp_path, sig):
+    repo = Path(__file__).resolve().parent.parent
+    bench = subprocess.Popen([sys.executable, "-c", JOBS_CHILD, str(tmp_path)], cwd=repo,
+                             env={**os.environ, "PYTHONPATH": str(repo)})
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline and bench.poll() is None:
+            logs = [tmp_path / f"{name}.log" for name in ("a", "b")]
+            pids = [int(log.read_text()) for log in logs if log.is_file() and log.read_text().endswith("\n")]
+            time.sleep(0.05)  # polling the jobs' logs for their pids
+        assert len(pids) == 2, "the jobs did not start"
+        bench.send_signal(sig)
+        assert bench.wait(60) == 130
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):  # ended and reaped, not left running
+                os.kill(pid, 0)
+        assert not (tmp_path / "c.log").exists()
+    finally:
+        bench.kill()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
