@@ -621,3 +621,23 @@ def test_merge_bench_runs_at_a_small_size(tmp_path):
     assert json.loads((tmp_path / "bench" / "results.json").read_text()) == results
     assert (tmp_path / "bench" / "merge_bench.png").stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == ["merge_bench.png", "results.json"]
+
+
+def test_merge_bench_refuses_settings_it_cannot_run(tmp_path, capsys):
+    from decentral.cli import main
+    from decentral.merge.bench import smallest_params
+
+    for args, says in ((["--repeats", "0"], "--repeats: must be at least 1"),
+                       (["--params", "0"], "--params: must be at least 1"),
+                       (["--experts", "0"], "--experts: must be at least 1")):
+        with pytest.raises(SystemExit) as exited:
+            main(["bench", "merge", "--out", str(tmp_path / "b"), *args])
+        assert exited.value.code == 2 and says in capsys.readouterr().err
+    smallest = f"smallest model the bench builds ({smallest_params():,}"
+    for args, says in ((["--params", str(smallest_params() - 1)], smallest),
+                       (["--method", "slerp", "--experts", "3"], "slerp merges exactly 2 experts, not 3"),
+                       (["--method", "model_stock", "--experts", "1"], "model_stock merges 2 or more experts, not 1")):
+        assert main(["bench", "merge", "--out", str(tmp_path / "b"), *args]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "b").exists()

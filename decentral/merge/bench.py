@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from decentral.experts.registry import MODEL_FILE, Expert, write_expert
-from decentral.merge import METHODS
+from decentral.merge import METHODS, MergeError
 from decentral.merge.tensors import SafetensorsWriter
 from decentral.metrics import human_bytes
 from decentral.models import GPT, GPTConfig
@@ -173,17 +173,31 @@ def _drop_page_cache() -> None:
         raise RuntimeError(f"merge bench: cold runs drop the page cache, which needs root on Linux: {e}") from None
 
 
-def run_merge_bench(out: Path, *, params: int = 100_000_000, experts: int = 4, method: str = "linear",
+def smallest_params() -> int:
+    """The parameters of the smallest model the bench builds (`bench_config` of any count up to it)."""
+    return sum(math.prod(shape) for shape in model_shapes(bench_config(1)).values())
+
+
+def run_merge_bench(out: Path, *, params: int = 100_000_000, experts: int | None = None, method: str = "linear",
                     repeats: int = 2, cold: bool = False) -> dict:
     """Build the inputs, time and measure a read pass and the merge (the fastest of `repeats` runs of
-    each, and the largest peak); write results.json and a plot into `out`; print a table. `cold`
-    drops the page cache before each pass instead of warming it (Linux, root)."""
+    each, and the largest peak); write results.json and a plot into `out`; print a table. `experts`
+    defaults to the number the method merges (4 where it takes any). `cold` drops the page cache before
+    each pass instead of warming it (Linux, root). MergeError for settings the bench cannot run."""
     if method not in METHODS:
-        raise ValueError(f"merge bench: unknown method {method!r}; choose from {sorted(METHODS)}")
+        raise MergeError(f"merge bench: unknown method {method!r}; choose from {sorted(METHODS)}")
     merge_method = METHODS[method]
-    if merge_method.num_models is not None:
-        experts = merge_method.num_models
-    experts = max(experts, merge_method.min_models)
+    if experts is None:
+        experts = merge_method.num_models or max(4, merge_method.min_models)
+    if experts < merge_method.min_models or merge_method.num_models not in (None, experts):
+        wanted = (f"exactly {merge_method.num_models}" if merge_method.num_models
+                  else f"{merge_method.min_models} or more")
+        raise MergeError(f"merge bench: {method} merges {wanted} experts, not {experts}")
+    if params < smallest_params():
+        raise MergeError(f"merge bench: --params {params:,} is below the smallest model the bench builds "
+                         f"({smallest_params():,} parameters)")
+    if repeats < 1:
+        raise MergeError(f"merge bench: repeats must be at least 1, got {repeats}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = bench_config(params)
@@ -283,10 +297,14 @@ def format_merge_bench(results: dict) -> str:
 
 def add_arguments(parser) -> None:
     """`decentral bench merge`."""
-    parser.add_argument("--params", type=int, default=100_000_000, help="parameters per model (default 100M)")
-    parser.add_argument("--experts", type=int, default=4)
+    from decentral.cli import positive_int
+
+    parser.add_argument("--params", type=positive_int, default=100_000_000,
+                        help="parameters per model (default 100M; at least the smallest model's, about 91k)")
+    parser.add_argument("--experts", type=positive_int, help="models merged (default: 4, or the number the method "
+                        "merges: slerp 2)")
     parser.add_argument("--method", default="linear", choices=sorted(m for m in METHODS if not METHODS[m].weights_from))
-    parser.add_argument("--repeats", type=int, default=2, help="passes of each kind; the fastest counts")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="passes of each kind; the fastest counts")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each pass (Linux, root): "
                         "reads come from the disk")
     parser.add_argument("--out", default="runs/bench-merge")
