@@ -85,6 +85,12 @@ def parse_merge_recipe(data: Any, where: str = "recipe", registry: str | Path | 
     if not isinstance(entries, list) or not entries:
         raise MergeError(f"{where}: experts: expected a list of expert names or paths, or {{name, weight}} mappings")
     experts = [_model_ref(entry, f"experts[{i}]", where, registry, method) for i, entry in enumerate(entries)]
+    folders = [ref.folder.resolve() for ref in experts]
+    for i, folder in enumerate(folders):
+        if folder in folders[:i]:
+            first = experts[folders.index(folder)]
+            raise MergeError(f"{where}: {experts[i].key}: {experts[i].label!r} is {first.key} ({first.label!r}) again; "
+                             "list each expert once" + (" (a weight counts it more)" if method.uses_weights else ""))
     if method.num_models is not None and len(experts) != method.num_models:
         raise MergeError(f"{where}: experts: {method.name} merges exactly {method.num_models} experts, "
                          f"the recipe lists {len(experts)}")
@@ -130,10 +136,9 @@ def _model_ref(entry: Any, key: str, where: str, registry: str | Path | None, me
             if not method.uses_weights:
                 raise MergeError(f"{where}: {key}.weight: {method.name} does not weight its experts; remove the weight"
                                  + (" (parameters.t sets the mix)" if "t" in method.params else ""))
-            weight = entry["weight"]
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
-                    or weight <= 0:
-                raise MergeError(f"{where}: {key}.weight: expected a finite number > 0, got {weight!r}")
+            weight = _typed(entry["weight"], 1.0)
+            if weight is None or weight <= 0:
+                raise MergeError(f"{where}: {key}.weight: expected a finite number > 0, got {entry['weight']!r}")
         entry = entry["name"]
     if not isinstance(entry, str) or not entry:
         raise MergeError(f"{where}: {key}: expected an expert name or a path, got {entry!r}")
