@@ -306,10 +306,10 @@ def test_every_shipped_recipe_parses_and_names_a_known_method():
 
 def test_recipe_resolves_names_paths_weights_and_registry_override(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("method: ties\nregistry: runs/x\nbase: seed\nexperts:\n  - code\n  - {name: ./elsewhere/legal, "
-                    "weight: 2}\nparameters: {density: 5e-1}\ndtype: bfloat16\n")
-    recipe = load_merge_recipe(path)
-    assert [(r.folder, r.weight) for r in recipe.experts] == [(Path("runs/x/code"), 1.0), (Path("elsewhere/legal"), 2.0)]
+    path.write_text("method: ties\nregistry: runs/x\nbase: seed\nexperts:\n  - {name: code, weight: 1e-3}\n"
+                    "  - {name: ./elsewhere/legal, weight: 2}\nparameters: {density: 5e-1}\ndtype: bfloat16\n")
+    recipe = load_merge_recipe(path)  # YAML 1.1 reads 1e-3 and 5e-1 as strings: both are numbers here
+    assert [(r.folder, r.weight) for r in recipe.experts] == [(Path("runs/x/code"), 1e-3), (Path("elsewhere/legal"), 2.0)]
     assert recipe.base.folder == Path("runs/x/seed")
     assert recipe.parameters == {"density": 0.5, "lambda": 1.0}
     assert recipe.dtype == "bfloat16"
@@ -337,6 +337,11 @@ def test_recipe_resolves_names_paths_weights_and_registry_override(tmp_path):
     ({"method": "linear", "experts": [{"name": "a", "weight": -1.0}]}, "weight: expected a finite number > 0"),
     ({"method": "linear", "experts": [{"name": "a", "weight": float("inf")}]}, "weight: expected a finite number"),
     ({"method": "linear", "experts": [{"name": "a", "weight": True}]}, "weight: expected a finite number"),
+    ({"method": "linear", "experts": [{"name": "a", "weight": "-1e-3"}]}, "weight: expected a finite number > 0"),
+    ({"method": "linear", "experts": [{"name": "a", "weight": "lots"}]}, "weight: expected a finite number > 0"),
+    ({"method": "linear", "experts": ["a", "b", {"name": "a", "weight": 2.0}]},
+     r"experts\[2\]: 'a' is experts\[0\] \('a'\) again; list each expert once \(a weight counts it more\)"),
+    ({"method": "slerp", "experts": ["a", "./reg/a"]}, r"experts\[1\]: './reg/a' is experts\[0\] \('a'\) again"),
     ({"method": "slerp", "experts": [{"name": "a", "weight": 2.0}, "b"]}, r"slerp does not weight .*parameters.t"),
     ({"method": "linear", "experts": [{"nam": "a"}]}, r"experts\[0\]: expected \{name, weight\}"),
     ({"method": "linear", "experts": []}, "experts: expected a list"),
@@ -554,6 +559,15 @@ def test_non_finite_inputs_are_reported(registry, out_parent):
                                  "tensor 'blocks.0.attn.qkv.bias': the merge produced NaN .* already in expert 'nan'")
 
 
+def test_values_beyond_the_output_dtype_are_refused(registry, out_parent):
+    save_expert(registry / "far", {k: v + 10 for k, v in gpt_state(0).items()}, "far")  # every task vector 10
+    recipe = recipe_for(registry, "task_arithmetic", ("far",), dtype="float16", parameters={"lambda": 1e4})
+    assert_fails_leaving_nothing(recipe, out_parent / "m", r"tensor '.*': the merge produced NaN or infinite values "
+                                 r"\(beyond the range of the output dtype, float16\)")
+    merge(recipe_for(registry, "task_arithmetic", ("far",), parameters={"lambda": 1e4}), out_parent / "m",
+          progress=False)  # float32 holds 1e5
+
+
 def test_missing_input_and_bad_output_folders_are_refused(registry, out_parent):
     assert_fails_leaving_nothing(recipe_for(registry, "linear", ("code", "nobody")), out_parent / "m",
                                  r"linear.yaml: experts\[1\] \('nobody'\): .*nobody is not an expert folder")
@@ -561,6 +575,10 @@ def test_missing_input_and_bad_output_folders_are_refused(registry, out_parent):
                                  "output folder .*'not valid!' must be")
     with pytest.raises(MergeError, match="is the folder of expert 'code'"):
         merge(recipe_for(registry, "linear"), registry / "code", progress=False)
+    before = sorted(p.name for p in (registry / "code").iterdir())
+    with pytest.raises(MergeError, match=f"inside the expert folder {registry / 'code'}; write the merge beside it"):
+        merge(recipe_for(registry, "linear"), registry / "code" / "sub", progress=False)
+    assert sorted(p.name for p in (registry / "code").iterdir()) == before
     precious = out_parent / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")

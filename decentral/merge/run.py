@@ -5,7 +5,7 @@
    weights), the same shape per tensor (a different first dimension of an embedding or head: the
    vocabularies differ), floating-point dtypes only, and one model config.
 2. Merge: for each tensor, in the output file's order, read the base's and the experts' versions,
-   convert them to float32, merge, check the result is finite, cast it to the output dtype and
+   convert them to float32, merge, cast the result to the output dtype, check it is finite and
    append it to the output file, hashing it on the way. Memory holds about k+2 tensors (TIES a few
    more), never k models. With `verify` (the recipe's, or `decentral merge --verify`) a helper
    thread hashes each input's model.safetensors from the very bytes merged and compares it with the
@@ -26,7 +26,7 @@ reference-GPT inputs together are an error.
 The output dtype of a tensor is the recipe's `dtype`, else the dtype the inputs store it in (float32
 where they disagree). The expert's name is `out_dir`'s folder name, which must be a valid expert
 name: a MergeError says what is allowed rather than renaming it. `out_dir` may replace an older
-expert folder, never a folder that is not an expert's, nor one of the merge's inputs.
+expert folder, never a folder that is not an expert's, nor one of the merge's inputs, nor a folder inside an expert's.
 """
 
 from __future__ import annotations
@@ -131,6 +131,11 @@ def _open_input(role: str, ref: ModelRef, source: str, stack: ExitStack) -> _Inp
 
 
 def _check_output_folder(out_dir: Path, inputs: list[_Input]) -> None:
+    """MergeError when `out_dir` is inside an expert folder, is a folder but not an expert's, or is an input's."""
+    inside = next((folder for folder in out_dir.parents if (folder / META_FILE).is_file()), None)
+    if inside is not None:
+        raise MergeError(f"{out_dir} is inside the expert folder {inside}; write the merge beside it "
+                         f"(e.g. {inside.parent / out_dir.name})")
     if not out_dir.exists():
         return
     if not (out_dir / META_FILE).is_file():
@@ -300,9 +305,9 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
                 versions = [v.to(torch.float32) for v in versions]
                 base_tensor, tensors = (versions[0], versions[1:]) if base else (None, versions)
                 merged = recipe.method.merge(base_tensor, tensors, weights, name=name, **recipe.parameters)
-                _check_finite(name, merged, versions, inputs)
-                del versions, base_tensor, tensors
                 out = merged.to(DTYPES[specs[name][0]])
+                _check_finite(name, out, versions, inputs)
+                del versions, base_tensor, tensors
                 if out.untyped_storage().data_ptr() in owned:  # a read buffer: refilled before it is written
                     out = out.clone()
                 if writing is not None:
@@ -350,9 +355,12 @@ def _corrupt(i: _Input, path: Path) -> None:
 
 
 def _check_finite(name: str, merged: torch.Tensor, tensors: list[torch.Tensor], inputs: list[_Input]) -> None:
-    """MergeError unless every merged value is finite (a sum is a one-pass test; an overflowing sum is re-checked)."""
-    if torch.isfinite(merged.sum()) or torch.isfinite(merged).all():
+    """MergeError unless every merged value, in the output's dtype, is finite (a float32 sum is a one-pass test; an
+    overflowing sum is re-checked)."""
+    if torch.isfinite(merged.sum(dtype=torch.float32)) or torch.isfinite(merged).all():
         return
     culprits = [str(i) for i, tensor in zip(inputs, tensors) if not torch.isfinite(tensor).all()]
     where = f"; non-finite values already in {', '.join(culprits)}" if culprits else ""
+    if not culprits and merged.dtype != torch.float32:
+        where = f" (beyond the range of the output dtype, {str(merged.dtype).removeprefix('torch.')})"
     raise MergeError(f"tensor {name!r}: the merge produced NaN or infinite values{where}")
