@@ -52,3 +52,16 @@ def test_bytes_that_do_not_match_the_record_are_refused(tmp_path, sharing):
     with pytest.raises(RegistryError, match="sha256 does not match the record"):
         fetcher.fetch("code")
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())  # nothing installed, no temp folder
+
+
+def test_fetch_checks_every_name_is_published_before_fetching_any(tmp_path, sharing, prefork):
+    publisher, _ = sharing
+    tiny_expert(tmp_path / "a", name="code")
+    publisher.publish(["code"])
+    join = ["--join", str(publisher.peer.multiaddrs()[0]), "--run", publisher.peer.run]
+    done = prefork.run(["experts", "fetch", "code", "nosuch", *join, "--registry", "c"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "nobody in the swarm publishes expert 'nosuch'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "fetched" not in done.stdout
+    assert not (tmp_path / "c" / "code").exists()  # nothing installed
+    done = prefork.run(["experts", "fetch", "code", "code", *join, "--registry", "c"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "fetch: 'code' is given twice" in done.stderr, done.stderr

@@ -272,3 +272,61 @@ def test_bench_btm_jobs_end_with_the_bench(tmp_path, sig):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_eval_checks_the_router_and_its_experts_before_scoring(tmp_path, prefork):
+    pytest.importorskip("sklearn")
+    import numpy as np
+
+    from decentral.experts.clusters import Router
+
+    config = GPTConfig(n_layer=1, n_head=2, d_model=16, context=16)
+    for seed, (name, domain) in enumerate((("cm0", "c0=clusters/c0"), ("cm1", "c1"), ("plain", None), ("huge", None))):
+        torch.manual_seed(seed)
+        state = {k: v * (1e25 if name == "huge" else 1) for k, v in GPT(config).state_dict().items()}
+        write_expert(tmp_path / "reg" / name, lambda path, s=state: path.write_bytes(model_bytes(s)),
+                     Expert(name=name, sha256="", size=0, model=dataclasses.asdict(config), domain=domain))
+    rng = np.random.default_rng(0)
+    for k in (2, 3):
+        Router(idf=np.ones(64), feature_index=np.arange(64), components=rng.normal(size=(4, 64)),
+               centres=rng.normal(size=(k, 4))).save(tmp_path / f"r{k}.npz")
+    (tmp_path / "notes.txt").write_text("not a router")
+
+    def evaluate(experts, *args):
+        return prefork.run(["experts", "eval", "--registry", "reg", "--experts", experts, "--domain", "legal",
+                            "--batches", "1", *args], tmp_path, timeout=120)
+
+    for experts, args, says in (("cm0,cm1", ["--router", "missing.npz"], "--router missing.npz: cannot be read"),
+                                ("cm0,cm1", ["--router", "notes.txt"], "--router notes.txt: not a router file"),
+                                ("cm0,cm1", ["--router", "r3.npz"], "--router r3.npz has 3 clusters but 2 experts"),
+                                ("cm1,plain", ["--router", "r2.npz"],
+                                 "'cm1' is given for cluster c0 but trained on c1"),
+                                ("cm0,cm0", [], "--experts: 'cm0' is given twice"),
+                                ("cm0,huge", [], "expert 'huge' gives NaN or infinite log-likelihoods")):
+        done = evaluate(experts, *args)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == (1 if "huge" not in experts else 2), done.stderr  # scored cm0
+    assert not (tmp_path / "reg" / "priors.json").exists()  # no NaN prior was kept
+
+    tables = [evaluate(experts, "--router", "r2.npz") for experts in ("cm0,cm1", "cm1,cm0")]
+    assert [t.returncode for t in tables] == [0, 0], tables[1].stderr
+    assert "c-BTM routed" in tables[0].stdout and tables[0].stdout == tables[1].stdout  # expert j serves cluster j
+    assert "in the router's cluster order, as their domains say: cm0 (c0), cm1 (c1)" in tables[1].stderr
+
+
+def test_duplicates_run_folders_and_unknown_names_are_one_line_before_any_work(tmp_path, prefork):
+    tiny_expert(tmp_path / "reg", "code")
+    tiny_expert(tmp_path / "reg", "legal", seed=1)
+    (tmp_path / "runs" / "hf" / "run1" / "checkpoint").mkdir(parents=True)
+    for args, says in ((["experts", "branch", "x", "--from", "code", "--from", "code", "--domain", "code"],
+                        "--from: 'code' is given twice"),
+                       (["experts", "add", "runs/hf/run1", "--name", "x"],
+                        "meta.json is missing (did you mean runs/hf/run1/checkpoint?)"),
+                       (["experts", "publish", "code", "nosuch"], "no expert 'nosuch'")):
+        done = prefork.run([*args, "--registry", "reg"], tmp_path, timeout=60)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no open-swarm note before it
+    (tmp_path / "slerp.yaml").write_text("method: slerp\nregistry: reg\nexperts: [code, legal]\n"
+                                         "parameters: {t: 0.25}\n")
+    out = run_cli(prefork, "merge", "slerp.yaml", "--out", "reg/s", cwd=tmp_path)
+    assert "merge: slerp of code, legal (t 0.25, parallel_threshold 0.9995) -> " in out, out

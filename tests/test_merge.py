@@ -309,7 +309,8 @@ def test_recipe_resolves_names_paths_weights_and_registry_override(tmp_path):
     path.write_text("method: ties\nregistry: runs/x\nbase: seed\nexperts:\n  - {name: code, weight: 1e-3}\n"
                     "  - {name: ./elsewhere/legal, weight: 2}\nparameters: {density: 5e-1}\ndtype: bfloat16\n")
     recipe = load_merge_recipe(path)  # YAML 1.1 reads 1e-3 and 5e-1 as strings: both are numbers here
-    assert [(r.folder, r.weight) for r in recipe.experts] == [(Path("runs/x/code"), 1e-3), (Path("elsewhere/legal"), 2.0)]
+    assert [(r.folder, r.weight) for r in recipe.experts] == [(Path("runs/x/code"), 1e-3),
+                                                              (Path("elsewhere/legal"), 2.0)]
     assert recipe.base.folder == Path("runs/x/seed")
     assert recipe.parameters == {"density": 0.5, "lambda": 1.0}
     assert recipe.dtype == "bfloat16"

@@ -59,6 +59,14 @@ def _check_new_expert(registry: Registry, name: str, replace: bool) -> None:
                             "replace it")
 
 
+def _distinct(names: list[str], what: str) -> list[str]:
+    """`names`; RegistryError naming the first one `what` (the option) gives twice."""
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise RegistryError(f"{what}: {twice!r} is given twice")
+    return names
+
+
 def _run_worker(recipe, args, name: str, domain: str | None, with_optimizer: bool, **overrides) -> int:
     """Train, then add the final checkpoint to the registry as `name`."""
     args.name = args.name or name
@@ -88,7 +96,7 @@ def cmd_seed(args) -> int:
 def cmd_branch(args) -> int:
     registry = Registry(args.registry)
     _check_new_expert(registry, args.expert, args.replace)
-    parents = [registry.get(name) for name in args.parent]
+    parents = [registry.get(name) for name in _distinct(args.parent, "--from")]
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
     recipe = _recipe(args)
@@ -180,6 +188,8 @@ def cmd_publish(args) -> int:
     names = args.names or registry.names()
     if not names:
         raise RegistryError(f"no experts in {args.registry} to publish")
+    for name in names:  # a name that is not there is refused before the swarm starts
+        registry.get(name)
     peer = _peer(args)
     sharing = ExpertSharing(peer, registry)
     try:
@@ -203,11 +213,13 @@ def cmd_fetch(args) -> int:
     if not args.join:
         raise RegistryError("fetch needs --join: the multiaddr of any peer of the swarm that publishes")
     registry = Registry(args.registry)
-    for name in args.names:
+    for name in _distinct(args.names, "fetch"):
         _check_new_expert(registry, name, args.replace)
     peer = _peer(args)
     sharing = ExpertSharing(peer, registry)
     try:
+        for name in args.names:  # every one is published, before any is fetched
+            sharing.find(name, sha256=args.sha256)
         for name in args.names:
             with tqdm(unit="B", unit_scale=True, desc=name, file=sys.stderr, disable=None) as bar:  # on a terminal only
                 expert = sharing.fetch(name, sha256=args.sha256, with_optimizer=not args.no_optimizer, progress=bar.update)
@@ -218,13 +230,48 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+def _cluster_of(expert) -> int | None:
+    """j when the expert's domain is cluster cJ of `experts cluster` (its one --domain cJ or cJ=PATH), else None."""
+    name, _, paths = (expert.domain or "").partition("=")
+    return int(name[1:]) if CLUSTER_FOLDER.fullmatch(name) and "=" not in paths else None
+
+
+def _load_router(path: str, experts: list) -> tuple:
+    """(the c-BTM router at `path`, `experts` in its cluster order); RegistryError when the file is not a router or
+    its cluster count is not the number of experts. Experts whose domains all name its clusters are put in cluster
+    order; otherwise each whose domain names a cluster must be at that cluster's place."""
+    from decentral.experts.clusters import Router
+
+    try:
+        router = Router.load(path)
+    except OSError as e:
+        raise RegistryError(f"--router {path}: cannot be read ({e.strerror})") from None
+    except ValueError as e:
+        raise RegistryError(f"--router {e}") from None
+    if router.k != len(experts):
+        raise RegistryError(f"--router {path} has {router.k} clusters but {len(experts)} experts are given: name one "
+                            "expert per cluster, in cluster order")
+    clusters = [_cluster_of(e) for e in experts]
+    if sorted(c for c in clusters if c is not None) == list(range(router.k)):
+        ordered = [e for _, e in sorted(zip(clusters, experts), key=lambda pair: pair[0])]
+        if ordered != experts:
+            print("experts: in the router's cluster order, as their domains say: "
+                  + ", ".join(f"{e.name} (c{j})" for j, e in enumerate(ordered)), file=sys.stderr, flush=True)
+        return router, ordered
+    for j, (expert, cluster) in enumerate(zip(experts, clusters)):
+        if cluster is not None and cluster != j:
+            raise RegistryError(f"--router: expert {expert.name!r} is given for cluster c{j} but trained on c{cluster} "
+                                "(its domain): give one expert per cluster, in cluster order")
+    return router, experts
+
+
 def cmd_eval(args) -> int:
     from decentral.data.domains import load_domains
     from decentral.experts.ensemble import PriorCache
     from decentral.experts.evaluate import EvalConfig, ensemble_report, format_report, score_experts
 
     registry = Registry(args.registry)
-    names = args.experts.split(",") if args.experts else registry.names()
+    names = _distinct(args.experts.split(","), "--experts") if args.experts else registry.names()
     experts = [registry.get(name) for name in names]
     if not experts:
         raise RegistryError(f"no experts in {args.registry}")
@@ -232,6 +279,9 @@ def cmd_eval(args) -> int:
         raise RegistryError("give the domains to evaluate on with --domain")
     if args.top_k is not None and args.top_k >= len(experts):
         raise RegistryError(f"--top-k {args.top_k} keeps every one of the {len(experts)} experts: give fewer")
+    router = None
+    if args.router:
+        router, experts = _load_router(args.router, experts)
     domains = load_domains(args.domain)
     contexts = {e.name: e.context for e in experts}
     context = min(contexts.values())  # every expert scores the same windows: the shortest context's
@@ -242,11 +292,10 @@ def cmd_eval(args) -> int:
     scores = score_experts(experts, domains, config,
                            progress=lambda e: print(f"experts: scored {e.name}", file=sys.stderr, flush=True))
     report = ensemble_report(experts, domains, scores, config, PriorCache(registry.root / "priors.json"))
-    if args.router:
-        from decentral.experts.clusters import Router
+    if router is not None:
         from decentral.experts.evaluate import routed_report
 
-        routed = routed_report(Router.load(args.router), domains, scores, config)
+        routed = routed_report(router, domains, scores, config)
         for name, row in routed.items():
             report[name]["perplexity"]["c-BTM routed" + (f" top-{args.top_k}" if args.top_k else "")] = row["perplexity"]
     print(format_report(report, experts))
@@ -304,8 +353,13 @@ def cmd_merge(args) -> int:
     if args.verify:
         recipe.verify = True
     expert = merge(recipe, out)
-    weights = ", ".join(f"{e['name']} {e['weight']:.3g}" for e in expert.merge["experts"])
-    print(f"merge: {recipe.method.name} of {weights} -> {expert.folder} ({expert.sha256[:12]})")
+    if recipe.method.uses_weights or recipe.method.weights_from:
+        inputs = ", ".join(f"{e['name']} {e['weight']:.3g}" for e in expert.merge["experts"])
+    else:  # the mix is set by parameters (slerp's t) or by the geometry (model stock)
+        inputs = ", ".join(e["name"] for e in expert.merge["experts"])
+        if recipe.parameters:
+            inputs += f" ({', '.join(f'{name} {value:g}' for name, value in recipe.parameters.items())})"
+    print(f"merge: {recipe.method.name} of {inputs} -> {expert.folder} ({expert.sha256[:12]})")
     return 0
 
 
@@ -386,7 +440,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "largest prior (k below the number of experts)")
     evaluate.add_argument("--batches", type=positive_int, default=16, help="test batches per domain")
     evaluate.add_argument("--router", help="c-BTM: also route by this router (decentral experts cluster); --experts "
-                          "must then name one expert per cluster, in cluster order")
+                          "must then name one expert per cluster, in cluster order (experts trained on --domain cJ "
+                          "are put in that order)")
     _registry_argument(evaluate)
 
     cluster = command("cluster", "c-BTM: cluster unlabelled documents (tf-idf, SVD, balanced k-means) into one folder "

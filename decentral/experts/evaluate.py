@@ -21,7 +21,7 @@ from decentral.data.domains import Domain
 from decentral.experts.ensemble import (
     PriorCache, ensemble_nll, estimate_prior, mixture_scores, score_batches, top_k_prior,
 )
-from decentral.experts.registry import Expert
+from decentral.experts.registry import Expert, RegistryError
 from decentral.metrics import format_table
 
 
@@ -50,7 +50,8 @@ class DomainScores:
 def score_experts(experts: Sequence[Expert], domains: Sequence[Domain], config: EvalConfig,
                   progress=None, splits: Sequence[str] = ("dev", "test")) -> dict[str, DomainScores]:
     """Every expert's log-likelihoods on every domain's dev and test batches (only those of `splits`;
-    the others are empty); `progress(expert)` is called after each expert."""
+    the others are empty); `progress(expert)` is called after each expert. RegistryError for an expert whose
+    log-likelihoods are not finite (a mixture, and every prior, would be NaN)."""
     batches = {d.name: {split: d.eval_batches(split, batch_size=config.batch_size, context=config.context,
                                               num_batches=getattr(config, f"{split}_batches"))
                         for split in splits} for d in domains}
@@ -60,7 +61,11 @@ def score_experts(experts: Sequence[Expert], domains: Sequence[Domain], config: 
         model = expert.load_model()
         for name, splits in batches.items():
             for split, data in splits.items():
-                scores[name][split].append(score_batches(model, data))
+                scored = score_batches(model, data)
+                if not torch.isfinite(scored).all():
+                    raise RegistryError(f"expert {expert.name!r} gives NaN or infinite log-likelihoods on the {split} "
+                                        f"split of {name} (are its weights out of range?); it cannot be evaluated")
+                scores[name][split].append(scored)
         del model
         if progress:
             progress(expert)

@@ -370,7 +370,8 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
     try:
         tensors, meta = load_checkpoint(checkpoint)  # checks every file's sha256, the layout's included
     except CheckpointError as e:
-        raise RegistryError(str(e)) from None
+        inside = checkpoint / "checkpoint"  # a `decentral train` run's folder holds its checkpoint there
+        raise RegistryError(f"{e}" + (f" (did you mean {inside}?)" if inside.is_dir() else "")) from None
     state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     hf = "recipe" in meta and meta["recipe"]["model"].get("source", GPT_SOURCE) != GPT_SOURCE
     if not (state or hf) or "recipe" not in meta:

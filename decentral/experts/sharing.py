@@ -107,21 +107,26 @@ class ExpertSharing:
             entry.peers.append(peer)
         return {name: list(by_hash.values()) for name, by_hash in sorted(found.items())}
 
-    def fetch(self, name: str, *, sha256: str | None = None, with_optimizer: bool = True,
-              progress: Callable[[int], None] | None = None) -> Expert:
-        """Download expert `name` into our registry, checked against its record's hashes; returns it.
-
-        When publishers disagree on what `name` is, `sha256` picks one. Tries publishers in random order
-        until one delivers; RegistryError when none does."""
+    def find(self, name: str, sha256: str | None = None) -> Published:
+        """The version of expert `name` the swarm publishes now (`sha256`, a prefix, picks one where publishers
+        disagree); RegistryError when nobody publishes it, or publishers disagree and `sha256` does not pick."""
         versions = self.available().get(name, [])
         if sha256:
             versions = [v for v in versions if v.expert.sha256.startswith(sha256)]
         if not versions:
-            raise RegistryError(f"nobody in the swarm publishes expert {name!r}" + (f" with sha256 {sha256}" if sha256 else ""))
+            raise RegistryError(f"nobody in the swarm publishes expert {name!r}"
+                                + (f" with sha256 {sha256}" if sha256 else ""))
         if len(versions) > 1:
             hashes = ", ".join(v.expert.sha256[:12] for v in versions)
-            raise RegistryError(f"expert {name!r} is published with different contents ({hashes}): pick one with --sha256")
-        published = versions[0]
+            raise RegistryError(f"expert {name!r} is published with different contents ({hashes}): "
+                                "pick one with --sha256")
+        return versions[0]
+
+    def fetch(self, name: str, *, sha256: str | None = None, with_optimizer: bool = True,
+              progress: Callable[[int], None] | None = None) -> Expert:
+        """Download expert `name` (the version `find` gives) into our registry, checked against its record's
+        hashes; returns it. Tries publishers in random order until one delivers; RegistryError when none does."""
+        published = self.find(name, sha256)
         expert = published.expert
         if not with_optimizer:
             expert.optimizer = None
