@@ -80,7 +80,8 @@ def swarm_key(path: str | None, notice: bool = True):
 def train_worker(recipe, args, **overrides) -> int:
     """Run one worker with `recipe`, the options of the train command's `args` and `overrides`
     (WorkerOptions fields); print its outcome and return the exit code."""
-    from decentral.hierarchy import IslandError
+    from decentral.checkpoint import checkpoint_present
+    from decentral.island import IslandError
     from decentral.sync import DivergedError
     from decentral.worker import WorkerOptions, run_worker
 
@@ -113,9 +114,16 @@ def train_worker(recipe, args, **overrides) -> int:
     except DivergedError:
         return 3
     except IslandError as e:
-        who = args.name + (f".rank{overrides['rank']}" if overrides.get("rank") else "")
-        print(f"[{who}] stopped: {e}. The island left the swarm, whose other members go on; restart the island "
-              f"with --resume to rejoin (checkpoint in {args.out})", flush=True)
+        rank = overrides.get("rank", args.rank)
+        who = args.name + (f".rank{rank}" if rank else "")
+        again = (f"with --resume (checkpoint in {args.out})" if checkpoint_present(Path(args.out) / "checkpoint") else
+                 "without --resume (no checkpoint was saved yet)")
+        if args.island:
+            print(f"[{who}] stopped: {e}. The run's ranks cannot go on without it; restart every rank {again}",
+                  flush=True)
+        else:
+            print(f"[{who}] stopped: {e}. The island left the swarm, whose other members go on; restart the island "
+                  f"{again} to rejoin", flush=True)
         return 4
     except KeyboardInterrupt:
         return 130
@@ -131,6 +139,19 @@ def cmd_train(args) -> int:
     from decentral.swarm.peer import check_multiaddrs
 
     check_multiaddrs(args.join or ())  # a malformed --join fails now, not once the model is built
+    if args.island:
+        if not 0 <= args.rank < args.world_size:
+            raise RecipeError(f"--rank {args.rank}: must be in [0, {args.world_size}) (--world-size {args.world_size})")
+        if args.island_size or args.island_mode:
+            raise RecipeError("--island makes the ranks the whole run; --island-size and --island-mode make an island "
+                              "that is one member of a swarm: give one or the other")
+        if rank_from_env() is not None:
+            raise RecipeError("--island under torchrun: the launcher's ranks make an island that is one member of a "
+                              "swarm (give no --island), or start each rank yourself with --island, --rank and "
+                              "--world-size")
+    elif args.rank or args.world_size != 1:
+        raise RecipeError("--rank and --world-size go with --island (a run whose ranks average over "
+                          "torch.distributed); an island in a swarm takes them from torchrun or --island-size")
     recipe = _recipe(args)
     if args.island and recipe.protocol == "local":
         raise RecipeError("--island averages what the protocol averages over torch.distributed; local averages "

@@ -42,14 +42,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from decentral.island import IslandTransport
+from decentral.island import IslandError, IslandTransport
 from decentral.transport import AverageResult, EncodedAverage, MissedRound, Transport, check_group, with_us
 
 MODES = ("leader", "sharded")
-
-
-class IslandError(RuntimeError):
-    """A rank of the island failed or is gone: the island leaves the swarm (its members go on without it)."""
 
 
 def shard_run(run: str, rank: int) -> str:

@@ -27,6 +27,10 @@ class RendezvousError(RuntimeError):
     """The ranks of an island did not all meet at `init_method` within the timeout."""
 
 
+class IslandError(RuntimeError):
+    """A rank of the island failed or is gone: a collective with it failed, and the island cannot go on."""
+
+
 class IslandTransport:
     """Join island `init_method` (e.g. "tcp://10.0.0.1:29500") as `rank` of `world_size`.
 
@@ -107,7 +111,11 @@ class IslandTransport:
         RuntimeError when the mean is not finite: a collective cannot drop one rank's part.
         """
         values, buffer = self._prepare(tensor, group)
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
+        try:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
+        except RuntimeError as e:  # gloo's "Connection closed by peer", NCCL's watchdog, a collective's timeout
+            raise IslandError(f"rank {self.rank}: the all-reduce with the other ranks failed, a rank is gone or hung "
+                              f"({str(e).splitlines()[0]})") from e
         return self._mean(values, buffer, tag)
 
     def _prepare(self, tensor: torch.Tensor, group: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

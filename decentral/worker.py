@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import math
 import threading
@@ -37,7 +38,7 @@ from decentral.data.domains import balanced_eval_batches, load_domains
 from decentral.device import island_backend, pick_device
 from decentral.experts.branch import StartPoint, load_start_point, model_differences
 from decentral.experts.registry import RegistryError
-from decentral.hierarchy import IslandError
+from decentral.island import IslandError
 from decentral.metrics import MetricsLog, TensorBoardSink
 from decentral.models import GPT_SOURCE, build_model, describe_model
 from decentral.swarm import SwarmError, SwarmTransport
@@ -238,51 +239,67 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     if start is not None and opts.stop_at is not None and opts.stop_at <= start.step:
         raise RegistryError(f"--stop-at {opts.stop_at} is not past {start.source}'s step {start.step}: nothing would "
                             "train; give a later --stop-at")
-    if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
-        raise CheckpointError(f"{opts.out / 'checkpoint'} holds an earlier run: --resume goes on from it; to start "
-                              "over, remove it or give another --out")
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
-    with _SEEDED_BUILD:
-        torch.manual_seed(t.seed)
-        model = build_model(recipe.model_source, recipe.model, t.context).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    lineage = {"parent": None, "start_step": 0, "start_tokens": 0}
-    if start is not None:
-        _start_from(start, model, optimizer, recipe)
-        lineage = {"parent": start.parent, "start_step": start.step, "start_tokens": start.tokens}
-    transport = make_transport(recipe, opts, device)
-    try:
-        net = model
-        if opts.island_mode:
-            from torch.nn.parallel import DistributedDataParallel
+    with _sole_writer(opts.out):
+        if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
+            raise CheckpointError(f"{opts.out / 'checkpoint'} holds an earlier run: --resume goes on from it; to "
+                                  "start over, remove it or give another --out")
+        with _SEEDED_BUILD:
+            torch.manual_seed(t.seed)
+            model = build_model(recipe.model_source, recipe.model, t.context).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        lineage = {"parent": None, "start_step": 0, "start_tokens": 0}
+        if start is not None:
+            _start_from(start, model, optimizer, recipe)
+            lineage = {"parent": start.parent, "start_step": start.step, "start_tokens": start.tokens}
+        transport = make_transport(recipe, opts, device)
+        try:
+            net = model
+            if opts.island_mode:
+                from torch.nn.parallel import DistributedDataParallel
 
-            net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
-        protocol.join_timeout_s = recipe.swarm.timeout  # as long as one average may take
-        protocol.step = lineage["start_step"]
-        if opts.resume:
-            lineage = _restore(protocol, opts, transport)
-        index = opts.worker_index
-        if index is None:  # a stranger joining: its own random windows over all the data
-            index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)
-        shards = opts.num_workers
-        if opts.island_mode:  # each rank of an island its own shard
-            index, shards = index * opts.world_size + opts.rank, shards * opts.world_size
-        shard = (index % shards, shards)
-        sizes = dict(batch_size=t.batch_size, context=t.context, device=device)
-        streams = [d.train for d in domains] if domains else corpus.train
+                net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            protocol = PROTOCOLS[recipe.protocol](model, optimizer, transport, **recipe.protocol_args)
+            protocol.join_timeout_s = recipe.swarm.timeout  # as long as one average may take
+            protocol.step = lineage["start_step"]
+            if opts.resume:
+                lineage = _restore(protocol, opts, transport)
+            index = opts.worker_index
+            if index is None:  # a stranger joining: its own random windows over all the data
+                index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)
+            shards = opts.num_workers
+            if opts.island_mode:  # each rank of an island its own shard
+                index, shards = index * opts.world_size + opts.rank, shards * opts.world_size
+            shard = (index % shards, shards)
+            sizes = dict(batch_size=t.batch_size, context=t.context, device=device)
+            streams = [d.train for d in domains] if domains else corpus.train
 
-        def batches_from(step: int):
-            return train_batches(streams, worker=shard[0], num_workers=shard[1], seed=t.seed + index, skip=step,
-                                 **sizes)
+            def batches_from(step: int):
+                return train_batches(streams, worker=shard[0], num_workers=shard[1], seed=t.seed + index, skip=step,
+                                     **sizes)
 
-        if domains:
-            val = balanced_eval_batches(domains, "dev", num_batches=t.eval_batches, **sizes)
-        else:
-            val = eval_batches(corpus.val, num_batches=t.eval_batches, **sizes)
-        return _train(protocol, recipe, opts, batches_from, val, transport, lineage, net)
-    finally:
-        transport.close()
+            if domains:
+                val = balanced_eval_batches(domains, "dev", num_batches=t.eval_batches, **sizes)
+            else:
+                val = eval_batches(corpus.val, num_batches=t.eval_batches, **sizes)
+            return _train(protocol, recipe, opts, batches_from, val, transport, lineage, net)
+        finally:
+            transport.close()
+
+
+@contextlib.contextmanager
+def _sole_writer(out: Path):
+    """Hold an exclusive lock on OUT (OUT/.lock) while a run writes there: a second process given the same
+    --out (two island ranks, a run started twice) stops at once instead of writing over the first's checkpoint
+    and metrics. CheckpointError when another process holds it. A POSIX record lock: the process's own, not
+    inherited by the DHT process it forks (which may outlive a killed worker for a few seconds)."""
+    with open(out / ".lock", "a") as lock:
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise CheckpointError(f"another process is writing to {out} (a run with the same --out): give each "
+                                  "run its own --out") from None
+        yield
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,12 +87,18 @@ def user_errors(tmp_path_factory):
         return dict(zip([name for name, _, _ in USER_ERRORS], pool.map(run, arguments)))
 
 
-TRAIN = ["train", "--out", "run", "--protocol", "diloco", "--timeout", "1"]
-USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own, for those that start a swarm
+def train_into(out: str) -> list[str]:
+    return ["train", "--out", out, "--protocol", "diloco", "--timeout", "1"]
+
+
+TRAIN = train_into("run")
+USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own, for those that start a swarm;
+    # each its own --out (a run holds its --out while it runs)
     ("missing data", ["train", "--protocol", "local", "--data", "/nonexistent"], "/nonexistent"),
-    ("unreachable --join", [*TRAIN, "--join", "/ip4/127.0.0.1/tcp/1/p2p/{peer}"], "could not reach any peer at"),
-    ("port in use", [*TRAIN, "--port", "{port}"], "the port is in use"),
-    ("island rendezvous", [*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
+    ("unreachable --join", [*train_into("join"), "--join", "/ip4/127.0.0.1/tcp/1/p2p/{peer}"],
+     "could not reach any peer at"),
+    ("port in use", [*train_into("port"), "--port", "{port}"], "the port is in use"),
+    ("island rendezvous", [*train_into("island"), "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
      "rank 1 of 2 could not join the island at tcp://127.0.0.1:1"),
 ]
 
@@ -120,6 +127,9 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "File exists"),
     (["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
     ([*TRAIN, "--model", "hf:x.json", "--set", "model.n_layer=5"], "--set model.n_layer: shapes the reference GPT"),
+    ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"], "--rank 2: must be in [0, 2)"),
+    ([*TRAIN, "--rank", "1", "--world-size", "2"], "--rank and --world-size go with --island"),
+    ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--island-size", "2"], "give one or the other"),
     (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
     (["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
     (["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),
@@ -183,6 +193,24 @@ def test_a_run_into_an_out_with_a_checkpoint_it_does_not_resume_is_refused_and_t
     done = prefork.run([*run, "--stop-at", "10"], tmp_path, timeout=120)
     assert done.returncode == 2 and "holds an earlier run: --resume goes on from it" in done.stderr, done.stderr
     assert (tmp_path / "run" / "checkpoint" / "meta.json").read_bytes() == saved
+
+
+def test_a_second_process_given_the_same_out_stops_at_once_and_the_first_trains_on(tmp_path, small_corpus, prefork):
+    """Two island ranks (or a run started twice) with one --out wrote over each other's checkpoint and crashed."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=100_000)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", "run"]
+    first = prefork.spawn(run, tmp_path / "first.log", cwd=tmp_path)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # it trains
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.1)
+        done = prefork.run(run, tmp_path, timeout=120)
+        assert done.returncode == 2 and "another process is writing to run" in done.stderr, done.stderr
+        assert first.poll() is None
+    finally:
+        first.kill()
 
 
 def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_one_line(tmp_path, small_corpus, prefork):

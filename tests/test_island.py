@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import free_port
-from decentral.island import IslandTransport, RendezvousError
+from decentral.island import IslandError, IslandTransport, RendezvousError
 from decentral.sync import DDP, DiLoCo
 
 TIMEOUT = 30.0  # seconds for a whole island run; each rank's collectives time out after 20 s
@@ -179,6 +179,23 @@ def test_diloco_over_island_starts_identical_and_agrees_on_slow_weights():
 
 
 # ----- a rendezvous that cannot complete -----
+
+def _average_after_rank_1_left(transport, rank: int) -> str:
+    transport.average(torch.ones(4), transport.members(0), "first")
+    if rank == 1:
+        return "left"  # run_island closes its transport: its connections to rank 0 close
+    try:
+        transport.average(torch.ones(4), transport.members(0), "second")
+    except IslandError as e:
+        return str(e)
+    return "averaged alone"
+
+
+def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own():
+    """A `--island` run whose rank died ended in gloo's raw RuntimeError (exit 1, a traceback) on the others."""
+    said, left = run_island(_average_after_rank_1_left, 2)
+    assert left == "left" and said.startswith("rank 0: the all-reduce with the other ranks failed, a rank is gone")
+
 
 def test_rendezvous_without_peers_raises_within_timeout():
     init_method = f"tcp://127.0.0.1:{free_port()}"
