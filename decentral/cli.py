@@ -211,9 +211,6 @@ def cmd_status(args) -> int:
     from decentral.swarm.admission import SwarmKey
     from decentral.swarm.monitor import SwarmMonitor, watch
 
-    if args.interval <= 0:
-        print("decentral: --interval must be more than 0 seconds", file=sys.stderr)
-        return 2
     key_path = swarm_key_path(args)
     monitor = SwarmMonitor(args.run, args.join, swarm_key=SwarmKey.load(key_path) if key_path else None)
     try:
@@ -384,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run", default="decentral", help="the run's name (default: decentral, the recipes')")
     status.add_argument("--swarm-key", metavar="FILE", help="the swarm's key, if it has one "
                         "(default: $DECENTRAL_SWARM_KEY)")
-    status.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes")
+    status.add_argument("--interval", type=number_type(float, 0, strict=True), default=2.0, metavar="S",
+                        help="seconds between refreshes")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
     status.add_argument("--json", action="store_true", help="print one JSON document {run, peers} and exit")
     status.set_defaults(func=cmd_status)

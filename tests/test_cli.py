@@ -153,6 +153,14 @@ def test_a_count_below_one_is_a_usage_error(capsys):
     assert done.value.code == 2 and "--num-workers: must be at least 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("interval", ["nan", "inf", "0"])
+def test_a_status_interval_that_is_no_positive_finite_number_is_a_usage_error(interval, capsys):
+    """nan and inf reached time.sleep: a traceback after the monitor had joined."""
+    with pytest.raises(SystemExit) as done:
+        main(["status", "--join", "/ip4/127.0.0.1/tcp/1/p2p/" + PEER_ID, "--interval", interval])
+    assert done.value.code == 2 and "--interval: must be above 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["netlab"], ["bench"], ["syncbench"], ["bench", "soak"], ["bench", "islands"]])
 @pytest.mark.parametrize("rate, expected", [("0", "not a link rate"), ("fast", "not a link rate: 'fast'"),
                                             ("1bit", "at least 8 bit/s")])
