@@ -13,7 +13,8 @@ import time
 import pytest
 import yaml
 
-from decentral.swarm import SwarmKey
+from decentral.swarm import SwarmKey, SwarmPeer
+from decentral.swarm.membership import Membership
 from decentral.swarm.monitor import BYTES_WINDOW_S, WINDOW_S, StatusCard, SwarmMonitor, watch
 
 
@@ -117,6 +118,43 @@ def test_monitor_shows_peers_without_a_card_and_peers_that_left(make_swarm):
                                                                           [b.peer_id[-8:], "-", "left"]]), lines
     finally:
         monitor.close()
+
+
+def test_a_peer_that_left_stays_listed_as_left_and_a_swarm_gone_says_so_in_the_title():
+    """A left peer vanished once its "left" record expired; once every node of the swarm was gone, the table
+    said "0 peers alive" for ever, as if the swarm were merely idle."""
+    run = f"test-{time.monotonic_ns()}"
+    a = SwarmPeer(run)
+    b = SwarmPeer(run, a.multiaddrs())
+    beats = [Membership(a, heartbeat_s=0.5), Membership(b, heartbeat_s=0.5, expire_s=3.0)]  # b's "left": for 3 s
+    monitor = SwarmMonitor(run, a.multiaddrs())
+    try:
+        wait_for(lambda: len(monitor.rows()) == 2, 10, "both peers listed")
+        beats.pop().close()
+        wait_for(lambda: {r["id"]: r["state"] for r in monitor.rows()}[b.peer_id] == "left", 3, "b listed as left")
+        wait_for(lambda: b.peer_id not in a.lookup("peers"), 10, "b's record expiring")
+        assert {r["id"]: r["state"] for r in monitor.rows()} == {a.peer_id: "alive", b.peer_id: "left"}
+        assert monitor.reachable()
+        b.shutdown()
+        beats.pop().close()
+        a.shutdown()
+
+        def cut_off() -> bool:
+            monitor.rows()  # a node that does not answer its request leaves the routing table
+            return not monitor.reachable()
+
+        wait_for(cut_off, 10, "the monitor's DHT knowing no node that answers")
+        table = io.StringIO()
+        watch(monitor, interval_s=1.0, as_json=False, once=True, out=table)
+        title, _, *rows = table.getvalue().splitlines()
+        assert title.endswith("no peer of the swarm answers (all gone, or unreachable from here)"), title
+        assert [b.peer_id[-8:], "-", "left"] in [row.split()[:3] for row in rows], rows
+    finally:
+        for membership in beats:
+            membership.close()
+        monitor.close()
+        b.shutdown()
+        a.shutdown()
 
 
 class CardRecorder:

@@ -118,11 +118,12 @@ class SwarmMonitor:
 
     def rows(self, leave_out: frozenset[str] = frozenset()) -> list[dict]:
         """One row per peer with a heartbeat (state "alive"), or that said it left ("left"), or, in a
-        monitor that looked before, whose heartbeat expired since ("gone", for `GONE_KEPT_S`), sorted by
-        name and id: {"id", "name", "state", "addrs", "step", "round", "loss", "tokens_per_s",
-        "sent_per_s", "received_per_s", "last_seen_s"}; None where a peer does not say (an older
-        version). AdmissionError when peers' records exist but none opens with our key (or without one).
-        `leave_out`: peers whose records are not counted (a member checking the swarm it joined: itself)."""
+        monitor that looked before, whose heartbeat expired since ("gone", or "left" still for one that left;
+        either listed for `GONE_KEPT_S` after its record was last read), sorted by name and id: {"id", "name",
+        "state", "addrs", "step", "round", "loss", "tokens_per_s", "sent_per_s", "received_per_s",
+        "last_seen_s"}; None where a peer does not say (an older version). AdmissionError when peers' records
+        exist but none opens with our key (or without one). `leave_out`: peers whose records are not counted
+        (a member checking the swarm it joined: itself)."""
         found = self.dht.get(f"{self.run}/peers", latest=True)
         stored = found.value if found is not None and isinstance(found.value, dict) else {}
         now, current, unreadable = get_dht_time(), {}, 0
@@ -138,12 +139,16 @@ class SwarmMonitor:
                                      "give it with --swarm-key FILE")
             raise AdmissionError(f"run {self.run!r}'s records do not open with swarm key {self.swarm_key.fingerprint}: "
                                  "the swarm has another key, or none")
-        self._seen = {p: seen for p, seen in self._seen.items()
-                      if p not in current and not seen[0].get("left") and now - seen[1] < GONE_KEPT_S}
-        rows = [_row(p, info, "gone", now) for p, (info, _) in self._seen.items()]
+        self._seen = {p: seen for p, seen in self._seen.items() if p not in current and now - seen[1] < GONE_KEPT_S}
+        rows = [_row(p, info, "left" if info.get("left") else "gone", now) for p, (info, _) in self._seen.items()]
         rows += [_row(p, info, "left" if info.get("left") else "alive", now) for p, info in current.items()]
         self._seen.update((p, (info, now)) for p, info in current.items())
         return sorted(rows, key=lambda r: (r["name"] or "", r["id"]))
+
+    def reachable(self) -> bool:
+        """Whether our DHT node knows a node that still answers: a request that a node does not answer takes
+        it out of the routing table, so when the swarm (or the way to it) is gone, none is left."""
+        return self.dht.run_coroutine(_routing_table_size) > 0
 
     def _open(self, raw) -> tuple[str, dict] | None:
         """(peer id, its heartbeat) of a record as stored, when it passes a member's checks."""
@@ -161,6 +166,11 @@ class SwarmMonitor:
     def close(self) -> None:
         self.dht.shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def _routing_table_size(dht, node) -> int:
+    """The nodes in a DHT node's routing table (run in its DHT process: DHT.run_coroutine)."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 def _number(value) -> float | None:
@@ -184,8 +194,9 @@ def _row(peer: str, info: dict, state: str, now: float) -> dict:
 COLUMNS = ("PEER", "NAME", "STATE", "STEP", "ROUND", "LOSS", "TOKENS/S", "SENT/S", "RECV/S", "SEEN", "ADDRESS")
 
 
-def format_table(run: str, rows: list[dict]) -> str:
-    """The rows as a text table under a title line."""
+def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
+    """The rows as a text table under a title line, which says so when no node of the swarm answers the
+    monitor's DHT (`reachable` False: whoever it has not read since shows as gone, even one that left)."""
 
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -196,7 +207,8 @@ def format_table(run: str, rows: list[dict]) -> str:
               r["addrs"][0] if r["addrs"] else "-"] for r in rows]
     widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(COLUMNS)]  # no rows: the headers
     alive = sum(r["state"] == "alive" for r in rows)
-    out = [f"run {run!r}: {alive} peer{'s' * (alive != 1)} alive, {time.strftime('%H:%M:%S')}",
+    cut_off = "" if reachable else "; no peer of the swarm answers (all gone, or unreachable from here)"
+    out = [f"run {run!r}: {alive} peer{'s' * (alive != 1)} alive, {time.strftime('%H:%M:%S')}{cut_off}",
            "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in lines]
     return "\n".join(line.rstrip() for line in out)
@@ -216,14 +228,16 @@ CLEAR = "\x1b[H\x1b[2J"  # ANSI: cursor home, clear the screen
 
 
 def watch(monitor: SwarmMonitor, *, interval_s: float, as_json: bool, once: bool, out: TextIO = sys.stdout) -> None:
-    """Print the monitor's rows: one JSON document ({"run", "peers"}) with `as_json`, one table with `once`,
-    else a table redrawn in place every `interval_s` until Ctrl-C."""
+    """Print the monitor's rows: one JSON document ({"run", "reachable", "peers"}; `SwarmMonitor.reachable`)
+    with `as_json`, one table with `once`, else a table redrawn in place every `interval_s` until Ctrl-C."""
     if as_json:
-        json.dump({"run": monitor.run, "peers": monitor.rows()}, out, indent=1)
+        rows = monitor.rows()
+        json.dump({"run": monitor.run, "reachable": monitor.reachable(), "peers": rows}, out, indent=1)
         out.write("\n")
         return
     while True:
-        table = format_table(monitor.run, monitor.rows())
+        rows = monitor.rows()
+        table = format_table(monitor.run, rows, monitor.reachable())
         if once:
             out.write(table + "\n")
             return
