@@ -92,6 +92,22 @@ def test_malformed_recipes_say_what_is_wrong(data, message):
     assert message in str(e.value) and "r.yaml" in str(e.value)
 
 
+@pytest.mark.parametrize("name, setting, value", [
+    ("diloco", "outer_lr", -1), ("diloco", "outer_lr", 0), ("diloco", "outer_lr", float("inf")),
+    ("diloco", "outer_momentum", 1), ("streaming", "outer_lr", float("nan")), ("streaming", "outer_momentum", -0.1),
+    ("co2", "outer_lr", 0), ("co2", "outer_momentum", 1.5),
+    ("noloco", "group_size", 0), ("noloco", "group_size", 1), ("noloco", "alpha", -5), ("noloco", "alpha", 1),
+    ("noloco", "beta", 0.1), ("noloco", "beta", float("inf")), ("noloco", "gamma", 0.1), ("noloco", "gamma", 1.5),
+])
+def test_out_of_range_protocol_settings_are_refused_when_the_recipe_is_read(name, setting, value):
+    """group_size=0 crashed the first round boundary; outer_lr=-1, alpha=-5, group_size=1 were taken silently.
+    (noloco.yaml's alpha is 0.25: beta must exceed it and gamma stay below √(2 + 0.25²) ≈ 1.44.)"""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(default_recipe_path(name), {setting: value})
+    message = str(e.value)
+    assert f"--set {setting}=" in message and f": {setting} (" in message and "\n" not in message, message
+
+
 def test_cli_reports_a_bad_recipe_file_without_a_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("protocol: {name: noloco\n")

@@ -26,13 +26,13 @@ def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, sm
     recipe = write_recipe(tmp_path / "diloco.yaml", {"name": "diloco", "every": 5, "outer_momentum": 0.0}, steps=10)
     out = tmp_path / "sweep"
     run = prefork.run(["bench", "sweep", "--protocol", str(recipe), "--steps", "10", "--workers", "2",
-                       "--set", "outer_lr=0.0,1.0", "--with-local", "--data", str(small_corpus), "--out", str(out)],
+                       "--set", "outer_lr=1e-9,1.0", "--with-local", "--data", str(small_corpus), "--out", str(out)],
                       tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     points = {p["label"]: p for p in json.loads((out / "results.json").read_text())["points"]}
-    assert set(points) == {"outer_lr=0.0", "outer_lr=1.0", "local (no communication)"}
-    frozen, moved, local = points["outer_lr=0.0"], points["outer_lr=1.0"], points["local (no communication)"]
-    # outer lr 0: φ never moves, and after the last outer step the model is φ, the initial weights
+    assert set(points) == {"outer_lr=1e-09", "outer_lr=1.0", "local (no communication)"}
+    frozen, moved, local = points["outer_lr=1e-09"], points["outer_lr=1.0"], points["local (no communication)"]
+    # outer lr 1e-9: φ barely moves, and after the last outer step the model is φ, the initial weights
     assert frozen["final_val_loss"] == pytest.approx(frozen["curve"][0][1], abs=1e-4)
     assert moved["final_val_loss"] < moved["curve"][0][1] - 0.1
     # DiLoCo's replicas end identical (they averaged); each local worker trained alone on its own shard

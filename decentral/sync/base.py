@@ -601,6 +601,16 @@ class SyncProtocol:
         return float((mine - now).pow(2).mean().sqrt())
 
 
+def check_outer_sgd(lr: float, momentum: float) -> None:
+    """ValueError unless the outer SGD step's `lr` is a finite number > 0 (0 never moves φ, and below 0 φ moves
+    away from the workers' progress: ALGORITHMS.md §1) and its `momentum` μ is in [0, 1) (from 1 on, the
+    momentum never forgets an outer gradient and the steps grow without bound)."""
+    if not 0 < lr < math.inf:
+        raise ValueError(f"outer_lr (the outer step's learning rate) must be a finite number > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"outer_momentum (μ, the outer step's momentum) must be in [0, 1), got {momentum}")
+
+
 class OuterProtocol(SyncProtocol):
     """Shared by protocols that keep slow weights φ and sync every `every` inner steps.
 

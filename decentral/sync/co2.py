@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentral.sync.base import OuterProtocol, SyncReport, not_committed
+from decentral.sync.base import OuterProtocol, SyncReport, check_outer_sgd, not_committed
 from decentral.transport import AverageResult, Transport, finished
 
 
@@ -84,6 +84,7 @@ class CO2(OuterProtocol):
         mix: float = 0.75,
         outer_on_device: bool = False,
     ):
+        check_outer_sgd(outer_lr, outer_momentum)
         super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
         if not penalty > 0:
             raise ValueError(f"penalty (the staleness gap penalty's divisor) must be > 0, got {penalty}")

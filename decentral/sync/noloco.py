@@ -15,6 +15,8 @@ without a partner (odd count, dead partner) applies its own Δ alone.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from decentral.sync.pairing import group_of, round_groups
@@ -41,9 +43,10 @@ class NoLoCo(OuterProtocol):
         seed: int = 0,
         outer_on_device: bool = False,
     ):
+        gamma = beta if gamma is None else gamma
+        check_noloco_settings(alpha, beta, gamma, group_size)
         super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
-        self.alpha, self.beta = alpha, beta
-        self.gamma = beta if gamma is None else gamma
+        self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.nesterov, self.group_size, self.seed = nesterov, group_size, seed
         self.delta = torch.zeros_like(self.slow)
 
@@ -66,6 +69,24 @@ class NoLoCo(OuterProtocol):
         self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n] - sent[:n], self.alpha, self.beta,
                                   self.gamma, self.nesterov)
         return SyncReport(self.round, group, complete, contributors, waited, rejected, spread)
+
+
+def check_noloco_settings(alpha: float, beta: float, gamma: float, group_size: int) -> None:
+    """ValueError unless a group holds 2 peers or more (1 never averages) and α, β, γ lie in the paper's
+    stability region (its appendix, for n = 2; ALGORITHMS.md §3): 0 <= α < 1, α < β (finite) and
+    α < γ < √(2 + α²)."""
+    if group_size < 2:
+        raise ValueError(f"group_size (the peers that average together each round) must be >= 2, got {group_size}")
+    if not 0 <= alpha < 1:
+        raise ValueError(f"alpha (α, the outer momentum) must be in [0, 1), got {alpha}")
+    if not alpha < beta < math.inf:
+        raise ValueError(f"beta (β, the outer learning rate) must be a finite number above alpha = {alpha} (the "
+                         f"paper's stability region), got {beta}")
+    bound = math.sqrt(2 + alpha**2)
+    if not alpha < gamma < bound:
+        raise ValueError(f"gamma (γ, the pull towards the group's mean φ; beta when not given) must be above "
+                         f"alpha = {alpha} and below √(2 + alpha²) = {bound:.3g} (the paper's stability region), "
+                         f"got {gamma}")
 
 
 def replica_spread(slow: torch.Tensor, mean_slow: torch.Tensor) -> float:
