@@ -209,8 +209,8 @@ def _train_section(values: Any, where: str) -> TrainConfig:
 
 
 def _model_section(values: Any, where: str) -> tuple[GPTConfig, str]:
-    """(the reference GPT's shape, model.source). A source other than gpt takes its shape from its own
-    config, so no GPT key may go with it."""
+    """(the reference GPT's shape, checked as GPTConfig checks it, and model.source). A source other than gpt
+    takes its shape from its own config, so no GPT key may go with it."""
     source = GPT_SOURCE
     if isinstance(values, dict) and "source" in values:
         values = dict(values)
@@ -222,7 +222,12 @@ def _model_section(values: Any, where: str) -> tuple[GPTConfig, str]:
     if source != GPT_SOURCE and values:
         raise RecipeError(f"{where}: {sorted(values)} shape the reference GPT; source {source!r} takes its shape "
                           "from its own config")
-    return typed_section(GPTConfig, values, where, also=["source"]), source
+    try:
+        return typed_section(GPTConfig, values, where, also=["source"]), source
+    except RecipeError:
+        raise
+    except ValueError as e:  # GPTConfig's own checks (d_model a multiple of n_head, ...): each names its field first
+        raise RecipeError(f"{where}.{e}") from None
 
 
 def _island_section(values: Any, where: str) -> IslandConfig:

@@ -69,6 +69,10 @@ def test_model_source_round_trips_and_gpt_recipes_stay_as_they_were():
         ({"model": {"source": "hf:c.json", "n_layer": 2}}, "['n_layer'] shape the reference GPT; source 'hf:c.json'"),
         ({"model": {"source": ""}}, "model.source: model source '': expected gpt, hf:CONFIG.json or a save_pretrained"),
         ({"model": {"source": 3}}, "model.source: expected str"),
+        # GPTConfig's own checks, made when the recipe is read rather than when a worker builds the model
+        ({"model": {"d_model": 97, "n_head": 4}}, "model.d_model (97) must be divisible by n_head (4)"),
+        ({"model": {"n_layer": 0}}, "model.n_layer must be a positive integer, got 0"),
+        ({"model": {"dropout": 1.0}}, "model.dropout must be a number in [0, 1), got 1.0"),
         ([1, 2], "expected a mapping"),
         ({"train": {"steps": 0}}, "train.steps: must be >= 1, got 0"),
         ({"train": {"eval_every": 0}}, "train.eval_every: must be >= 1"),
