@@ -46,6 +46,20 @@ def test_a_silent_peer_expires_after_the_sync_timeout_or_a_few_dht_request_timeo
         time.sleep(0.1)  # polling the DHT for the expiry
 
 
+def test_a_fixed_port_a_peer_listens_on_is_refused_and_a_restart_takes_its_own_back(tmp_path):
+    """p2pd listens with SO_REUSEPORT: a second peer on a port taken by another came up beside it (which was
+    no longer reached) instead of failing. A peer restarted under its identity still gets its port back."""
+    run, identity = f"t{time.monotonic_ns()}", tmp_path / "identity.key"
+    first = SwarmPeer(run, identity_path=identity)
+    port = int(first.multiaddrs()[0].split("/")[4])
+    try:
+        with pytest.raises(SwarmError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+            SwarmPeer(run, port=port)
+    finally:
+        first.shutdown()
+    SwarmPeer(run, port=port, identity_path=identity).shutdown()
+
+
 def test_a_peer_whose_dht_process_died_says_so_and_shuts_down():
     """A DHT call on a DHT process that died (killed, or by the OOM killer) would never return: a lookup
     under way when it dies, and any after, raise SwarmError, and the peer still shuts down."""

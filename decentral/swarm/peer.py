@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import logging
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -55,12 +57,25 @@ def check_multiaddrs(maddrs: Sequence[str]) -> None:
                              "prints it")
 
 
+def check_listenable(host: str, port: int) -> None:
+    """OSError (EADDRINUSE when something listens there) unless we can listen on `host`:`port`; port 0 (any
+    free one) always can. p2pd's listener takes its port with SO_REUSEPORT, so a second p2pd on a port
+    another one listens on comes up beside it (and the first is no longer reached) instead of failing: a
+    plain bind, with SO_REUSEADDR (a port whose past connections wait out TIME_WAIT is free) but not
+    SO_REUSEPORT, is refused on a port anything listens on. Released at once."""
+    if port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+
+
 def startup_error(error: Exception, initial_peers: Sequence[str], host: str, port: int) -> str:
-    """Why our DHT process did not start, in one line (p2pd's last log line, without its timestamp)."""
+    """Why our DHT process did not start, in one line (p2pd's last log line, without its timestamp, or the
+    OSError of `check_listenable`)."""
     text = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(error))
-    if "address already in use" in text:
+    if "address already in use" in text.lower():
         return f"cannot listen on {host}:{port}: the port is in use (choose another --port, or 0 for any free one)"
-    if "cannot assign requested address" in text:
+    if "cannot assign requested address" in text.lower():
         return f"cannot listen on {host}: it is not an address of this machine (--host)"
     if "failed to connect to bootstrap peers" in text or "bootstrap failed" in text:
         return (f"could not reach any peer at {', '.join(map(str, initial_peers))}: nothing answered there "
@@ -203,6 +218,7 @@ class SwarmPeer:
         deadline = time.monotonic() + IDENTITY_RELEASE_S
         while True:
             try:
+                check_listenable(host, port)
                 self.dht = _DHTProcess(
                     initial_peers=list(initial_peers),
                     start=True,
@@ -217,10 +233,14 @@ class SwarmPeer:
                 )
                 break
             except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
-                if "already taken" in str(e) and time.monotonic() < deadline:
-                    log.info("identity %s is still in use (a killed life's daemon shutting down?); retrying", identity_path)
+                port_held = earlier_life and getattr(e, "errno", None) == errno.EADDRINUSE
+                if ("already taken" in str(e) or port_held) and time.monotonic() < deadline:
+                    log.info("identity %s or port %d is still in use (a killed life's daemon shutting down?); retrying",
+                             identity_path, port)
                     time.sleep(1.0)  # the killed process's DHT child notices its parent is gone within ORPHAN_CHECK_S
                     continue
+                if self._identity_dir:
+                    shutil.rmtree(self._identity_dir, ignore_errors=True)
                 raise SwarmError(startup_error(e, initial_peers, host, port)) from e
         self.peer_id = str(self.dht.peer_id)
         self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
