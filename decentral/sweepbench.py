@@ -29,6 +29,7 @@ from pathlib import Path
 
 from decentral.config import (RecipeError, parse_recipe, read_yaml, recipe_path, setting_value, split_setting,
                               with_settings)
+from decentral.data import DataError, load_corpus
 from decentral.loopback import LoopbackHub
 from decentral.metrics import format_table, read_metrics
 from decentral.worker import WorkerOptions, run_worker
@@ -123,25 +124,33 @@ def plot_sweep(results: dict, out_png: Path) -> Path:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    """Every argument, every point's recipe and the --data corpus are checked before any point trains: a
+    problem is one line on stderr and exit code 2."""
     path = recipe_path(args.protocol)
-    try:
-        base = read_yaml(path)
-        grid = parse_grid(args.set)
-        points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-        for settings in points:  # every point is a valid recipe before anything trains
-            parse_recipe(with_settings(base, settings), f"{path} with {settings}")
-    except RecipeError as e:
-        print(f"bench sweep: {e}", file=sys.stderr)
-        return 2
     if args.workers < 1 or args.steps < 1:
         print("bench sweep: --workers and --steps must be >= 1", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"bench sweep: --out {out} is a file, not a folder", file=sys.stderr)
+        return 2
+    try:
+        base = read_yaml(path) or {}
+        if not isinstance(base, dict):
+            raise RecipeError(f"{path}: expected a mapping at the top level")
+        grid = parse_grid(args.set)
+        points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+        labelled = [(", ".join(f"{k}={v}" for k, v in s.items()) or "as the recipe", s, base) for s in points]
+        if args.with_local:
+            local = {"protocol": {"name": "local"}, **{k: v for k, v in base.items() if k != "protocol"}}
+            labelled.append(("local (no communication)", {}, local))
+        for label, settings, recipe in labelled:  # every point is a valid recipe before anything trains
+            parse_recipe(with_settings(recipe, {**settings, "train.steps": args.steps}), f"{path} ({label})")
+        load_corpus(args.data)  # what every point's workers read
+    except (RecipeError, DataError) as e:
+        print(f"bench sweep: {e}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    labelled = [(", ".join(f"{k}={v}" for k, v in s.items()) or "as the recipe", s, base) for s in points]
-    if args.with_local:
-        local = {"protocol": {"name": "local"}, **{k: v for k, v in base.items() if k != "protocol"}}
-        labelled.append(("local (no communication)", {}, local))
     results = {"config": {"protocol": args.protocol, "steps": args.steps, "workers": args.workers, "grid": grid,
                           "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}"},
                "points": []}
