@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from decentral.swarm import SwarmKey, SwarmPeer
+from decentral.swarm import AdmissionError, SwarmKey, SwarmPeer
 from decentral.swarm.membership import Membership
 from decentral.swarm.monitor import BYTES_WINDOW_S, WINDOW_S, StatusCard, SwarmMonitor, watch
 
@@ -155,6 +155,19 @@ def test_a_peer_that_left_stays_listed_as_left_and_a_swarm_gone_says_so_in_the_t
         monitor.close()
         b.shutdown()
         a.shutdown()
+
+
+def test_a_monitor_with_another_swarms_key_says_so_in_one_clean_line(make_swarm, tmp_path):
+    (a,) = make_swarm(1, swarm_key=SwarmKey.generate(tmp_path / "ours.key"))
+    theirs = SwarmKey.generate(tmp_path / "theirs.key")
+    monitor = SwarmMonitor(a.peer.run, a.multiaddrs(), swarm_key=theirs)
+    try:
+        with pytest.raises(AdmissionError) as e:
+            monitor.rows()
+    finally:
+        monitor.close()
+    assert str(e.value) == (f"the records of run {a.peer.run!r} do not open with swarm key {theirs.fingerprint}: "
+                            "the swarm has another key, or none")  # was "run 'test-1''s records"
 
 
 class CardRecorder:

@@ -137,8 +137,8 @@ class SwarmMonitor:
             if self.swarm_key is None:
                 raise AdmissionError(f"run {self.run!r} is keyed: its records do not open without its key; "
                                      "give it with --swarm-key FILE")
-            raise AdmissionError(f"run {self.run!r}'s records do not open with swarm key {self.swarm_key.fingerprint}: "
-                                 "the swarm has another key, or none")
+            raise AdmissionError(f"the records of run {self.run!r} do not open with swarm key "
+                                 f"{self.swarm_key.fingerprint}: the swarm has another key, or none")
         self._seen = {p: seen for p, seen in self._seen.items() if p not in current and now - seen[1] < GONE_KEPT_S}
         rows = [_row(p, info, "left" if info.get("left") else "gone", now) for p, (info, _) in self._seen.items()]
         rows += [_row(p, info, "left" if info.get("left") else "alive", now) for p, info in current.items()]
