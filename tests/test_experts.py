@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, TINY_TRAIN
 from decentral.checkpoint import load_checkpoint
+from decentral.cli import main
 from decentral.data.domains import balanced_eval_batches, load_domains
 from decentral.experts.ensemble import ensemble_nll, estimate_prior, score_batches
 from decentral.experts.registry import (
@@ -214,7 +215,7 @@ def test_experts_of_different_contexts_are_evaluated_on_the_shortest_in_either_o
     assert len(tables[0]) == 2 and tables[0] == tables[1]  # each expert's perplexity, on the same windows whatever the order
 
 
-def test_bench_btm_refuses_impossible_settings_before_anything_starts(tmp_path, prefork):
+def test_bench_btm_refuses_impossible_settings_before_anything_starts(tmp_path, monkeypatch, capsys):
     (tmp_path / "used" / "seed0").mkdir(parents=True)
     (tmp_path / "empty").mkdir()
     for args, says in ((["--heldout", "code"], "--heldout code is one of --domains"),
@@ -227,11 +228,16 @@ def test_bench_btm_refuses_impossible_settings_before_anything_starts(tmp_path, 
                        (["--jobs", "0"], "--jobs: must be at least 1"),
                        (["--seeds", "0"], "--seeds: must be at least 1"),
                        (["--seed-steps", "0"], "--seed-steps: must be at least 1")):
-        done = prefork.run(["bench", "btm", "--out", "run", *args], tmp_path, timeout=60)
-        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
-        assert "started" not in done.stdout and not (tmp_path / "run").exists(), args
+        monkeypatch.chdir(tmp_path)
+        try:
+            code = main(["bench", "btm", "--out", "run", *args])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        out, err = capsys.readouterr()
+        assert code == 2 and says in err and "Traceback" not in err, (args, err)
+        assert "started" not in out and not (tmp_path / "run").exists(), args
         if not args[0].startswith(("--jobs", "--seed")):  # argparse's own errors come with the usage line
-            assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+            assert len(err.strip().splitlines()) == 1, err
 
 
 JOBS_CHILD = """
