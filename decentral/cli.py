@@ -1,4 +1,5 @@
-"""`decentral` command line: demo, swarm, train, experts, merge, pipeline, netlab, bench, syncbench."""
+"""`decentral` command line: demo, swarm, status, train, experts, merge, pipeline, netlab, bench, syncbench,
+report."""
 
 from __future__ import annotations
 
@@ -288,8 +289,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait until this many peers (us included) are up and ready to train our first round")
     p.add_argument("--island", metavar="tcp://HOST:PORT",
                    help="sync over torch.distributed (gloo/NCCL) with --rank/--world-size instead of the swarm")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=positive_int, default=1)
+    p.add_argument("--rank", type=int, default=0, help="with --island: this process's rank, 0 .. --world-size - 1")
+    p.add_argument("--world-size", type=positive_int, default=1, help="with --island: the number of ranks")
     p.add_argument("--island-size", type=positive_int, metavar="N",
                    help="train as a fast island of N local ranks that all-reduce gradients every step and are one "
                    "member of the swarm (default: the recipe's island.size; torchrun sets it by WORLD_SIZE)")
@@ -299,9 +300,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_network_arguments(p)
 
 
-def add_network_arguments(p: argparse.ArgumentParser) -> None:
+def add_network_arguments(p: argparse.ArgumentParser, run_default: str = "the recipe's") -> None:
     p.add_argument("--join", action="append", metavar="MADDR", help="multiaddr of any swarm member (repeatable)")
-    p.add_argument("--run", help="run name: peers of different runs ignore each other (default: the recipe's)")
+    p.add_argument("--run", help=f"run name: peers of different runs ignore each other (default: {run_default})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other machines")
     p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free one)")
     p.add_argument("--announce-host", help="address other machines reach us at, when it differs from --host")
@@ -366,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm_sub = swarm.add_subparsers(dest="swarm_command", required=True)
     start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr", **example(
         "decentral swarm start --swarm-key swarm.key --host 0.0.0.0 --announce-host 203.0.113.5 --port 31337"))
-    add_network_arguments(start)
+    add_network_arguments(start, run_default="decentral, the recipes'")
     start.set_defaults(func=cmd_swarm_start, run="decentral")
     keygen = swarm_sub.add_parser("keygen", help="write a new swarm key: only peers holding it take part",
                                   **example("decentral swarm keygen swarm.key"))
@@ -393,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "decentral train --protocol noloco --swarm-key swarm.key --join "
                                      "/ip4/203.0.113.5/tcp/31337/p2p/Qm... --data mytexts/"))
     train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
-    train.add_argument("--out", default="runs/train")
+    train.add_argument("--out", default="runs/train",
+                       help="where the run writes metrics.jsonl and checkpoint/ (default: runs/train)")
     train.add_argument("--init-from", metavar="DIR", help="start from this checkpoint or expert folder: its weights, "
                        "inner optimizer state and step (the LR schedule continues)")
     train.add_argument("--model", metavar="SOURCE", help=MODEL_HELP)

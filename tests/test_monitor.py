@@ -219,4 +219,5 @@ def test_a_swarm_with_no_peer_publishing_yet_is_a_table_of_headers():
 
     lines = format_table("decentral", []).splitlines()
     assert lines[0].startswith("run 'decentral': 0 peers alive") and lines[1].split()[0] == "PEER"
+    assert lines[0].endswith("no peer of this run has a record yet (is --run its name?)")  # a typo in --run too
     assert len(lines) == 2

@@ -207,7 +207,8 @@ def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
               r["addrs"][0] if r["addrs"] else "-"] for r in rows]
     widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(COLUMNS)]  # no rows: the headers
     alive = sum(r["state"] == "alive" for r in rows)
-    cut_off = "" if reachable else "; no peer of the swarm answers (all gone, or unreachable from here)"
+    cut_off = ("" if rows else "; no peer of this run has a record yet (is --run its name?)") if reachable else \
+        "; no peer of the swarm answers (all gone, or unreachable from here)"
     out = [f"run {run!r}: {alive} peer{'s' * (alive != 1)} alive, {time.strftime('%H:%M:%S')}{cut_off}",
            "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in lines]
@@ -219,7 +220,7 @@ def _bytes(rate: float | None) -> str:
         return "-"
     for unit in ("B", "KB", "MB"):
         if rate < 1000:
-            return f"{rate:.0f} {unit}"
+            return f"{rate:.1f} {unit}" if unit != "B" and rate < 10 else f"{rate:.0f} {unit}"
         rate /= 1000
     return f"{rate:.1f} GB"
 
