@@ -280,7 +280,7 @@ def test_bench_btm_jobs_end_with_the_bench(tmp_path, sig):
                 pass
 
 
-def test_eval_checks_the_router_and_its_experts_before_scoring(tmp_path, prefork):
+def test_eval_checks_the_router_and_its_experts_before_scoring(tmp_path, monkeypatch, capsys):
     pytest.importorskip("sklearn")
     import numpy as np
 
@@ -298,9 +298,13 @@ def test_eval_checks_the_router_and_its_experts_before_scoring(tmp_path, prefork
                centres=rng.normal(size=(k, 4))).save(tmp_path / f"r{k}.npz")
     (tmp_path / "notes.txt").write_text("not a router")
 
+    monkeypatch.chdir(tmp_path)
+
     def evaluate(experts, *args):
-        return prefork.run(["experts", "eval", "--registry", "reg", "--experts", experts, "--domain", "legal",
-                            "--batches", "1", *args], tmp_path, timeout=120)
+        code = main(["experts", "eval", "--registry", "reg", "--experts", experts, "--domain", "legal", "--batches",
+                     "1", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([], code, out, err)
 
     for experts, args, says in (("cm0,cm1", ["--router", "missing.npz"], "--router missing.npz: cannot be read"),
                                 ("cm0,cm1", ["--router", "notes.txt"], "--router notes.txt: not a router file"),
