@@ -214,6 +214,7 @@ def cmd_status(args) -> int:
 
     key_path = swarm_key_path(args)
     monitor = SwarmMonitor(args.run, args.join, swarm_key=SwarmKey.load(key_path) if key_path else None)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the watch as Ctrl-C does: cleaned up
     try:
         watch(monitor, interval_s=args.interval, as_json=args.json, once=args.once)
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,8 +19,9 @@ from decentral.swarm.membership import Membership
 from decentral.swarm.monitor import BYTES_WINDOW_S, WINDOW_S, StatusCard, SwarmMonitor, watch
 
 
-def status(*args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "DECENTRAL_SWARM_KEY"}
+def status(*args: str, tmp: Path | None = None) -> subprocess.Popen:
+    """`decentral status ARGS`, its temporary files (the monitor's identity) in `tmp` when given."""
+    env = {k: v for k, v in os.environ.items() if k != "DECENTRAL_SWARM_KEY"} | ({"TMPDIR": str(tmp)} if tmp else {})
     return subprocess.Popen([sys.executable, "-m", "decentral", "status", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -68,6 +70,11 @@ def test_status_shows_a_live_keyed_swarm_without_joining_it(workers, tmp_path):
     out, err = keyless.communicate(timeout=60)
     assert keyless.returncode == 2 and out == "", out
     assert len(err.strip().splitlines()) == 1 and "--swarm-key" in err, err
+    (tmp_path / "watch").mkdir()
+    watching = status(*args, "--swarm-key", str(key), "--interval", "1", tmp=tmp_path / "watch")
+    assert "peers alive" in watching.stdout.readline() + watching.stdout.readline()  # the table is up
+    watching.terminate()  # as `timeout` does: the watch ends as on Ctrl-C, its identity key removed
+    assert watching.wait(60) == 0 and not list((tmp_path / "watch").glob("decentral-monitor-*"))
 
     before = {p["id"]: p["step"] for p in first}  # then the library's monitor, which the command prints
     monitor = SwarmMonitor(run, w.bootstrap, swarm_key=SwarmKey.load(key))
