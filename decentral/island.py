@@ -12,6 +12,7 @@ its state), so all ranks start from rank 0's state without any change to the pro
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -62,8 +63,11 @@ class IslandTransport:
         except Exception as exc:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            where = init_method
+            if init_method == "env://":  # torchrun's rendezvous: say where that is
+                where += f" ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
             raise RendezvousError(
-                f"rank {rank} of {world_size} could not join the island at {init_method} "
+                f"rank {rank} of {world_size} could not join the island at {where} "
                 f"(backend {self.backend}, timeout {timeout:g}s): {exc}"
             ) from exc
         self._group = dist.group.WORLD  # every collective names it explicitly

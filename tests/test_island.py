@@ -197,6 +197,15 @@ def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own():
     assert left == "left" and said.startswith("rank 0: the all-reduce with the other ranks failed, a rank is gone")
 
 
+def test_a_torchrun_rendezvous_nobody_comes_to_names_its_address(monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(RendezvousError, match=rf"rank 0 of 2 could not join the island at env:// \(127.0.0.1:{port}\)"):
+        IslandTransport("env://", 0, 2, backend="gloo", timeout=2.0)
+    assert not torch.distributed.is_initialized()
+
+
 def test_rendezvous_without_peers_raises_within_timeout():
     init_method = f"tcp://127.0.0.1:{free_port()}"
     began = time.monotonic()
