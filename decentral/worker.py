@@ -442,8 +442,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         raise
     except KeyboardInterrupt:
         _save(protocol, opts, recipe, lineage)
-        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in {opts.out / 'checkpoint'} "
-                      "(--resume goes on from it)")
+        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in "
+                      f"{opts.out / 'checkpoint'} (--resume goes on from it)")
         raise
     finally:
         log.close()

@@ -227,7 +227,8 @@ def test_a_trainer_resumed_from_its_checkpoint_resumes_the_protocols_state_too(t
                                  save_strategy="steps", save_steps=3, report_to="none", disable_tqdm=True,
                                  use_cpu=True)
         captures = Captures(sync)
-        return Trainer(model=model, args=args, train_dataset=ByteWindows(tokens, 0), callbacks=[sync, captures]), captures
+        trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(tokens, 0), callbacks=[sync, captures])
+        return trainer, captures
 
     trainer_of(hf_trainer.DecentralCallback("diloco", SoloTransport(), every=2), 3)[0].train()
     saved = read_protocol_state(tmp_path / "checkpoint-3" / hf_trainer.PROTOCOL_FOLDER)
