@@ -392,13 +392,12 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    bandwidth = args.bandwidth
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
     tokens_per_step = base.train.batch_size * base.train.context
     parameters = build_model(base.model_source, base.model, base.train.context).num_parameters()
     results = {
-        "config": {"hosts": args.hosts, "bandwidth": bandwidth, "steps": args.steps, "methods": methods,
+        "config": {"hosts": args.hosts, "bandwidth": args.bandwidth, "steps": args.steps, "methods": methods,
                    "parameters": parameters, "tokens_per_step": tokens_per_step,
                    "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}, "
                    f"{os.cpu_count()} cores", "python": platform.python_version()},
@@ -417,7 +416,7 @@ def run_bench(args: argparse.Namespace) -> int:
                       "methods must train the same model on the same data", file=sys.stderr)
                 return 2
     out.mkdir(parents=True, exist_ok=True)
-    with NetLab(args.hosts, bandwidth, mode=args.mode, name="bench") as lab:
+    with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
         results["config"]["mode"] = lab.mode
         for method, recipe in run_recipes.items():
             print(f"bench: {method} on {args.hosts} hosts ...", flush=True)

@@ -92,13 +92,13 @@ def _a_launch(method: str, lab: NetLab, recipe_file: Path, out: Path, data: list
     return Launch(host, f"w{index}", cmd)
 
 
-def run_part_a(args: argparse.Namespace, out: Path, bandwidth: str | None) -> dict:
+def run_part_a(args: argparse.Namespace, out: Path) -> dict:
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
     tokens_per_step = base.train.batch_size * base.train.context
-    part = {"config": {"hosts": A_HOSTS, "processes_per_host": PER_HOST, "bandwidth": bandwidth, "steps": args.steps,
+    part = {"config": {"hosts": A_HOSTS, "processes_per_host": PER_HOST, "bandwidth": args.bandwidth, "steps": args.steps,
                        "tokens_per_step": tokens_per_step, "island_mode": "leader"}, "methods": {}}
-    with NetLab(A_HOSTS, bandwidth, mode=args.mode, name=f"{args.lab_name}a") as lab:
+    with NetLab(A_HOSTS, args.bandwidth, mode=args.mode, name=f"{args.lab_name}a") as lab:
         part["config"]["mode"] = lab.mode
         for method in A_METHODS:
             recipe = _recipe_for(REFERENCE if method == REFERENCE else "diloco", recipes, args.steps,
@@ -267,7 +267,7 @@ def compare_sync(points: list[dict]) -> None:
         p["wan_target"] = 1 / p["k"]
 
 
-def run_part_b(args: argparse.Namespace, out: Path, bandwidth: str | None) -> dict:
+def run_part_b(args: argparse.Namespace, out: Path) -> dict:
     base = load_recipe(Path(args.recipes) / "diloco.yaml")
     if args.numel is None:
         from decentral.models import build_model
@@ -276,11 +276,11 @@ def run_part_b(args: argparse.Namespace, out: Path, bandwidth: str | None) -> di
     else:
         numel = args.numel
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
-    part = {"config": {"ks": ks, "islands": 2, "bandwidth": bandwidth, "numel": numel, "rounds": args.rounds,
+    part = {"config": {"ks": ks, "islands": 2, "bandwidth": args.bandwidth, "numel": numel, "rounds": args.rounds,
                        "codec": base.swarm.codec, "lan": "uncapped"}, "points": []}
     for k in ks:
         lans = [list(range(k)), list(range(k, 2 * k))]
-        with NetLab(2 * k, bandwidth, mode=args.mode, name=f"{args.lab_name}b", lans=lans) as lab:
+        with NetLab(2 * k, args.bandwidth, mode=args.mode, name=f"{args.lab_name}b", lans=lans) as lab:
             part["config"]["mode"] = lab.mode
             for mode in MODES:
                 print(f"islands: (B) {mode}, 2 islands of {k} ranks ...", flush=True)
@@ -361,27 +361,27 @@ def run_islands(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bandwidth = args.bandwidth
-    results = {"config": {"parts": sorted(parts), "bandwidth": bandwidth, "date": dt.date.today().isoformat(),
+    results = {"config": {"parts": sorted(parts), "bandwidth": args.bandwidth, "date": dt.date.today().isoformat(),
                           "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
                           "python": platform.python_version(), **_source()}}
     started = time.monotonic()
     if "a" in parts:
-        results["a"] = run_part_a(args, out, bandwidth)
+        results["a"] = run_part_a(args, out)
         (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted suite keeps part A
     if "b" in parts:
-        results["b"] = run_part_b(args, out, bandwidth)
+        results["b"] = run_part_b(args, out)
     results["config"]["wall_s"] = time.monotonic() - started
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_islands(results, out / "islands.png")
     if "a" in results:
-        print(f"(A) utilisation, {A_HOSTS} hosts x {PER_HOST} processes, {bandwidth or 'uncapped'} uplinks "
+        print(f"(A) utilisation, {A_HOSTS} hosts x {PER_HOST} processes, {args.bandwidth or 'uncapped'} uplinks "
               f"({results['a']['config']['mode']}), {args.steps} steps per process:")
         print(format_part_a(results["a"]))
     if "b" in results:
         cfg = results["b"]["config"]
-        print(f"(B) sync of {cfg['numel']:,} floats ({cfg['codec']}), 2 islands of k ranks, {bandwidth or 'uncapped'} "
-              f"WAN per rank, uncapped LAN ({cfg['mode']}), median of {args.rounds - 1} rounds:")
+        print(f"(B) sync of {cfg['numel']:,} floats ({cfg['codec']}), 2 islands of k ranks, "
+              f"{args.bandwidth or 'uncapped'} WAN per rank, uncapped LAN ({cfg['mode']}), median of "
+              f"{args.rounds - 1} rounds:")
         print(format_part_b(results["b"]))
     print(f"islands: {results['config']['wall_s']:.0f}s; results in {out / 'results.json'}, plot {out / 'islands.png'}")
     ok = all(r["ok"] for r in results.get("a", {}).get("methods", {}).values())

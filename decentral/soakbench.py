@@ -327,13 +327,12 @@ def run_soak(args: argparse.Namespace) -> int:
     recipe = load_recipe(recipe_path(args.protocol))
     recipe.train.steps = args.steps
     recipe.swarm.key_file = str(key_file.resolve())
-    bandwidth = args.bandwidth
-    config = {"hosts": args.hosts, "bandwidth": bandwidth, "protocol": recipe.protocol, "steps": args.steps,
+    config = {"hosts": args.hosts, "bandwidth": args.bandwidth, "protocol": recipe.protocol, "steps": args.steps,
               "kill_every_s": args.kill_every, "minutes": args.minutes, "keep": args.keep, "seed": args.seed,
               "date": dt.date.today().isoformat(),
               "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores"}
     runs = {}
-    with NetLab(args.hosts, bandwidth, mode=args.mode, name="soak") as lab:
+    with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="soak") as lab:
         config["mode"] = lab.mode
         for name, churn in (("steady", False), ("churn", True)):
             recipe.swarm.run = f"soak-{name}-{uuid.uuid4().hex[:6]}"

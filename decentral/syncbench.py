@@ -103,13 +103,11 @@ def _run_sweep_point(lab: NetLab, method: str, numel: int, rounds: int, out: Pat
 
 
 def run_syncbench(args: argparse.Namespace) -> int:
-    counts = args.hosts
-    bandwidth = args.bandwidth
     out = Path(args.out)
-    results = {"config": {"hosts": counts, "bandwidth": bandwidth, "numel": args.numel, "rounds": args.rounds},
+    results = {"config": {"hosts": args.hosts, "bandwidth": args.bandwidth, "numel": args.numel, "rounds": args.rounds},
                "points": []}
-    for count in counts:
-        with NetLab(count, bandwidth, mode=args.mode, name="sync") as lab:
+    for count in args.hosts:
+        with NetLab(count, args.bandwidth, mode=args.mode, name="sync") as lab:
             results["config"]["mode"] = lab.mode
             for method in METHODS:
                 print(f"syncbench: {method}, {count} hosts ...", flush=True)
@@ -120,7 +118,7 @@ def run_syncbench(args: argparse.Namespace) -> int:
     (out / "syncbench.json").write_text(json.dumps(results, indent=1))
     _plot(results, out / "syncbench.png")
     print(f"{'hosts':>5}  " + "  ".join(f"{m:>14}" for m in METHODS))
-    for count in counts:
+    for count in args.hosts:
         cells = [next(p for p in results["points"] if p["method"] == m and p["hosts"] == count) for m in METHODS]
         print(f"{count:>5}  " + "  ".join(f"{c['median_s']:>13.2f}s" for c in cells))
     return 0
