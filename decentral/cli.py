@@ -29,7 +29,8 @@ MODEL_HELP = ("gpt (the reference GPT the recipe's model section shapes), hf:CON
 
 
 def _recipe(args):
-    recipe = load_recipe(recipe_path(args.protocol), parse_settings(getattr(args, "set", None) or []))
+    settings = parse_settings(getattr(args, "set", None) or [])
+    recipe = load_recipe(recipe_path(args.protocol), settings)
     if getattr(args, "steps", None):
         recipe.train.steps = args.steps
     if getattr(args, "batch_size", None):
@@ -46,8 +47,7 @@ def _recipe(args):
         recipe.island.mode = args.island_mode
     if getattr(args, "model", None):
         check_source(args.model)
-        shaped = sorted(k for k in parse_settings(getattr(args, "set", None) or []) if k.startswith("model.")
-                        and k != "model.source")
+        shaped = sorted(k for k in settings if k.startswith("model.") and k != "model.source")
         if args.model != GPT_SOURCE and shaped:
             raise RecipeError(f"--set {', '.join(shaped)}: shapes the reference GPT, and --model {args.model} takes "
                               "its shape from its own config")

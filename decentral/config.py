@@ -352,7 +352,7 @@ def recipe_path(name_or_file: str) -> Path:
         return path
     path = default_recipe_path(name_or_file)
     if not path.is_file():
-        shipped = sorted(p.stem for p in default_recipe_path("x").parent.glob("*.yaml")  # a variant: PROTOCOL-WHAT
+        shipped = sorted(p.stem for p in (SHIPPED / "protocols").glob("*.yaml")  # a variant is named PROTOCOL-WHAT
                          if p.stem.partition("-")[0] in PROTOCOLS)
         said = (f"{name_or_file} is not a recipe file (.yaml or .yml)" if Path(name_or_file).exists() or "/" in
                 name_or_file else f"no protocol {name_or_file!r}")

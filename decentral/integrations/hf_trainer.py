@@ -42,7 +42,7 @@ class DecentralCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         saved = None
         if state.global_step > 0:  # resumed from a checkpoint: model and optimizer are restored by now
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROTOCOL_FOLDER
+            folder = _protocol_folder(args, state)
             if folder.is_dir():
                 saved = read_protocol_state(folder)
             else:
@@ -52,8 +52,7 @@ class DecentralCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if self.adoption.sync is not None and state.is_world_process_zero:
-            save_protocol_state(self.adoption.sync,
-                                Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROTOCOL_FOLDER)
+            save_protocol_state(self.adoption.sync, _protocol_folder(args, state))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.adoption.collect()
@@ -65,3 +64,9 @@ class DecentralCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.adoption.exit()
+
+
+def _protocol_folder(args, state) -> Path:
+    """Where the protocol's state of the Trainer's checkpoint at `state.global_step` lives (Trainer names its
+    checkpoints `checkpoint-STEP` in `args.output_dir`)."""
+    return Path(args.output_dir) / f"checkpoint-{state.global_step}" / PROTOCOL_FOLDER
