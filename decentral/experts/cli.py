@@ -218,11 +218,10 @@ def cmd_fetch(args) -> int:
     peer = _peer(args)
     sharing = ExpertSharing(peer, registry)
     try:
-        for name in args.names:  # every one is published, before any is fetched
-            sharing.find(name, sha256=args.sha256)
-        for name in args.names:
+        found = [sharing.find(name, sha256=args.sha256) for name in args.names]  # every one, before any is fetched
+        for name, published in zip(args.names, found):
             with tqdm(unit="B", unit_scale=True, desc=name, file=sys.stderr, disable=None) as bar:  # on a terminal only
-                expert = sharing.fetch(name, sha256=args.sha256, with_optimizer=not args.no_optimizer, progress=bar.update)
+                expert = sharing.download(published, with_optimizer=not args.no_optimizer, progress=bar.update)
             print(f"experts: fetched {expert.name} ({expert.sha256[:12]}, hash checked) into {expert.folder}", flush=True)
     finally:
         sharing.close()

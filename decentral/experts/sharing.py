@@ -124,10 +124,14 @@ class ExpertSharing:
 
     def fetch(self, name: str, *, sha256: str | None = None, with_optimizer: bool = True,
               progress: Callable[[int], None] | None = None) -> Expert:
-        """Download expert `name` (the version `find` gives) into our registry, checked against its record's
-        hashes; returns it. Tries publishers in random order until one delivers; RegistryError when none does."""
-        published = self.find(name, sha256)
-        expert = published.expert
+        """Download expert `name` (the version `find` gives) into our registry: `download`."""
+        return self.download(self.find(name, sha256), with_optimizer=with_optimizer, progress=progress)
+
+    def download(self, published: Published, *, with_optimizer: bool = True,
+                 progress: Callable[[int], None] | None = None) -> Expert:
+        """Download a version `find` gave into our registry, checked against its record's hashes; returns it.
+        Tries its publishers in random order until one delivers; RegistryError when none does."""
+        expert, name = published.expert, published.expert.name
         if not with_optimizer:
             expert.optimizer = None
         errors = []
@@ -135,7 +139,8 @@ class ExpertSharing:
             try:
                 with staging(self.registry.folder(name)) as tmp:
                     for file, (digest, size) in expert.files().items():
-                        self.peer.call(self._download(peer, name, file, tmp / file, digest, size, progress)).result()
+                        fetched = self._download_file(peer, name, file, tmp / file, digest, size, progress)
+                        self.peer.call(fetched).result()
                     write_meta(tmp, expert)
                 return self.registry.get(name)
             except Exception as e:
@@ -143,7 +148,7 @@ class ExpertSharing:
                 log.warning("fetching %s from %s failed: %s", name, peer[-8:], e)
         raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors))
 
-    async def _download(self, peer: str, name: str, file: str, path: Path, digest: str, size: int,
+    async def _download_file(self, peer: str, name: str, file: str, path: Path, digest: str, size: int,
                         progress: Callable[[int], None] | None) -> None:
         reader, writer = await self.peer.open_stream(peer, "expert")
         try:
