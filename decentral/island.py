@@ -118,9 +118,12 @@ class IslandTransport:
         try:
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
         except RuntimeError as e:  # gloo's "Connection closed by peer", NCCL's watchdog, a collective's timeout
-            raise IslandError(f"rank {self.rank}: the all-reduce with the other ranks failed, a rank is gone or hung "
-                              f"({str(e).splitlines()[0]})") from e
+            raise self._failed(e) from e
         return self._mean(values, buffer, tag)
+
+    def _failed(self, error: Exception) -> IslandError:
+        return IslandError(f"rank {self.rank}: the all-reduce with the other ranks failed, a rank is gone or hung "
+                           f"({str(error).splitlines()[0] if str(error) else type(error).__name__})")
 
     def _prepare(self, tensor: torch.Tensor, group: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(our values as float32 on the collective's device, the buffer the all-reduce sums into)."""
@@ -140,15 +143,25 @@ class IslandTransport:
     def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
                       note: dict | None = None) -> Future[AverageResult]:
         """`average` as an asynchronous all-reduce (`async_op`): returns at once; the future is done when the
-        collective is. Every rank must start its averages in the same order (`group` None: all ranks)."""
+        collective is. Every rank must start its averages in the same order (`group` None: all ranks). A failed
+        collective fails the future with IslandError (its buffer holds no sum)."""
         values, buffer = self._prepare(tensor, self._ids if group is None else group)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         future: Future[AverageResult] = Future()
+        try:
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        except RuntimeError as e:
+            future.set_exception(self._failed(e))
+            return future
 
-        def done(_) -> None:
+        def done(collective) -> None:
+            try:
+                collective.wait()  # raises what failed the collective: its buffer is then not a sum
+            except RuntimeError as e:
+                future.set_exception(self._failed(e))
+                return
             try:
                 future.set_result(self._mean(values, buffer, tag))
-            except Exception as e:  # a non-finite mean, or a failed collective
+            except Exception as e:  # a non-finite mean
                 future.set_exception(e)
 
         work.get_future().then(done)

@@ -191,9 +191,22 @@ def _average_after_rank_1_left(transport, rank: int) -> str:
     return "averaged alone"
 
 
-def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own():
-    """A `--island` run whose rank died ended in gloo's raw RuntimeError (exit 1, a traceback) on the others."""
-    said, left = run_island(_average_after_rank_1_left, 2)
+def _average_async_after_rank_1_left(transport, rank: int) -> str:
+    transport.average_async(torch.ones(4), None, "first").result(timeout=60)
+    if rank == 1:
+        return "left"
+    try:
+        return f"averaged alone to {transport.average_async(torch.ones(4), None, 'second').result(timeout=60).tensor}"
+    except IslandError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("average", [_average_after_rank_1_left, _average_async_after_rank_1_left],
+                         ids=["blocking", "async"])
+def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own(average):
+    """A `--island` run whose rank died ended in gloo's raw RuntimeError (exit 1, a traceback) on the others;
+    the asynchronous average (CO2, Streaming) handed back the unsummed buffer as the mean."""
+    said, left = run_island(average, 2)
     assert left == "left" and said.startswith("rank 0: the all-reduce with the other ranks failed, a rank is gone")
 
 
