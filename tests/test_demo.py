@@ -24,30 +24,26 @@ def demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[
     return done, records
 
 
-def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn(tmp_path):
+def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn_and_replaces_an_earlier_demo(tmp_path):
+    """An earlier demo of `local` (three workers training alone) in the same OUT, then the default demo:
+    its two workers average and learn, and its records are its own (the earlier w2 and steps are gone)."""
+    done, records = demo(tmp_path, "--protocol", "local", "--workers", "3", "--steps", "10")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(records) == ["w0", "w1", "w2"] and "no communication (local)" in done.stdout
+    for worker, recs in records.items():
+        assert recs[-1]["final"] and recs[-1]["step"] == 10 and recs[-1]["bytes_sent"] == 0, (worker, recs[-1])
+        assert recs[-1]["val_loss"] < recs[0]["val_loss"], worker
+
     done, records = demo(tmp_path, "--steps", "60")  # NoLoCo, H = 50: one outer round
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(records) == ["w0", "w1"]
     recipe = load_recipe(default_recipe_path("noloco"))
     params = build_model(recipe.model_source, recipe.model, recipe.train.context).num_parameters()
     for worker, recs in records.items():
+        assert [r["step"] for r in recs if "loss" in r] == list(range(1, 61)), worker  # this run's steps alone
         last = recs[-1]
         assert last["final"] and last["step"] == 60 and last["round"] == 1, (worker, last)
         assert last["val_loss"] < recs[0]["val_loss"] - 1.0, (worker, recs[0]["val_loss"], last["val_loss"])
         assert last["bytes_sent"] >= params, (worker, last["bytes_sent"])  # it sent its model-sized part
     assert (tmp_path / "demo" / "report.png").stat().st_size > 0
     assert "for a DDP all-reduce" in done.stdout
-
-
-def test_the_demo_of_local_trains_each_worker_alone_and_a_rerun_replaces_the_earlier_records(tmp_path):
-    demo(tmp_path, "--protocol", "local", "--workers", "3", "--steps", "10")
-    done, records = demo(tmp_path, "--protocol", "local", "--steps", "20")  # the same OUT, two workers
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(records) == ["w0", "w1"]
-    for worker, recs in records.items():
-        last = recs[-1]
-        assert last["final"] and last["step"] == 20, (worker, last)
-        assert [r["step"] for r in recs if "loss" in r] == list(range(1, 21)), worker  # this run's steps alone
-        assert last["val_loss"] < recs[0]["val_loss"], worker
-        assert last["bytes_sent"] == 0, (worker, last["bytes_sent"])
-    assert "no communication (local)" in done.stdout
