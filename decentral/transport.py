@@ -77,6 +77,18 @@ class StateUnavailable(RuntimeError):
     stream): unlike a swarm that offers none, there is state we should have and do not."""
 
 
+class ForeignState(StateUnavailable):
+    """The state the swarm handed over is of another model than ours: the members' recipes differ."""
+
+
+def check_same_model(theirs: torch.Tensor, ours: torch.Tensor) -> None:
+    """ForeignState unless the swarm's flat weights `theirs` have as many elements as `ours`."""
+    if theirs.numel() != ours.numel():
+        raise ForeignState(f"the swarm's model has {theirs.numel():,} parameters, ours has {ours.numel():,}: the "
+                           "recipes differ (every member must train the same model; compare the recipes' model "
+                           "sections and --model/--set)")
+
+
 @dataclass
 class EncodedAverage:
     """A committed average as it travelled: each chunk's encoding in `codec` and its element count, in order.

@@ -196,6 +196,25 @@ def test_a_newcomer_that_cannot_get_the_swarms_state_stops_with_an_error_and_tra
     assert not [r for r in w.metrics(1) if "loss" in r]  # not one step trained alone
 
 
+@pytest.mark.parametrize("protocol", ["diloco", "ddp"])
+def test_a_newcomer_with_another_model_stops_in_one_line_and_trains_nothing(workers, protocol):
+    """A newcomer whose recipe shapes another model than the swarm's (here a wider d_model) cannot take the
+    state a member hands over: exit code 2 and one line saying the recipes differ (it was a traceback)."""
+    w = workers({"name": protocol, "every": 5} if protocol == "diloco" else {"name": protocol}, steps=100_000,
+                num_workers=2)
+    member = w.start(0, min_peers=1)
+    try:
+        wait_for_round(w, 0, 1 if protocol == "diloco" else 0, member)
+        newcomer = w.start(1, min_peers=1, extra=["--set", "model.d_model=48"])
+        assert newcomer.wait(timeout=120) == 2, w.log(1)
+    finally:
+        w.kill_all()
+    said = [line for line in w.log(1).splitlines() if "recipes differ" in line]
+    assert len(said) == 1 and said[0].startswith("decentral: the swarm's model has"), w.log(1)
+    assert "Traceback" not in w.log(1)
+    assert not [r for r in w.metrics(1) if "loss" in r]
+
+
 def test_resume_continues_from_the_checkpoint(workers):
     w = workers({"name": "diloco", "every": 10}, steps=20, num_workers=1)
     w.start(0)

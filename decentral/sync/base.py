@@ -44,7 +44,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from decentral.transport import (AverageResult, EncodedAverage, StateUnavailable, Transport, all_finite,
-                                 heartbeat_digest, state_digest, with_us)
+                                 check_same_model, heartbeat_digest, state_digest, with_us)
 from decentral.vml import resolve_kernels
 
 log = logging.getLogger(__name__)
@@ -739,11 +739,7 @@ class OuterProtocol(SyncProtocol):
         return dict(tensors)
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        if tensors["slow"].shape != self.slow.shape:
-            raise ValueError(
-                f"the swarm's model has {tensors['slow'].numel()} parameters, ours has {self.slow.numel()}: "
-                "the recipes differ"
-            )
+        check_same_model(tensors["slow"], self.slow)
         for name, value in {"slow": self.slow, **self.outer_tensors()}.items():  # replaced: ours may be offered
             setattr(self, name, tensors[name].to(self.outer_device, torch.float32, copy=True).reshape(value.shape))
 

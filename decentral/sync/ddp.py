@@ -24,7 +24,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
 from decentral.sync.base import SyncProtocol, SyncReport
-from decentral.transport import JoinRequest, Transport
+from decentral.transport import JoinRequest, Transport, check_same_model
 
 MAX_JOINS_PER_STEP = 8  # newcomers one member's note may name (more wait for later steps)
 
@@ -75,9 +75,7 @@ class DDP(SyncProtocol):
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         ours = parameters_to_vector(self.params)
-        if tensors["weights"].shape != ours.shape:
-            raise ValueError(f"the swarm's model has {tensors['weights'].numel()} parameters, ours has "
-                             f"{ours.numel()}: the recipes differ")
+        check_same_model(tensors["weights"], ours)
         vector_to_parameters(tensors["weights"].to(ours, copy=True), self.params)
         inner = {k: v for k, v in tensors.items() if k.startswith("inner.")}
         self.optimizer.load_state_dict(optimizer_state_dict(inner, meta["param_groups"]))
