@@ -78,6 +78,19 @@ def swarm_key(path: str | None, notice: bool = True):
     return None
 
 
+_interrupted = threading.Event()
+
+
+def _interrupt_once(signum, frame) -> None:
+    """The first SIGINT or SIGTERM raises KeyboardInterrupt (the worker saves its checkpoint and leaves the
+    swarm); later ones do nothing, so that they cannot cut the save or the goodbye short: a terminal's Ctrl-C
+    reaches a launcher (`demo`, an island's ranks) and its workers alike, and the launcher then stops them too.
+    (Not SIG_IGN: a signal already pending when its handler became SIG_IGN raises OSError in Python.)"""
+    if not _interrupted.is_set():
+        _interrupted.set()
+        raise KeyboardInterrupt
+
+
 def train_worker(recipe, args, **overrides) -> int:
     """Run one worker with `recipe`, the options of the train command's `args` and `overrides`
     (WorkerOptions fields); print its outcome and return the exit code."""
@@ -109,7 +122,9 @@ def train_worker(recipe, args, **overrides) -> int:
         from decentral.metrics import summary_writer_class
 
         summary_writer_class()  # a missing tensorboard fails here, before joining the swarm
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves a checkpoint like Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM):  # for the rest of the process: its exit is the worker's too
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # a background job's SIGINT stays ignored
+            signal.signal(sig, _interrupt_once)
     try:
         summary = run_worker(recipe, WorkerOptions(**{**options, **overrides}))
     except DivergedError:
