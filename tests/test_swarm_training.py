@@ -1,7 +1,9 @@
 """Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer and
 a frozen one, let a late joiner catch up, and resume from checkpoints."""
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -234,26 +236,34 @@ def test_resume_continues_from_the_checkpoint(workers):
     assert f"peer {first_id} starts at" in done.stdout  # the same peer id: no ghost of the first run
 
 
-def test_ctrl_c_saves_the_checkpoint_once_though_the_launcher_then_terminates_the_worker_too(workers):
+@pytest.mark.parametrize("stop", ["ctrl-c, then the launcher's SIGTERM", "SIGTERM to the process group"])
+def test_a_stopped_worker_saves_its_checkpoint_once_and_exits_without_a_traceback(workers, stop):
     """A terminal's Ctrl-C reaches a launcher (`demo`, an island's ranks) and its workers alike, and the
     launcher then sends each worker SIGTERM: that second signal cut the worker's goodbye and exit short (a
-    KeyboardInterrupt traceback). The worker stops once, exit code 130, its checkpoint at the step it says."""
+    KeyboardInterrupt traceback). SIGTERM to the whole process group (`timeout`, a batch scheduler's cancel)
+    reaches the worker's DHT process too, which died with a traceback of its own. Either way the worker stops
+    once, exit code 130, its checkpoint at the step it says."""
     w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=1)
     log = w.root / "w0.log"
     as_in_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (a background job's
     # SIGINT is ignored, and stays so)
     proc = subprocess.Popen([sys.executable, "-m", "decentral", "train", "--protocol", str(w.recipe), "--out",
                              str(w.root / "w0"), "--name", "w0", "--data", str(w.data), "--host", "127.0.0.1"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=as_in_a_terminal)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=as_in_a_terminal,
+                            start_new_session=True)
     try:
         wait_until(lambda: [r for r in w.metrics(0) if r.get("step", 0) >= 3] or proc.poll() is not None, 120,
                    "three steps")
-        proc.send_signal(signal.SIGINT)
-        wait_until(lambda: "interrupted at step" in log.read_text() or proc.poll() is not None, 60, "the save")
-        proc.send_signal(signal.SIGTERM)  # as the launcher's comes: while the worker leaves the swarm and exits
+        if stop == "SIGTERM to the process group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGINT)
+            wait_until(lambda: "interrupted at step" in log.read_text() or proc.poll() is not None, 60, "the save")
+            proc.send_signal(signal.SIGTERM)  # as the launcher's comes: while the worker leaves the swarm and exits
         assert proc.wait(timeout=60) == 130, log.read_text()
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     said = log.read_text()
     assert said.count("interrupted at step") == 1 and "Traceback" not in said and "Exception ignored" not in said, said
     step = int(re.search(r"interrupted at step (\d+); checkpoint saved", said).group(1))

@@ -152,6 +152,8 @@ class _DHTProcess(DHT):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does once its loop runs: Ctrl-C is the parent's
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's KeyboardInterrupt: a SIGTERM to the
+        # process group (`timeout`, a scheduler's cancel) ends this process quietly, as it ends p2pd
         threading.Thread(target=self._shut_down_when_orphaned, name="orphan-watch", daemon=True).start()
         super().run()
 
