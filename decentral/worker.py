@@ -320,6 +320,29 @@ def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> No
         transport.wait_for_peers(opts.min_peers, opts.wait_peers_s, round)
 
 
+def _swarm_setup(recipe: Recipe, opts: WorkerOptions) -> dict:
+    """What every member of a run must share besides the model (whose size is checked on the state a newcomer
+    takes): the protocol, and how many ranks each member is and how its island averages (shards must line up)."""
+    island = [opts.world_size, opts.island_mode] if opts.island_mode else [1, None]
+    return {"protocol": recipe.protocol, "island": island}
+
+
+def _describe_setup(setup: dict) -> str:
+    size, mode = setup["island"]
+    return f"{setup['protocol']} " + (f"as an island of {size} ranks ({mode} mode)" if mode else "as a single process")
+
+
+def _check_same_setup(transport: Transport, ours: dict, run: str) -> None:
+    """SwarmError when a member of the swarm (its heartbeat's `setup` card field) trains with another setup than
+    `ours`: averages of differently cut tensors are refused on both sides, so each would train on apart."""
+    for peer, card in transport.progress().items():
+        theirs = card.get("setup")
+        if isinstance(theirs, dict) and theirs != ours:
+            raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} trains {_describe_setup(theirs)}, "
+                             f"this peer {_describe_setup(ours)}: every member of a run must use the same protocol and "
+                             "island layout (the recipe's protocol and island sections, --island-size, --island-mode)")
+
+
 def _check_finite(what: str, value: float, step: int) -> float:
     """`value`; DivergedError when it is not finite (then nothing of this state is saved or sent)."""
     if not math.isfinite(value):
@@ -383,8 +406,11 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         if opts.on_ready and transport.multiaddrs():
             opts.on_ready(transport.multiaddrs())
         card = StatusCard(transport, opts.name, t.batch_size * t.context * (opts.world_size if opts.island_mode else 1))
+        setup = _swarm_setup(recipe, opts)
+        transport.set_card(False, setup=setup)
         with protocol:  # joins the swarm: its state, round and step, and announces the round
             _wait_for_peers(transport, opts, protocol.first_round)
+            _check_same_setup(transport, setup, recipe.swarm.run)
             batches = batches_from(protocol.step)
             first = dict(worker=opts.name, step=protocol.step, round=protocol.round)
             if protocol.donor is None or protocol.step == 0:  # one joining mid-run skips it: the round
@@ -437,8 +463,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                                                          if checkpoint.exists() else "no checkpoint was saved before"))
         raise
     except SwarmError:  # the caller reports the error itself
-        opts.print_fn(f"[{opts.name}] stopped at step {protocol.step}; its last checkpoint is in "
-                      f"{opts.out / 'checkpoint'} (--resume goes on from it)")
+        checkpoint = opts.out / "checkpoint"
+        opts.print_fn(f"[{opts.name}] stopped at step {protocol.step}; " + (
+            f"its last checkpoint is in {checkpoint} (--resume goes on from it)" if checkpoint_present(checkpoint)
+            else "no checkpoint was saved"))
         raise
     except KeyboardInterrupt:
         _save(protocol, opts, recipe, lineage)

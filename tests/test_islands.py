@@ -56,6 +56,25 @@ def test_two_islands_of_two_ranks_train_as_two_identical_members(workers, mode):
         assert (other == 0) if mode == "leader" else (other > 0)  # sharded: every rank has its own connection
 
 
+def test_a_single_process_joining_a_swarm_of_sharded_islands_stops_in_one_line(workers):
+    """A flat peer's average is the whole vector, a sharded island's rank-0 connection averages a half: each
+    refused the other's parts and both trained on apart, saying only "wrong size". The newcomer now stops (exit
+    code 2) naming the island layout it should use; the island trains on."""
+    w = workers(DILOCO, steps=100_000, num_workers=2)
+    island = w.start(0, min_peers=1, extra=["--island-size", str(RANKS), "--island-mode", "sharded"])
+    try:
+        wait_until(lambda: w.metrics(0), 240, "the island training")
+        flat = w.start(1, min_peers=1)
+        assert flat.wait(timeout=120) == 2, w.log(1)
+        said = [line for line in w.log(1).splitlines() if line.startswith("decentral: ")]
+        assert len(said) == 1 and "trains diloco as an island of 2 ranks (sharded mode), this peer diloco as a " \
+                                  "single process" in said[0], w.log(1)
+        assert not [r for r in w.metrics(1) if "loss" in r]
+        assert island.poll() is None, w.log(0)
+    finally:
+        w.kill_all()
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
