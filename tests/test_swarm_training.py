@@ -1,13 +1,10 @@
 """Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer and
 a frozen one, let a late joiner catch up, and resume from checkpoints."""
 
-import contextlib
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -200,15 +197,13 @@ def test_a_newcomer_that_cannot_get_the_swarms_state_stops_with_an_error_and_tra
     assert not [r for r in w.metrics(1) if "loss" in r]  # not one step trained alone
 
 
-@pytest.mark.parametrize("protocol", ["diloco", "ddp"])
-def test_a_newcomer_with_another_model_stops_in_one_line_and_trains_nothing(workers, protocol):
+def test_a_newcomer_with_another_model_stops_in_one_line_and_trains_nothing(workers):
     """A newcomer whose recipe shapes another model than the swarm's (here a wider d_model) cannot take the
     state a member hands over: exit code 2 and one line saying the recipes differ (it was a traceback)."""
-    w = workers({"name": protocol, "every": 5} if protocol == "diloco" else {"name": protocol}, steps=100_000,
-                num_workers=2)
+    w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=2)
     member = w.start(0, min_peers=1)
     try:
-        wait_for_round(w, 0, 1 if protocol == "diloco" else 0, member)
+        wait_for_round(w, 0, 1, member)
         newcomer = w.start(1, min_peers=1, extra=["--set", "model.d_model=48"])
         assert newcomer.wait(timeout=120) == 2, w.log(1)
     finally:
@@ -236,35 +231,29 @@ def test_resume_continues_from_the_checkpoint(workers):
     assert f"peer {first_id} starts at" in done.stdout  # the same peer id: no ghost of the first run
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c, then the launcher's SIGTERM", "SIGTERM to the process group"])
+@pytest.mark.parametrize("stop", ["a second signal while it stops", "SIGTERM to each of its processes"])
 def test_a_stopped_worker_saves_its_checkpoint_once_and_exits_without_a_traceback(workers, stop):
     """A terminal's Ctrl-C reaches a launcher (`demo`, an island's ranks) and its workers alike, and the
-    launcher then sends each worker SIGTERM: that second signal cut the worker's goodbye and exit short (a
-    KeyboardInterrupt traceback). SIGTERM to the whole process group (`timeout`, a batch scheduler's cancel)
-    reaches the worker's DHT process too, which died with a traceback of its own. Either way the worker stops
-    once, exit code 130, its checkpoint at the step it says."""
+    launcher then sends each worker SIGTERM (the worker takes SIGINT and SIGTERM alike): that second signal
+    cut the worker's goodbye and exit short (a KeyboardInterrupt traceback). SIGTERM to the whole process
+    group (`timeout`, a batch scheduler's cancel) reaches the worker's DHT process too, which died with a
+    traceback of its own. Either way the worker stops once, exit code 130, its checkpoint at the step it says."""
     w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=1)
-    log = w.root / "w0.log"
-    as_in_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (a background job's
-    # SIGINT is ignored, and stays so)
-    proc = subprocess.Popen([sys.executable, "-m", "decentral", "train", "--protocol", str(w.recipe), "--out",
-                             str(w.root / "w0"), "--name", "w0", "--data", str(w.data), "--host", "127.0.0.1"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, preexec_fn=as_in_a_terminal,
-                            start_new_session=True)
+    proc = w.start(0, min_peers=1)
     try:
         wait_until(lambda: [r for r in w.metrics(0) if r.get("step", 0) >= 3] or proc.poll() is not None, 120,
                    "three steps")
-        if stop == "SIGTERM to the process group":
-            os.killpg(proc.pid, signal.SIGTERM)
+        if stop == "SIGTERM to each of its processes":
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                os.kill(pid, signal.SIGTERM)
         else:
-            proc.send_signal(signal.SIGINT)
-            wait_until(lambda: "interrupted at step" in log.read_text() or proc.poll() is not None, 60, "the save")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "interrupted at step" in w.log(0) or proc.poll() is not None, 60, "the save")
             proc.send_signal(signal.SIGTERM)  # as the launcher's comes: while the worker leaves the swarm and exits
-        assert proc.wait(timeout=60) == 130, log.read_text()
+        assert proc.wait(timeout=60) == 130, w.log(0)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = log.read_text()
+        w.kill_all()
+    said = w.log(0)
     assert said.count("interrupted at step") == 1 and "Traceback" not in said and "Exception ignored" not in said, said
     step = int(re.search(r"interrupted at step (\d+); checkpoint saved", said).group(1))
     assert load_checkpoint(w.root / "w0" / "checkpoint")[1]["sync"]["step"] == step >= 3
