@@ -8,7 +8,8 @@ CPU went while it trained (its training thread, its other threads, its DHT node 
 Bytes are what each host's interface sent (netns mode; in loopback mode, what the workers counted on
 their own streams).
 Writes OUT/results.json (`summarize_method`, `compare`) and OUT/bench.png, and prints the tables.
-OUT/results.json is rewritten as each method finishes: `--report OUT` tables an interrupted run's.
+OUT/results.json is rewritten as each method finishes: `--report OUT` tables an interrupted run's
+(and names the methods it did not run).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Callable
 import yaml
 
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
+from decentral.data import load_corpus
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import build_model
 from decentral.netlab import Host, NetLab, bandwidth_argument
@@ -343,7 +345,8 @@ def plot_curves(ax, results: dict) -> None:
     ax.set(xlabel="wall time (s)", ylabel="validation loss",
            title=f"{cfg['hosts']} hosts, {cfg['bandwidth'] or 'uncapped'} uplinks ({cfg['mode']}), {cfg['steps']} steps")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # no curve at all where every method failed
+        ax.legend()
 
 
 def format_results(results: dict) -> str:
@@ -406,7 +409,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         run_recipes = {m: _recipe_for(m, recipes, args.steps, f"bench-{uuid.uuid4().hex[:6]}")
                        for m in [REFERENCE, *methods]}
-    except (RecipeError, ValueError) as e:
+        load_corpus(args.data)  # what every worker reads: a bad --data fails here, not in every worker
+    except (RecipeError, ValueError) as e:  # (DataError is a ValueError)
         print(f"bench: {e}", file=sys.stderr)
         return 2
     for method, recipe in run_recipes.items():
@@ -416,24 +420,33 @@ def run_bench(args: argparse.Namespace) -> int:
                       "methods must train the same model on the same data", file=sys.stderr)
                 return 2
     out.mkdir(parents=True, exist_ok=True)
-    with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
-        results["config"]["mode"] = lab.mode
-        for method, recipe in run_recipes.items():
-            print(f"bench: {method} on {args.hosts} hosts ...", flush=True)
-            started = time.monotonic()
-            method_out = out / method
-            shutil.rmtree(method_out, ignore_errors=True)
-            raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
-            res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
-            results["methods"][method] = res
-            (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
-            print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
-                  f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
+    try:
+        with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
+            results["config"]["mode"] = lab.mode
+            for method, recipe in run_recipes.items():
+                print(f"bench: {method} on {args.hosts} hosts ...", flush=True)
+                started = time.monotonic()
+                method_out = out / method
+                shutil.rmtree(method_out, ignore_errors=True)
+                raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
+                res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
+                results["methods"][method] = res
+                (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
+                print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
+                      f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
+    except KeyboardInterrupt:
+        rest = [m for m in methods if m not in results["methods"]]
+        print(f"bench: interrupted; not run: {','.join(rest)}" + (
+            f"; the finished ones are in {out / 'results.json'} (`decentral bench --report {out}` tables them)"
+            if results["methods"] else "") + f"; run the rest with --protocols {','.join(rest)} and another --out",
+              file=sys.stderr, flush=True)
+        raise
     return report(results, out, args.target_loss)
 
 
 def report(results: dict, out: Path, target_loss: float | None = None) -> int:
-    """Compare the methods, write OUT/results.json and OUT/bench.png, print the table; 0 if all ran."""
+    """Compare the methods, write OUT/results.json and OUT/bench.png, print the table; 0 if every method of the
+    run (`config.methods` and the reference) ran and succeeded."""
     compare(results, target_loss)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_bench(results, out / "bench.png")
@@ -441,7 +454,10 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     print(format_cpu(results))
     print(f"bench: target loss {results['config']['target_loss']}; results in {out / 'results.json'}, "
           f"plot {out / 'bench.png'}")
-    return 0 if all(r["ok"] for r in results["methods"].values()) else 1
+    missing = [m for m in [REFERENCE, *results["config"]["methods"]] if m not in results["methods"]]
+    if missing:  # an interrupted run's
+        print(f"bench: not run (the bench was interrupted): {', '.join(missing)}", file=sys.stderr)
+    return 0 if all(r["ok"] for r in results["methods"].values()) and not missing else 1
 
 
 def main(args: argparse.Namespace) -> int:
@@ -463,6 +479,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from decentral.cli import number_type
+
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help="uplink cap per host (tc rate) or 'none'")
@@ -480,6 +498,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=float, help="target validation loss when ddp is not run")
-    parser.add_argument("--method-timeout", type=float, default=1200.0, help="seconds before a method is killed")
+    parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True), default=1200.0,
+                        help="seconds before a method is killed")
     parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison, table and plot "
                                                         "from DIR/results.json of an earlier run")

@@ -2,12 +2,14 @@
 on emulated hosts writes the results schema and the plot."""
 
 import json
+import signal
 
 import pytest
 import yaml
 
-from conftest import TINY_MODEL, TINY_TRAIN
+from conftest import NETNS, TINY_MODEL, TINY_TRAIN, wait_until
 from decentral.cli import main as cli_main
+from decentral.netlab import _stale_names
 from decentral.bench import (compare, format_cpu, method_steps, peak_rate, recipe_file, round_bytes, split_method,
                              summarize_method, time_to_loss)
 
@@ -124,18 +126,23 @@ def test_a_failed_worker_marks_the_method_failed():
     assert res["bytes_sent_per_worker"] == 2000  # loopback mode: the workers' own counters
 
 
+def tiny_recipes(folder):
+    """local, ddp, diloco and co2 (every 10 steps) recipes of the tiny model, evaluated every 10 steps."""
+    folder.mkdir()
+    train = {**TINY_TRAIN, "eval_every": 10}
+    for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
+                           "co2": {"name": "co2", "every": 10}}.items():  # hivemind's baseline borrows diloco.yaml
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
+    return folder
+
+
 def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
     """Each kind of method the bench launches: the reference, DDP, hivemind's optimizer (whose two baseline
     processes must learn and average), and an outer protocol with a codec (co2+topk). DDP runs its own number
     of steps (ddp@20), and its final loss there is the target.
     DiLoCo, NoLoCo and Streaming DiLoCo go through the same launcher as CO2 (their training: test_swarm_training)."""
-    recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    train = {**TINY_TRAIN, "eval_every": 10}
-    for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
-                           "co2": {"name": "co2", "every": 10}}.items():  # hivemind's baseline borrows diloco.yaml
-        (recipes / f"{name}.yaml").write_text(yaml.safe_dump(
-            {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
+    recipes = tiny_recipes(tmp_path / "recipes")
     out = tmp_path / "out"
     methods = ["ddp@20", "hivemind", "co2+topk"]
     done = prefork.run(["bench", "--hosts", "2", "--bandwidth", "50mbit", "--steps", "30",
@@ -193,3 +200,31 @@ def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anythin
         err = capsys.readouterr().err
         assert code == 2 and why in err, (methods, err)
         assert not (tmp_path / "out").exists()  # no lab, no worker, no results
+
+
+def test_bad_data_and_timeout_are_refused_before_any_worker_starts(tmp_path, capsys):
+    code = cli_main(["bench", "--protocols", "diloco", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "corpus path does not exist" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()  # no lab, no worker, no results
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["bench", "--protocols", "diloco", "--method-timeout", "0", "--out", str(tmp_path / "out")])
+    assert exit.value.code == 2 and "--method-timeout: must be above 0" in capsys.readouterr().err
+
+
+def test_an_interrupted_bench_keeps_what_finished_and_says_what_did_not_run(tmp_path, small_corpus, prefork):
+    """Ctrl-C while the second method trains: the lab is gone, the reference's results stay, the bench says
+    which methods did not run and how to table the rest; `--report` of that run says so too and exits 1."""
+    out, log = tmp_path / "out", tmp_path / "bench.log"
+    bench = prefork.spawn(["bench", "--hosts", "2", "--steps", "10", "--protocols", "diloco@100000", "--recipes",
+                           str(tiny_recipes(tmp_path / "recipes")), "--out", str(out), "--data", str(small_corpus)], log)
+    wait_until(lambda: log.exists() and "bench: diloco@100000 on" in log.read_text(), 300, "the second method starting")
+    bench.send_signal(signal.SIGINT)
+    assert bench.wait(60) == 130, log.read_text()
+    said = log.read_text()
+    assert "interrupted; not run: diloco@100000" in said and f"decentral bench --report {out}" in said, said
+    assert set(json.loads((out / "results.json").read_text())["methods"]) == {"local"}
+    if NETNS:
+        assert _stale_names("bench") == ([], [])  # namespaces, veths and bridge removed: their processes died too
+    again = prefork.run(["bench", "--report", str(out)], tmp_path, timeout=60)
+    assert again.returncode == 1 and "not run (the bench was interrupted): diloco@100000" in again.stderr, again.stderr
