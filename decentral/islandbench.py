@@ -43,6 +43,7 @@ import yaml
 from decentral.bench import (ISLAND_PORT, REFERENCE, Launch, _command, _recipe_for, compare, plot_curves, run_launches,
                              summarize_method)
 from decentral.config import default_recipe_path, load_recipe
+from decentral.data import load_corpus
 from decentral.hierarchy import MODES
 from decentral.metrics import format_table, human_bytes
 from decentral.netlab import NetLab, bandwidth_argument
@@ -275,10 +276,9 @@ def run_part_b(args: argparse.Namespace, out: Path) -> dict:
         numel = build_model(base.model_source, base.model, base.train.context).num_parameters()
     else:
         numel = args.numel
-    ks = [int(k) for k in args.ks.split(",") if k.strip()]
-    part = {"config": {"ks": ks, "islands": 2, "bandwidth": args.bandwidth, "numel": numel, "rounds": args.rounds,
+    part = {"config": {"ks": args.ks, "islands": 2, "bandwidth": args.bandwidth, "numel": numel, "rounds": args.rounds,
                        "codec": base.swarm.codec, "lan": "uncapped"}, "points": []}
-    for k in ks:
+    for k in args.ks:
         lans = [list(range(k)), list(range(k, 2 * k))]
         with NetLab(2 * k, args.bandwidth, mode=args.mode, name=f"{args.lab_name}b", lans=lans) as lab:
             part["config"]["mode"] = lab.mode
@@ -359,6 +359,8 @@ def run_islands(args: argparse.Namespace) -> int:
     if not parts or parts - {"a", "b"}:
         print(f"islands: --parts takes a, b or a,b; got {args.parts!r}", file=sys.stderr)
         return 2
+    if "a" in parts:
+        load_corpus(args.data)  # what part A's workers read: a bad --data fails here (DataError), not in each worker
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": {"parts": sorted(parts), "bandwidth": args.bandwidth, "date": dt.date.today().isoformat(),
@@ -388,19 +390,35 @@ def run_islands(args: argparse.Namespace) -> int:
     return 0 if ok and all(p["ok"] for p in results.get("b", {}).get("points", [])) else 1
 
 
+def _ks(text: str) -> list[int]:
+    """argparse type of --ks: comma-separated numbers of ranks per island, each at least 1."""
+    try:
+        ks = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: an island has at least 1 rank")
+    return ks
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from decentral.cli import number_type, positive_int
+    from decentral.syncbench import _rounds
+
     parser.add_argument("--parts", default="a,b", help="a (utilisation, hierarchical vs flat), b (sharded vs leader "
                         "sync) or a,b")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help="uplink cap per host (tc rate) or 'none'")
-    parser.add_argument("--steps", type=int, default=200, help="(A) inner steps per process")
-    parser.add_argument("--rounds", type=int, default=8, help="(B) averages timed per point (the first is dropped)")
-    parser.add_argument("--ks", default="2,4", help="(B) comma-separated ranks per island")
-    parser.add_argument("--numel", type=int, help="(B) floats averaged (default: the DiLoCo recipe's parameter count)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="(A) inner steps per process")
+    parser.add_argument("--rounds", type=_rounds, default=8,
+                        help="(B) averages timed per point, at least 2 (the first is dropped)")
+    parser.add_argument("--ks", type=_ks, default="2,4", help="(B) comma-separated ranks per island")
+    parser.add_argument("--numel", type=positive_int, help="(B) floats averaged (default: the DiLoCo recipe's parameter count)")
     parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
                         help="folder with diloco.yaml and local.yaml")
     parser.add_argument("--data", action="append", metavar="PATH", help="(A) text to train on (default: Python's stdlib)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before one run (a method, a point) is killed")
+    parser.add_argument("--timeout", type=number_type(float, 0, strict=True), default=900.0,
+                        help="seconds before one run (a method, a point) is killed")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--lab-name", default="isl", help="prefix of the labs' namespaces and links (part A's "
                         "lab is NAMEa, part B's NAMEb); a lab's leftovers are removed when one of that name opens")

@@ -101,3 +101,21 @@ def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, l
     assert sharded["max_rank_wan_bytes"] < 0.8 * r0 and sharded["wan_ratio"] < 0.8
     assert (out / "islands.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wan_vs_leader_r0" in done.stdout
+
+
+def test_bad_arguments_and_data_are_refused_before_any_lab_opens(tmp_path, capsys):
+    """An empty or non-positive --ks (it ran and died with a KeyError), --rounds below 2 (its median of no
+    round), a run time of 0: usage errors; a --data that does not exist: one line, before part A trains."""
+    from decentral.cli import main as cli_main
+
+    out = tmp_path / "out"
+    for args, said in ((["--ks", ","], "--ks: not comma-separated integers"), (["--ks", "2,0"], "at least 1 rank"),
+                       (["--rounds", "1"], "--rounds: 1: at least 2"), (["--timeout", "0"], "--timeout: must be above 0"),
+                       (["--steps", "0"], "--steps: must be at least 1")):
+        with pytest.raises(SystemExit) as exit:
+            cli_main(["bench", "islands", *args, "--out", str(out)])
+        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+    code = cli_main(["bench", "islands", "--parts", "a", "--data", str(tmp_path / "missing"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "corpus path does not exist" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
