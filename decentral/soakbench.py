@@ -317,7 +317,8 @@ def plot_soak(steady: Run, churn: Run, keep: int, out_png: Path) -> Path:
 
 def run_soak(args: argparse.Namespace) -> int:
     if not 1 <= args.keep < args.hosts:
-        print(f"bench soak: --keep must be in 1..{args.hosts - 1}", file=sys.stderr)
+        print(f"bench soak: --keep {args.keep} with --hosts {args.hosts}: at least one worker is kept and one killed, "
+              "so --hosts must be at least 2 and --keep in 1..HOSTS-1", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -350,16 +351,20 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from decentral.cli import number_type, positive_int
+
     parser.add_argument("--hosts", type=int, default=6)
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
-    parser.add_argument("--steps", type=int, default=3000, help="the swarm's inner steps (default: ~20 min on 2 cores)")
-    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
-    parser.add_argument("--minutes", type=float, default=20.0, help="how long the kills go on")
+    parser.add_argument("--steps", type=positive_int, default=3000,
+                        help="the swarm's inner steps (default: ~20 min on 2 cores)")
+    parser.add_argument("--kill-every", type=number_type(float, 0, strict=True), default=60.0, help="seconds between kills")
+    parser.add_argument("--minutes", type=number_type(float, 0, strict=True), default=20.0, help="how long the kills go on")
     parser.add_argument("--keep", type=int, default=2, help="w0..w(keep-1) are never killed")
     parser.add_argument("--seed", type=int, default=0, help="which workers get killed")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a run is given up")
+    parser.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
+                        help="seconds before a run is given up")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--out", default="runs/soak")
     parser.set_defaults(func=run_soak)

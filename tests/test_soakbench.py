@@ -54,3 +54,18 @@ def test_summary_counts_stalls_rejoins_and_the_loss_ratio():
     assert summary["rejoined_within_a_round"] == 1  # 1.5 s yes, 4.9 s no, the one killed again not counted
     assert summary["loss_ratio"] == pytest.approx(2.2 / 2.0)
     assert summary["final_models"] == {"steady": {"agree": 3, "workers": 3}, "churn": {"agree": 2, "workers": 3}}
+
+
+def test_settings_that_would_kill_nobody_are_refused_before_anything_runs(tmp_path, capsys):
+    """--kill-every 0 or --minutes 0 made a "churn" run without a kill, compared with the steady one as if churned."""
+    from decentral.cli import main as cli_main
+
+    out = tmp_path / "out"
+    for args, said in ((["--kill-every", "0"], "--kill-every: must be above 0"), (["--minutes", "-1"], "--minutes: must be above 0"),
+                       (["--timeout", "0"], "--timeout: must be above 0"), (["--steps", "0"], "--steps: must be at least 1")):
+        with pytest.raises(SystemExit) as exit:
+            cli_main(["bench", "soak", *args, "--out", str(out)])
+        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+    assert cli_main(["bench", "soak", "--hosts", "1", "--out", str(out)]) == 2
+    assert "--hosts must be at least 2" in capsys.readouterr().err
+    assert not out.exists()
