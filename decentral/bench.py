@@ -74,6 +74,11 @@ def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
     name, codec = split_method(method)
     recipe = load_recipe(recipe_file(name, recipes))
     recipe.train.steps = method_steps(method, steps)
+    every = recipe.round_length()
+    if every is not None and recipe.train.steps < every:
+        raise RecipeError(f"{method}: {recipe.train.steps} steps are less than one of its rounds (every {every} "
+                          f"steps): it would average nothing and compare as {REFERENCE} does; give --steps {every} or "
+                          f"more, or {method.partition('@')[0]}@{every}")
     recipe.swarm.run = run
     if codec:
         recipe.swarm.codec = codec

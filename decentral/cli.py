@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
 
-from decentral.config import RecipeError, load_recipe, parse_settings, protocol_params, recipe_path
+from decentral.config import RecipeError, load_recipe, parse_settings, recipe_path
 from decentral.models import GPT_SOURCE, ModelError, absolute_source, check_source
 
 
@@ -190,8 +190,8 @@ def cmd_train(args) -> int:
         swarm_key(recipe.swarm.key_file, notice=False)  # a bad key file fails here, before any training
         if make_codec(recipe.swarm.codec).error_feedback:
             print(TOPK_NOTICE, file=sys.stderr, flush=True)
-        every = recipe.protocol_args.get("every", protocol_params(recipe.protocol).get("every"))
-        if isinstance(every, int) and recipe.train.steps < every:
+        every = recipe.round_length()
+        if every is not None and recipe.train.steps < every:
             print(f"note: {recipe.train.steps} steps are less than one round (every {every} steps): no outer step "
                   f"will run, so this trains as `local` would; give --steps {every} or more, or --set every=N",
                   file=sys.stderr, flush=True)

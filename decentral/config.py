@@ -96,6 +96,11 @@ class Recipe:
     island: IslandConfig = field(default_factory=IslandConfig)
     model_source: str = GPT_SOURCE  # model.source: gpt (shaped by `model`), hf:CONFIG.json or a save_pretrained folder
 
+    def round_length(self) -> int | None:
+        """Inner steps per outer round (the protocol's `every`); None for a protocol without rounds (local, ddp)."""
+        every = self.protocol_args.get("every", protocol_params(self.protocol).get("every"))
+        return every if isinstance(every, int) else None
+
     def to_dict(self) -> dict:
         return {
             "protocol": {"name": self.protocol, **self.protocol_args},

@@ -202,7 +202,7 @@ def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anythin
         assert not (tmp_path / "out").exists()  # no lab, no worker, no results
 
 
-def test_bad_data_and_timeout_are_refused_before_any_worker_starts(tmp_path, capsys):
+def test_bad_data_timeout_and_steps_are_refused_before_any_worker_starts(tmp_path, capsys):
     code = cli_main(["bench", "--protocols", "diloco", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "corpus path does not exist" in err and len(err.strip().splitlines()) == 1, err
@@ -210,6 +210,11 @@ def test_bad_data_and_timeout_are_refused_before_any_worker_starts(tmp_path, cap
     with pytest.raises(SystemExit) as exit:
         cli_main(["bench", "--protocols", "diloco", "--method-timeout", "0", "--out", str(tmp_path / "out")])
     assert exit.value.code == 2 and "--method-timeout: must be above 0" in capsys.readouterr().err
+    # fewer steps than one round: the method would train as `local` does and be compared as if it averaged
+    code = cli_main(["bench", "--protocols", "ddp,diloco+int8", "--steps", "10", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "diloco+int8: 10 steps are less than one of its rounds (every 50 steps)" in err, err
+    assert "diloco+int8@50" in err and not (tmp_path / "out").exists()
 
 
 def test_an_interrupted_bench_keeps_what_finished_and_says_what_did_not_run(tmp_path, small_corpus, prefork):
