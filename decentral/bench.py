@@ -40,6 +40,7 @@ from decentral.netlab import Host, NetLab, bandwidth_argument
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
+PROGRESS_S = 30.0  # how often a running method says how far its workers are
 ISLAND_PORT = 29512
 
 
@@ -129,13 +130,28 @@ class Launch:
     env: dict[str, str] | None = None
 
 
+def progress(out: Path, steps: int | None = None) -> str | None:
+    """How far the workers writing metrics under OUT/*/ are: the slowest one's step (of `steps`) and the last
+    validation loss any of them wrote; None before any record."""
+    records = read_metrics(sorted(out.glob("*/**/metrics.jsonl")))
+    last: dict[str, int] = {}
+    for r in records:
+        last[r["worker"]] = r["step"]
+    if not last:
+        return None
+    vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    return (f"slowest worker at step {min(last.values())}" + (f" of {steps}" if steps else "")
+            + (f", last val {vals[-1]:.3f}" if vals else ""))
+
+
 def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
                  rest: Callable[[list[str]], list[Launch]], *, timeout: float, bootstrap: Path | None = None,
-                 bootstrap_timeout: float = 180.0) -> dict:
+                 bootstrap_timeout: float = 180.0, steps: int | None = None) -> dict:
     """Start `first`; once `bootstrap` (a multiaddr file the first write) exists, `rest(its multiaddrs)`
     (at once with [] when no bootstrap is given); wait up to `timeout` for them all, killing them all
-    if one hangs. Returns the raw outcome: exit codes, the metrics records under OUT/*/ (ranks' included)
-    and what each host's interface sent meanwhile (None in loopback mode)."""
+    if one hangs, and say every PROGRESS_S how far they are (`progress`, of `steps`). Returns the raw outcome:
+    exit codes, the metrics records under OUT/*/ (ranks' included) and what each host's interface sent
+    meanwhile (None in loopback mode)."""
     logs = {}
     before = _tx_bytes(lab)
     procs: list[subprocess.Popen] = []
@@ -150,8 +166,17 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
     try:
         start(first)
         start(rest(_wait_for_file(bootstrap, procs, bootstrap_timeout) if bootstrap else []))
-        deadline = time.monotonic() + timeout
-        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+        began = time.monotonic()
+        while True:  # a progress line every PROGRESS_S until they all ended
+            until = min(began + timeout, time.monotonic() + PROGRESS_S)
+            try:
+                codes = [p.wait(timeout=max(0.0, until - time.monotonic())) for p in procs]
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= began + timeout:
+                    raise
+                if (far := progress(out, steps)) is not None:
+                    print(f"bench: {label}: {time.monotonic() - began:.0f}s, {far}", flush=True)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         for p in procs:
             p.kill()
@@ -186,7 +211,7 @@ def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float
     needs_bootstrap = split_method(method)[0] not in (REFERENCE, "ddp")
     return run_launches(lab, out, method, [launch(lab.hosts[0], [])],
                         lambda bootstrap: [launch(host, bootstrap) for host in lab.hosts[1:]], timeout=timeout,
-                        bootstrap=out / "bootstrap.maddrs" if needs_bootstrap else None)
+                        bootstrap=out / "bootstrap.maddrs" if needs_bootstrap else None, steps=recipe["train"]["steps"])
 
 
 def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: int | None = None) -> dict:

@@ -119,7 +119,8 @@ def run_part_a(args: argparse.Namespace, out: Path) -> dict:
             raw = run_launches(lab, method_out, method, [launch(0, [])],
                                lambda bootstrap, launch=launch, count=count: [launch(i, bootstrap) for i in range(1, count)],
                                timeout=args.timeout,
-                               bootstrap=None if method == REFERENCE else method_out / "bootstrap.maddrs")
+                               bootstrap=None if method == REFERENCE else method_out / "bootstrap.maddrs",
+                               steps=args.steps)
             res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=args.steps,
                                    workers=len(lab.hosts) * PER_HOST)
             res.update(elapsed_s=time.monotonic() - started, processes=len(lab.hosts) * PER_HOST, load=[load, _load()],

@@ -3,6 +3,7 @@ on emulated hosts writes the results schema and the plot."""
 
 import json
 import signal
+import sys
 
 import pytest
 import yaml
@@ -10,8 +11,10 @@ import yaml
 from conftest import NETNS, TINY_MODEL, TINY_TRAIN, wait_until
 from decentral.cli import main as cli_main
 from decentral.netlab import _stale_names
-from decentral.bench import (compare, format_cpu, method_steps, peak_rate, recipe_file, round_bytes, split_method,
-                             summarize_method, time_to_loss)
+import decentral.bench as bench
+from decentral.bench import (Launch, compare, format_cpu, method_steps, peak_rate, recipe_file, round_bytes,
+                             run_launches, split_method, summarize_method, time_to_loss)
+from decentral.netlab import NetLab
 
 
 def records(worker, wall_per_step, steps, vals):
@@ -233,3 +236,27 @@ def test_an_interrupted_bench_keeps_what_finished_and_says_what_did_not_run(tmp_
         assert _stale_names("bench") == ([], [])  # namespaces, veths and bridge removed: their processes died too
     again = prefork.run(["bench", "--report", str(out)], tmp_path, timeout=60)
     assert again.returncode == 1 and "not run (the bench was interrupted): diloco@100000" in again.stderr, again.stderr
+
+
+TRAINING_FOR_A_SECOND = """
+import json, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+folder.mkdir()
+with open(folder / "metrics.jsonl", "w") as f:
+    for step, val in ((0, 5.5), (2, 4.0), (3, None)):
+        f.write(json.dumps({"worker": folder.name, "step": step, **({"val_loss": val} if val else {})}) + "\\n")
+time.sleep(1.0)  # a worker still training
+"""
+
+
+def test_a_running_method_says_how_far_its_slowest_worker_is(tmp_path, monkeypatch, capsys):
+    """A bench method runs for minutes to hours: every PROGRESS_S the bench says how far its workers are."""
+    monkeypatch.setattr(bench, "PROGRESS_S", 0.2)
+    with NetLab(2, None, mode="loopback", name="tpg") as lab:
+        launches = [Launch(host, f"w{host.index}", [sys.executable, "-c", TRAINING_FOR_A_SECOND,
+                                                     str(tmp_path / f"w{host.index}")]) for host in lab.hosts]
+        raw = run_launches(lab, tmp_path, "diloco", launches, lambda _: [], timeout=60, steps=5)
+    assert raw["codes"] == [0, 0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bench: diloco: ")]
+    assert lines and lines[-1].endswith("s, slowest worker at step 3 of 5, last val 4.000"), lines
