@@ -89,7 +89,7 @@ def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
 def _command(method: str, recipe: Path, out: Path, index: int, hosts: int, addr: str, addr0: str,
              bootstrap: list[str], data: list[str]) -> list[str]:
     method = split_method(method)[0]
-    module = "decentral.baselines.hivemind_optimizer" if method == "hivemind" else "decentral.cli"
+    module = "decentral.baselines.hivemind_optimizer" if method == "hivemind" else "decentral"
     cmd = [sys.executable, "-m", module] + ([] if method == "hivemind" else ["train"])
     cmd += ["--protocol", str(recipe), "--out", str(out / f"w{index}"), "--name", f"w{index}",
             "--worker-index", str(index), "--num-workers", str(hosts)]

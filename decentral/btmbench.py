@@ -119,7 +119,7 @@ def plan_seed(out: Path, seed: int, domains: list[str], seed_steps: int, branch_
     out.mkdir(parents=True, exist_ok=True)
     recipe_file = out / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    cli = [sys.executable, "-m", "decentral.cli"]
+    cli = [sys.executable, "-m", "decentral"]
     common = ["--protocol", str(recipe_file)]
     each = [a for d in domains for a in ("--domain", d)]
     registry = ["--registry", str(out / "experts")]

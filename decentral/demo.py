@@ -90,7 +90,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
           f"outputs in {out}/", flush=True)
 
     def launch(index: int, join: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "decentral.cli", "train", "--protocol", str(recipe_file),
+        cmd = [sys.executable, "-m", "decentral", "train", "--protocol", str(recipe_file),
                "--out", str(out / f"w{index}"), "--name", f"w{index}",
                "--worker-index", str(index), "--num-workers", str(workers)]
         if swarm:

@@ -91,7 +91,7 @@ class Swarm:
         host = self.lab.hosts[index]
         if not initial:  # a restart is a fresh peer that catches up from the swarm, not a --resume of its checkpoint
             shutil.rmtree(self.out / f"w{index}" / "checkpoint", ignore_errors=True)
-        cmd = [sys.executable, "-m", "decentral.cli", "-v", "train", "--protocol", str(self.recipe_file),
+        cmd = [sys.executable, "-m", "decentral", "-v", "train", "--protocol", str(self.recipe_file),
                "--out", str(self.out / f"w{index}"), "--name", f"w{index}", "--worker-index", str(index),
                "--num-workers", str(len(self.lab.hosts)), "--steps", str(self.steps), "--host", host.address]
         cmd += ["--min-peers", str(len(self.lab.hosts) if initial else 1)]
