@@ -425,6 +425,13 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"bench: --out {out} is a file, not a folder", file=sys.stderr)
+        return 2
+    if (out / "results.json").is_file():
+        print(f"bench: --out {out} holds a previous bench (results.json): give another --out, or redraw its "
+              f"results with --report {out}", file=sys.stderr)
+        return 2
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
     tokens_per_step = base.train.batch_size * base.train.context

@@ -205,7 +205,7 @@ def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anythin
         assert not (tmp_path / "out").exists()  # no lab, no worker, no results
 
 
-def test_bad_data_timeout_and_steps_are_refused_before_any_worker_starts(tmp_path, capsys):
+def test_bad_data_timeout_steps_and_out_are_refused_before_any_worker_starts(tmp_path, capsys):
     code = cli_main(["bench", "--protocols", "diloco", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "corpus path does not exist" in err and len(err.strip().splitlines()) == 1, err
@@ -218,6 +218,15 @@ def test_bad_data_timeout_and_steps_are_refused_before_any_worker_starts(tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and "diloco+int8: 10 steps are less than one of its rounds (every 50 steps)" in err, err
     assert "diloco+int8@50" in err and not (tmp_path / "out").exists()
+    # an --out that would lose an earlier bench's results, or is a file
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "results.json").write_text("{}")
+    (tmp_path / "afile").write_text("x")
+    for out, says in (("earlier", "holds a previous bench (results.json)"), ("afile", "is a file, not a folder")):
+        assert cli_main(["bench", "--protocols", "diloco", "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "earlier" / "results.json").read_text() == "{}"
 
 
 def test_an_interrupted_bench_keeps_what_finished_and_says_what_did_not_run(tmp_path, small_corpus, prefork):
