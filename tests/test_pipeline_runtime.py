@@ -310,6 +310,18 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     assert evaluation["full_loss"] < records[0]["loss"] - 0.5 and evaluation["kept_stages"] == 1
     again = prefork.run(["pipeline", "eval", str(out), "--data", str(small_corpus)], tmp_path, timeout=120)
     assert again.returncode == 0 and f"{evaluation['full_loss']:.4f}" in again.stdout
+    checkpoints = {path: path.read_bytes() for path in out.glob("*/stage/*")}
+    refused = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--data",
+                           str(small_corpus), "--steps", "2"], tmp_path, timeout=60)  # without --resume: kept
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stdout + refused.stderr
+    assert "holds an earlier run" in refused.stderr and "--resume" in refused.stderr
+    assert {path: path.read_bytes() for path in out.glob("*/stage/*")} == checkpoints
+    unsaved = tmp_path / "unsaved"  # a run stopped before its first checkpoint: --resume says so before any node starts
+    unsaved.mkdir()
+    (unsaved / "network.json").write_bytes((out / "network.json").read_bytes())
+    refused = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(unsaved), "--resume"], tmp_path,
+                          timeout=60)
+    assert refused.returncode == 2 and "no stage checkpoint of node(s)" in refused.stderr, refused.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"pipeline": {"stagse": 2}}))
     refused = prefork.run(["pipeline", "train", "--recipe", str(bad), "--out", str(tmp_path / "bad")], tmp_path,

@@ -9,6 +9,7 @@ it dies, another head takes over (decentral.pipeline.serve).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -199,6 +200,31 @@ def run_metrics(out: str | Path) -> list[dict]:
     return [found[step] for step in sorted(found)]
 
 
+def stage_checkpoints(out: str | Path) -> dict[str, int | None]:
+    """The nodes of run folder `out` that left a stage checkpoint (OUT/<node>/stage), each with the iteration
+    it holds (None when its meta.json cannot be read: loading it says why)."""
+    from decentral.checkpoint import checkpoint_present
+
+    found: dict[str, int | None] = {}
+    folders = sorted(p for p in Path(out).iterdir() if p.is_dir()) if Path(out).is_dir() else []
+    for folder in folders:
+        if checkpoint_present(folder / "stage"):
+            try:
+                found[folder.name] = int(json.loads((folder / "stage" / "meta.json").read_text())["iteration"])
+            except (OSError, ValueError, KeyError, TypeError):
+                found[folder.name] = None
+    return found
+
+
+def resume_hint(out: str | Path) -> str:
+    """Where a stopped run in `out` can go on from: its nodes' last checkpoints, or none yet."""
+    iterations = [i for i in stage_checkpoints(out).values() if i is not None]
+    if not iterations:
+        return f"no node had checkpointed yet (every train.eval_every iterations): {out} cannot be resumed"
+    return (f"the nodes' last checkpoints (iteration {min(iterations)}) are in {out}: `decentral pipeline train "
+            f"--resume --out {out}` (with the run's --recipe) goes on from them")
+
+
 def node_network(recipe, path: str | Path | None = None) -> Network:
     """The network a run plans over: the file at `path` (else the recipe's pipeline.network, else the
     recipe's loopback network), shaped as the recipe says (stages, skip, microbatches, activation size)."""
@@ -231,7 +257,14 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         if not (out / "network.json").exists():
             raise PipelineError(f"--resume: {out} holds no run to resume (no network.json)")
         network = shaped_network(load_network(out / "network.json"), recipe)  # the first run's allocation
+        missing = [node.name for node in network.nodes if node.name not in stage_checkpoints(out)]
+        if missing:
+            raise PipelineError(f"--resume: no stage checkpoint of node(s) {', '.join(missing)} in {out} (nodes "
+                                "checkpoint every train.eval_every iterations): start over without --resume")
     else:
+        if stage_checkpoints(out):
+            raise PipelineError(f"{out} holds an earlier run (stage checkpoints): --resume goes on from it; to start "
+                                "over, remove it or give another --out")
         network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed,
                          effort=recipe.pipeline.effort)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,8 +286,7 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
                 code = run.wait(timeout_s, None if bar.disable else lambda: bar.update(run.iterations_done() - bar.n))
             if code != 0:
                 raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
-                                    f"(its last line: {run.last_line(run.lead)}); the nodes' last checkpoints are in "
-                                    f"{out}: `--resume` goes on from them")
+                                    f"(its last line: {run.last_line(run.lead)}); {resume_hint(out)}")
             lead = run.lead
     finally:
         if lab is not None:
