@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +18,13 @@ import yaml
 
 from decentral.checkpoint import load_checkpoint
 from decentral.config import RecipeError
+from decentral.cpu import descendants
 from decentral.data.corpus import load_corpus
 from decentral.models.gpt import GPT
 from decentral.pipeline.cli import add_pipeline_parser
 from decentral.pipeline.coordinator import Coordinator
 from decentral.pipeline.discovery import new_server
+from decentral.pipeline.launch import run_metrics, stage_checkpoints
 from decentral.pipeline.network import NetworkError, parse_network
 from decentral.pipeline.node import StageNode, microbatch
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
@@ -26,6 +33,8 @@ from decentral.pipeline.stages import cut, make_stage, partial_loss
 from decentral.swarm.admission import SwarmKey
 from decentral.sync import DiLoCo
 from decentral.worker import inner_lr
+
+from conftest import running, wait_until
 
 
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32, "context": 32}
@@ -327,6 +336,50 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     refused = prefork.run(["pipeline", "train", "--recipe", str(bad), "--out", str(tmp_path / "bad")], tmp_path,
                           timeout=60)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "stagse" in refused.stderr
+
+
+@pytest.mark.parametrize("sig", ["Ctrl-C", "SIGTERM"])
+def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_path, small_corpus, sig):
+    """`pipeline train` stopped by a terminal's Ctrl-C (SIGINT to its process group) or by a SIGTERM to it
+    alone: exit 130 within seconds, one line on stderr naming the nodes' last checkpoint and `--resume`, and
+    no node process (nor its DHT) left running."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"nodes": 2}, train={"steps": 500,
+                                                                                           "eval_every": 2})))
+    out = tmp_path / "run"
+    repo = Path(__file__).resolve().parent.parent
+    train = subprocess.Popen(
+        [sys.executable, "-m", "decentral", "pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--data",
+         str(small_corpus)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,  # its own group, as a terminal's job is
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job inherits it ignored)
+    nodes: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_metrics(out) and run_metrics(out)[-1]["step"] >= 3 and len(stage_checkpoints(out)) == 2):
+            assert time.monotonic() < deadline and train.poll() is None, train.stderr.read() if train.poll() else ""
+            time.sleep(0.1)  # polling the lead's metrics and the checkpoints
+        nodes = descendants(train.pid)  # the nodes and their DHT processes
+        assert len(nodes) >= 4
+        if sig == "Ctrl-C":
+            os.killpg(train.pid, signal.SIGINT)
+        else:
+            os.kill(train.pid, signal.SIGTERM)
+        _, stderr = train.communicate(timeout=30)
+        assert train.returncode == 130, stderr
+        saved = min(stage_checkpoints(out).values())
+        assert stderr.count("\n") == 1 and f"last checkpoints (iteration {saved})" in stderr, stderr
+        assert f"--resume --out {out}" in stderr
+        wait_until(lambda: not any(running(pid) for pid in nodes), timeout=5, what="the nodes to end")
+        for log in out.glob("*.log"):
+            assert "Traceback" not in log.read_text(), log.read_text()
+    finally:
+        train.kill()
+        for pid in nodes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_one_error(tmp_path, capsys):

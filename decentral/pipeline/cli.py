@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -136,12 +137,23 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    """Run `train_run`; Ctrl-C, SIGTERM or SIGHUP ends every node and says where the run can go on from (exit 130)."""
     from decentral.pipeline.evaluate import format_evaluation
-    from decentral.pipeline.launch import train_run
+    from decentral.pipeline.launch import resume_hint, run_metrics, train_run
 
-    result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,
-                       latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
-                       timeout_s=args.timeout, resume=args.resume)
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,
+                           latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
+                           timeout_s=args.timeout, resume=args.resume)
+    except KeyboardInterrupt:
+        records = run_metrics(args.out)
+        print(f"pipeline train: interrupted at iteration {records[-1]['step'] if records else 0}; "
+              f"{resume_hint(args.out)}", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(format_evaluation(result["evaluation"]))
     print(f"wrote {args.out}/eval.json; `decentral pipeline eval {args.out}` scores it again")
     return 0
@@ -161,6 +173,8 @@ def cmd_node(args) -> int:
     from decentral.pipeline.serve import NodeOptions, run_node
     from decentral.swarm.admission import KEY_ENV, OPEN_SWARM_NOTICE, SwarmKey
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # how `pipeline train` stops a node, even one it
+    # started in the background (which inherits SIGINT ignored): as on Ctrl-C, its DHT and server close on the way out
     recipe = load_pipeline_recipe(args.recipe)
     key = args.swarm_key or os.environ.get(KEY_ENV) or recipe.recipe.swarm.key_file
     if not key:

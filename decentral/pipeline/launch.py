@@ -24,6 +24,7 @@ from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, shaped_network
 
 TICK_S = 1.0  # how often `pipeline train`'s progress bar reads the lead's metrics
+STOP_S = 10.0  # how long `LocalPipeline.close` lets a node shut down before killing it
 COULD_NOT_RUN = 2  # a node's exit code when it could not run as asked (a corrupt checkpoint, a bad recipe): for good
 LAUNCHER = (sys.executable, "-m", "decentral.cli")  # what runs `decentral` for a node
 
@@ -103,11 +104,13 @@ class LocalPipeline:
 
     def _start(self, cmd: list[str], log: Path, host) -> subprocess.Popen:
         """Run `cmd` on the lab's `host` (None: here), its output appended to `log`; its environment: ours,
-        `env`, and the host's DECENTRAL_* variables."""
+        `env`, and the host's DECENTRAL_* variables. In a session of its own: a terminal's Ctrl-C reaches
+        us alone, and `close` stops each node once."""
         with open(log, "a") as out:
             if host is not None:
-                return host.popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-            return subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=out, stderr=subprocess.STDOUT)
+                return host.popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(cmd, env={**os.environ, **(self.env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
 
     def _bootstrap(self, name: str, timeout_s: float) -> list[str]:
         path, proc = self.out / f"{name}.maddrs", self.procs[name]
@@ -167,11 +170,12 @@ class LocalPipeline:
         return records[-1]["step"] if records else 0
 
     def close(self) -> None:
-        """End every node process still running (SIGTERM, then SIGKILL)."""
+        """End every node process still running: SIGINT (it closes its DHT and server as on Ctrl-C), after
+        STOP_S SIGKILL."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 5.0
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_S
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -587,7 +587,10 @@ class StageNode:
         self.links.post(address, SEND, payload, done)
 
     def _report(self, body: dict) -> None:
-        """Tell the coordinator (in this process when we are the lead)."""
+        """Tell the coordinator (in this process when we are the lead); not once we are closing (the sends
+        that fail then are ours, cut short)."""
+        if self.stopped.is_set():
+            return
         if self.coordinator is not None:
             self.coordinator.on_report(body)
         elif self._coordinator:
