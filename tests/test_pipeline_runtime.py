@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from decentral.pipeline.cli import add_pipeline_parser
 from decentral.pipeline.coordinator import Coordinator
 from decentral.pipeline.discovery import new_server
 from decentral.pipeline.launch import run_metrics, stage_checkpoints
-from decentral.pipeline.network import NetworkError, parse_network
+from decentral.pipeline.network import NetworkError, PipelineError, parse_network
 from decentral.pipeline.node import StageNode, microbatch
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
 from decentral.pipeline.simulator import simulate
@@ -380,6 +381,17 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_node_whose_port_is_taken_says_so(small_corpus):
+    """A --port another process listens on is a PipelineError naming it (decentral.cli: one line, exit 2)."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PipelineError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+            StageNode("h", make_stage(recipe.recipe.model, 2, 1, 0), recipe, memory=3, port=port)
 
 
 def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_one_error(tmp_path, capsys):

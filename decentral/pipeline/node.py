@@ -147,9 +147,13 @@ class StageNode:
         handlers = {"Send": grpc.unary_unary_rpc_method_handler(self._on_send),
                     "Control": grpc.unary_unary_rpc_method_handler(self._on_control)}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio >= 1.60 raises where older ones returned 0
+            bound = 0
         if not bound:
-            raise PipelineError(f"{name}: cannot listen on {host}:{port}")
+            raise PipelineError(f"{name}: cannot listen on {host}:{port}: the port is in use or the address is not "
+                                "this machine's (choose another --port, or 0 for any free one)")
         self.address = f"{host}:{bound}"
         self.stopped = threading.Event()
         self.last_command = time.monotonic()
