@@ -75,6 +75,14 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_code_2(tmp_path, capsys):
+    (tmp_path / "plan.json").symlink_to(tmp_path / "gone" / "plan.json")  # into a folder that is not there
+    code, _, stderr = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--microbatches", "2",
+                               "--out", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and stderr.count("\n") == 1
+    assert stderr.startswith(f"decentral: cannot write {tmp_path / 'plan.json'}: No such file or directory")
+
+
 def test_help_ends_with_an_example(capsys):
     with pytest.raises(SystemExit):
         run_cli(["pipeline", "plan", "--help"], capsys)

@@ -218,15 +218,19 @@ def cmd_plan(args) -> int:
         rows.append((name, f"{found.makespan_ms / 1e3:.1f} s", f"{found.makespan_ms / full.makespan_ms:.2f}x",
                      f"{found.makespan_ms / blind.makespan_ms - 1:+.0%}"))
     print(format_table(rows))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_compact_json(_plan_record(args, network, length, planned, full, blind, planning_s)))
-    written = [str(out)]
-    if args.plot:
-        from decentral.pipeline.plot import plot_plans
+    target = out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(_compact_json(_plan_record(args, network, length, planned, full, blind, planning_s)))
+        if args.plot:
+            from decentral.pipeline.plot import plot_plans
 
-        written.append(str(plot_plans(network, [("full pipeline", full), ("network-blind skipping", blind),
-                                                ("planned", planned)], args.plot)))
-    print(f"planned in {planning_s:.1f} s; wrote {', '.join(written)}")
+            target = Path(args.plot)
+            plot_plans(network, [("full pipeline", full), ("network-blind skipping", blind), ("planned", planned)],
+                       target)
+    except OSError as e:
+        raise PipelineError(f"cannot write {target}: {e.strerror or e} ({e.filename})") from None
+    print(f"planned in {planning_s:.1f} s; wrote {out}" + (f", {args.plot}" if args.plot else ""))
     return 0
 
 
