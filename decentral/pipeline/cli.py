@@ -32,8 +32,9 @@ network (the recipe's pipeline.network, --network, or pipeline.nodes equal nodes
 with its stage; the first head leads. With --netlab, every node runs in its own network namespace
 behind an uplink capped at that rate, with --latency-ms added to every message. Afterwards the
 model is put together from the nodes' checkpoints and evaluated whole and with --drop of its
-stages dropped (stage 0 kept). Writes OUT/<node>/ (stage checkpoints, logs), OUT/<lead>/metrics.jsonl
-(one record per iteration: loss, measured and simulated makespan), OUT/eval.json. When the lead dies,
+stages dropped (stage 0 kept). Writes OUT/<node>/stage/ (its checkpoint), OUT/<node>.log (its
+output), OUT/<lead>/metrics.jsonl (one record per iteration: loss, measured and simulated
+makespan), OUT/eval.json. When the lead dies,
 another head takes over; nodes checkpoint every train.eval_every iterations, and --resume goes on
 from there (after a stop, or the death of a run's only head).
 
