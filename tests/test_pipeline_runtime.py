@@ -410,6 +410,10 @@ def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_on
         args.func(args)
     with pytest.raises(RecipeError, match="calibrate_at >= 0"):
         parse_pipeline_recipe(tiny_recipe(2, 0.0, 2, pipeline={"calibrate_at": -1}))
+    with pytest.raises(RecipeError, match=r"pipeline.skip is the share .* got 1.5"):  # not the loopback network's
+        parse_pipeline_recipe(tiny_recipe(2, 1.5, 2))
+    with pytest.raises(RecipeError, match="pipeline.nodes 2 cannot hold 3 stages"):
+        parse_pipeline_recipe(tiny_recipe(3, 0.0, 2, pipeline={"nodes": 2}))
     with pytest.raises(RecipeError, match="3 stages need at least 3 transformer blocks"):
         parse_pipeline_recipe(tiny_recipe(3, 0.0, 2, model={**MODEL, "n_layer": 2}))
     args = parser.parse_args(["pipeline", "train", "--out", str(tmp_path / "never"), "--drop", "1.5"])

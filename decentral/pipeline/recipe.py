@@ -84,6 +84,12 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
     if config.stages < 2 or config.microbatches < 1 or config.memory < 1 or min(config.nodes, config.calibrate_at) < 0:
         raise RecipeError(f"{where}: pipeline needs stages >= 2, microbatches >= 1, memory >= 1, nodes >= 0 and "
                           "calibrate_at >= 0")
+    if not 0 <= config.skip < 1:
+        raise RecipeError(f"{where}: pipeline.skip is the share of stages a microbatch skips, in [0, 1); got "
+                          f"{config.skip}")
+    if not config.network and 0 < config.nodes < config.stages:
+        raise RecipeError(f"{where}: pipeline.nodes {config.nodes} cannot hold {config.stages} stages (0: one node "
+                          "per stage)")
     recipe = parse_recipe(rest, where)
     if recipe.model_source == GPT_SOURCE and recipe.train.context > recipe.model.context:
         raise RecipeError(f"{where}: train.context {recipe.train.context} exceeds model.context {recipe.model.context}")
