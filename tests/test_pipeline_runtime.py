@@ -326,6 +326,9 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stdout + refused.stderr
     assert "holds an earlier run" in refused.stderr and "--resume" in refused.stderr
     assert {path: path.read_bytes() for path in out.glob("*/stage/*")} == checkpoints
+    refused = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--resume"], tmp_path,
+                          timeout=60)  # the recipe's 15 steps are done: said at once, not a run that does nothing
+    assert refused.returncode == 2 and "at iteration 15, 15 were asked for: nothing to train" in refused.stderr
     unsaved = tmp_path / "unsaved"  # a run stopped before its first checkpoint: --resume says so before any node starts
     unsaved.mkdir()
     (unsaved / "network.json").write_bytes((out / "network.json").read_bytes())

@@ -261,10 +261,16 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         if not (out / "network.json").exists():
             raise PipelineError(f"--resume: {out} holds no run to resume (no network.json)")
         network = shaped_network(load_network(out / "network.json"), recipe)  # the first run's allocation
-        missing = [node.name for node in network.nodes if node.name not in stage_checkpoints(out)]
+        saved = stage_checkpoints(out)
+        missing = [node.name for node in network.nodes if node.name not in saved]
         if missing:
             raise PipelineError(f"--resume: no stage checkpoint of node(s) {', '.join(missing)} in {out} (nodes "
                                 "checkpoint every train.eval_every iterations): start over without --resume")
+        done, target = min((i for i in saved.values() if i is not None), default=0), steps or recipe.recipe.train.steps
+        if done >= target:
+            raise PipelineError(f"--resume: the nodes' checkpoints in {out} are at iteration {done}, {target} were "
+                                f"asked for: nothing to train (give more --steps; `decentral pipeline eval {out}` "
+                                "scores the model)")
     else:
         if stage_checkpoints(out):
             raise PipelineError(f"{out} holds an earlier run (stage checkpoints): --resume goes on from it; to start "
