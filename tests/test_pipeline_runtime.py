@@ -408,6 +408,9 @@ def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_on
     args = parser.parse_args(["pipeline", "eval", str(tmp_path)])
     with pytest.raises(NetworkError, match="holds no stage checkpoints"):  # decentral.cli.main: one line, exit 2
         args.func(args)
+    args = parser.parse_args(["pipeline", "eval", str(tmp_path / "typo")])
+    with pytest.raises(NetworkError, match="typo: no such folder"):
+        args.func(args)
     args = parser.parse_args(["pipeline", "train", "--out", str(tmp_path), "--resume"])
     with pytest.raises(NetworkError, match="holds no run to resume"):
         args.func(args)

@@ -32,6 +32,8 @@ MAX_SUBSETS = 20
 def load_run(run: str | Path) -> tuple[nn.Module, PipelineRecipe]:
     """The whole model of a run folder, and its recipe (PipelineError when a stage has no checkpoint)."""
     run = Path(run)
+    if not run.is_dir():
+        raise PipelineError(f"{run}: no such folder (give a `decentral pipeline train` run's --out)")
     found: dict[int, tuple[int, dict]] = {}  # stage -> (iterations stepped, model tensors)
     recipe = None
     for folder in sorted(p.parent for p in run.glob("*/stage/meta.json")):
