@@ -42,7 +42,8 @@ def test_links_defaults_and_directions():
     ({"nodes": [{"name": "a", "compute_ms": 1}, {"name": "a", "compute_ms": 2}]},
      "nodes[1].name 'a' is already used by nodes[0]"),
     ({"nodes": [{"name": "a", "compute_ms": 1, "speed": 2}]}, "nodes[0]: unknown field 'speed'"),
-    ({"nodes": []}, "nodes must be a non-empty list"),
+    ({"nodes": []}, "nodes must be a non-empty list, got an empty one"),
+    ({"nodes": [{"name": "a"}]}, "nodes[0].compute_ms must be a positive number, got nothing"),  # missing, not None
     ({"stages": 1}, "stages must be an integer >= 2, got 1"),
     ({"skip": 1.0}, "skip must be a number in [0, 1), got 1.0"),
     ({"microbatches": "8"}, "microbatches must be a positive integer, got '8'"),

@@ -182,7 +182,7 @@ def parse_network(data: Any, source: str = "network") -> Network:
             raise NetworkError(f"{source}: {key} must be a number >= 0, got {factors[key]!r}")
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not raw_nodes:
-        raise NetworkError(f"{source}: nodes must be a non-empty list, got {_kind(raw_nodes)}")
+        raise NetworkError(f"{source}: nodes must be a non-empty list, got {'an empty one' if raw_nodes == [] else _kind(raw_nodes)}")
     nodes = tuple(_parse_node(raw, f"{source}: nodes[{i}]", shape["stages"]) for i, raw in enumerate(raw_nodes))
     names = {}
     for i, node in enumerate(nodes):
@@ -204,7 +204,7 @@ def parse_network(data: Any, source: str = "network") -> Network:
         ends = []
         for key in ("from", "to"):
             if raw.get(key) not in names:
-                raise NetworkError(f"{where}.{key} must name a node, got {raw.get(key)!r}")
+                raise NetworkError(f"{where}.{key} must name a node, got {_shown(raw.get(key))}")
             ends.append(names[raw[key]])
         if ends[0] == ends[1]:
             raise NetworkError(f"{where}: from and to are the same node {raw['from']!r}")
@@ -265,13 +265,13 @@ def regions_network(nodes: int = 20, regions: int = 5, seed: int = 0, stages: in
 def _check_shape(values: dict, source: str) -> dict:
     stages, skip, microbatches, size = (values.get(key) for key in SHAPE_KEYS)
     if not _is_int(stages) or stages < 2:
-        raise NetworkError(f"{source}: stages must be an integer >= 2, got {stages!r}")
+        raise NetworkError(f"{source}: stages must be an integer >= 2, got {_shown(stages)}")
     if not _is_number(skip) or not 0 <= skip < 1:
-        raise NetworkError(f"{source}: skip must be a number in [0, 1), got {skip!r}")
+        raise NetworkError(f"{source}: skip must be a number in [0, 1), got {_shown(skip)}")
     if not _is_int(microbatches) or microbatches < 1:
-        raise NetworkError(f"{source}: microbatches must be a positive integer, got {microbatches!r}")
+        raise NetworkError(f"{source}: microbatches must be a positive integer, got {_shown(microbatches)}")
     if not _is_number(size) or size < 0:
-        raise NetworkError(f"{source}: activation_bytes must be a number >= 0, got {size!r}")
+        raise NetworkError(f"{source}: activation_bytes must be a number >= 0, got {_shown(size)}")
     return dict(zip(SHAPE_KEYS, (int(stages), float(skip), int(microbatches), int(size))))
 
 
@@ -282,9 +282,9 @@ def _parse_node(raw: Any, where: str, stages: int) -> Node:
     name, compute, memory = raw.get("name"), raw.get("compute_ms"), raw.get("memory", DEFAULT_MEMORY)
     stage, region, uplink = raw.get("stage"), raw.get("region", ""), raw.get("uplink_mbps")
     if not isinstance(name, str) or not name:
-        raise NetworkError(f"{where}.name must be a non-empty string, got {name!r}")
+        raise NetworkError(f"{where}.name must be a non-empty string, got {_shown(name)}")
     if not _is_number(compute) or compute <= 0:
-        raise NetworkError(f"{where}.compute_ms must be a positive number, got {compute!r}")
+        raise NetworkError(f"{where}.compute_ms must be a positive number, got {_shown(compute)}")
     if not _is_int(memory) or memory < 1:
         raise NetworkError(f"{where}.memory must be a positive integer, got {memory!r}")
     if stage is not None and (not _is_int(stage) or not 0 <= stage < stages):
@@ -303,9 +303,9 @@ def _parse_link_cost(raw: Any, where: str, extra: set[str]) -> tuple[float, floa
     _no_unknown_keys(raw, {"latency_ms", "bandwidth_mbps"} | extra, where)
     latency, bandwidth = raw.get("latency_ms"), raw.get("bandwidth_mbps")
     if not _is_number(latency) or latency < 0:
-        raise NetworkError(f"{where}.latency_ms must be a number >= 0, got {latency!r}")
+        raise NetworkError(f"{where}.latency_ms must be a number >= 0, got {_shown(latency)}")
     if not _is_number(bandwidth) or bandwidth <= 0:
-        raise NetworkError(f"{where}.bandwidth_mbps must be a positive number, got {bandwidth!r}")
+        raise NetworkError(f"{where}.bandwidth_mbps must be a positive number, got {_shown(bandwidth)}")
     return float(latency), float(bandwidth)
 
 
@@ -321,6 +321,11 @@ def _is_number(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message shows it: "nothing" for a missing field (or null)."""
+    return "nothing" if value is None else repr(value)
 
 
 def _kind(value: Any) -> str:
