@@ -313,6 +313,7 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
                        tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "whole model (2 stages)" in done.stdout and "1 of 2 stages" in done.stdout
+    assert "pipeline train: iteration 15 of 15" in done.stdout  # progress where no terminal shows a bar: a log
     evaluation = json.loads((out / "eval.json").read_text())
     lead = next(p.parent.name for p in out.glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in (out / lead / "metrics.jsonl").read_text().splitlines()]
@@ -372,8 +373,8 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
         _, stderr = train.communicate(timeout=30)
         assert train.returncode == 130, stderr
         saved = min(stage_checkpoints(out).values())
-        assert stderr.count("\n") == 1 and f"last checkpoints (iteration {saved})" in stderr, stderr
-        assert f"--resume --out {out}" in stderr
+        assert stderr.startswith("pipeline train: interrupted;") and stderr.count("\n") == 1, stderr
+        assert f"last checkpoints (iteration {saved})" in stderr and f"--resume --out {out}" in stderr
         wait_until(lambda: not any(running(pid) for pid in nodes), timeout=5, what="the nodes to end")
         for log in out.glob("*.log"):
             assert "Traceback" not in log.read_text(), log.read_text()

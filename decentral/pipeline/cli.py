@@ -140,7 +140,7 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     """Run `train_run`; Ctrl-C, SIGTERM or SIGHUP ends every node and says where the run can go on from (exit 130)."""
     from decentral.pipeline.evaluate import format_evaluation
-    from decentral.pipeline.launch import resume_hint, run_metrics, train_run
+    from decentral.pipeline.launch import resume_hint, train_run
 
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -148,9 +148,7 @@ def cmd_train(args) -> int:
                            latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
                            timeout_s=args.timeout, resume=args.resume)
     except KeyboardInterrupt:
-        records = run_metrics(args.out)
-        print(f"pipeline train: interrupted at iteration {records[-1]['step'] if records else 0}; "
-              f"{resume_hint(args.out)}", file=sys.stderr, flush=True)
+        print(f"pipeline train: interrupted; {resume_hint(args.out)}", file=sys.stderr, flush=True)
         return 130
     finally:
         for sig, handler in previous.items():

@@ -23,7 +23,7 @@ from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, shaped_network
 
-TICK_S = 1.0  # how often `pipeline train`'s progress bar reads the lead's metrics
+TICK_S = 1.0  # how often `pipeline train`'s progress (a bar, or lines in a log) reads the lead's metrics
 STOP_S = 10.0  # how long `LocalPipeline.close` lets a node shut down before killing it
 COULD_NOT_RUN = 2  # a node's exit code when it could not run as asked (a corrupt checkpoint, a bad recipe): for good
 LAUNCHER = (sys.executable, "-m", "decentral.cli")  # what runs `decentral` for a node
@@ -136,7 +136,7 @@ class LocalPipeline:
         When the lead dies and heads are left, the one with the lowest name takes over (as the nodes
         choose it) and ends the run. A node that exits with COULD_NOT_RUN ends the wait at once (PipelineError
         with its last line): no other node would go on in its place. `tick` is called about every TICK_S
-        seconds meanwhile (it moves a progress bar)."""
+        seconds meanwhile (it shows the progress)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -188,6 +188,22 @@ class LocalPipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _progress(run: LocalPipeline, bar) -> Callable[[], None]:
+    """What `run.wait` calls about every TICK_S: it moves the tqdm `bar` on a terminal; elsewhere (a log)
+    it prints a line at each tenth of the run's iterations done (on stdout, as a worker's steps are)."""
+    said = [-1]
+
+    def tick() -> None:
+        done = run.iterations_done()
+        if not bar.disable:
+            bar.update(done - bar.n)
+        elif done * 10 // bar.total > said[0]:
+            said[0] = done * 10 // bar.total
+            print(f"pipeline train: iteration {done} of {bar.total}", flush=True)
+
+    return tick
 
 
 def run_metrics(out: str | Path) -> list[dict]:
@@ -293,7 +309,9 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
                            env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
             run.start()
             with tqdm(total=steps or recipe.recipe.train.steps, desc="pipeline train", unit="it", disable=None) as bar:
-                code = run.wait(timeout_s, None if bar.disable else lambda: bar.update(run.iterations_done() - bar.n))
+                tick = _progress(run, bar)
+                code = run.wait(timeout_s, tick)
+                tick()
             if code != 0:
                 raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
                                     f"(its last line: {run.last_line(run.lead)}); {resume_hint(out)}")
