@@ -140,8 +140,11 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     """Run `train_run`; Ctrl-C, SIGTERM or SIGHUP ends every node and says where the run can go on from (exit 130)."""
     from decentral.pipeline.evaluate import format_evaluation
-    from decentral.pipeline.launch import resume_hint, train_run
+    from decentral.pipeline.launch import resume_hint, stage_checkpoints, train_run
 
+    if not args.resume and stage_checkpoints(args.out):  # (a benchmark's train_run may write over its own)
+        raise PipelineError(f"{args.out} holds an earlier run (stage checkpoints): --resume goes on from it; to start "
+                            "over, remove it or give another --out")
     previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,

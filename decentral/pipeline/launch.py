@@ -288,9 +288,6 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
                                 f"asked for: nothing to train (give more --steps; `decentral pipeline eval {out}` "
                                 "scores the model)")
     else:
-        if stage_checkpoints(out):
-            raise PipelineError(f"{out} holds an earlier run (stage checkpoints): --resume goes on from it; to start "
-                                "over, remove it or give another --out")
         network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed,
                          effort=recipe.pipeline.effort)
     out.mkdir(parents=True, exist_ok=True)
