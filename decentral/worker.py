@@ -321,26 +321,28 @@ def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> No
 
 
 def _swarm_setup(recipe: Recipe, opts: WorkerOptions) -> dict:
-    """What every member of a run must share besides the model (whose size is checked on the state a newcomer
-    takes): the protocol, and how many ranks each member is and how its island averages (shards must line up)."""
-    island = [opts.world_size, opts.island_mode] if opts.island_mode else [1, None]
-    return {"protocol": recipe.protocol, "island": island}
+    """How this member averages, which every member of a run must share (besides the model, whose size is checked
+    on the state a newcomer takes): the protocol, and the shards its vector is cut into (a sharded island's ranks
+    each average one; a single process or an island in leader mode averages the whole vector)."""
+    return {"protocol": recipe.protocol, "shards": opts.world_size if opts.island_mode == "sharded" else 1}
 
 
 def _describe_setup(setup: dict) -> str:
-    size, mode = setup["island"]
-    return f"{setup['protocol']} " + (f"as an island of {size} ranks ({mode} mode)" if mode else "as a single process")
+    shards = setup["shards"]
+    return f"{setup['protocol']} " + ("on its whole vector (a single process, or an island in leader mode)"
+                                      if shards == 1 else f"in {shards} shards (an island of {shards} ranks, sharded)")
 
 
 def _check_same_setup(transport: Transport, ours: dict, run: str) -> None:
-    """SwarmError when a member of the swarm (its heartbeat's `setup` card field) trains with another setup than
-    `ours`: averages of differently cut tensors are refused on both sides, so each would train on apart."""
+    """SwarmError when a member of the swarm (its heartbeat's `setup` card field) averages otherwise than `ours`:
+    averages of differently cut vectors are refused on both sides, so each would train on apart."""
     for peer, card in transport.progress().items():
         theirs = card.get("setup")
         if isinstance(theirs, dict) and theirs != ours:
-            raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} trains {_describe_setup(theirs)}, "
-                             f"this peer {_describe_setup(ours)}: every member of a run must use the same protocol and "
-                             "island layout (the recipe's protocol and island sections, --island-size, --island-mode)")
+            raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} averages {_describe_setup(theirs)}, "
+                             f"this peer {_describe_setup(ours)}: the members of a run use one protocol, and either all "
+                             "are islands sharded over the same number of ranks or none is (--island-mode leader "
+                             "mixes islands of any size with single processes)")
 
 
 def _check_finite(what: str, value: float, step: int) -> float:

@@ -59,7 +59,8 @@ def test_two_islands_of_two_ranks_train_as_two_identical_members(workers, mode):
 def test_a_single_process_joining_a_swarm_of_sharded_islands_stops_in_one_line(workers):
     """A flat peer's average is the whole vector, a sharded island's rank-0 connection averages a half: each
     refused the other's parts and both trained on apart, saying only "wrong size". The newcomer now stops (exit
-    code 2) naming the island layout it should use; the island trains on."""
+    code 2) naming the island layout it should use; the island trains on. (Islands in leader mode average the
+    whole vector, and mix with single processes: test_a_killed_rank_takes_its_island_out_and_the_restarted...)"""
     w = workers(DILOCO, steps=100_000, num_workers=2)
     island = w.start(0, min_peers=1, extra=["--island-size", str(RANKS), "--island-mode", "sharded"])
     try:
@@ -67,8 +68,8 @@ def test_a_single_process_joining_a_swarm_of_sharded_islands_stops_in_one_line(w
         flat = w.start(1, min_peers=1)
         assert flat.wait(timeout=120) == 2, w.log(1)
         said = [line for line in w.log(1).splitlines() if line.startswith("decentral: ")]
-        assert len(said) == 1 and "trains diloco as an island of 2 ranks (sharded mode), this peer diloco as a " \
-                                  "single process" in said[0], w.log(1)
+        assert len(said) == 1 and "averages diloco in 2 shards (an island of 2 ranks, sharded), this peer diloco " \
+                                  "on its whole vector" in said[0], w.log(1)
         assert not [r for r in w.metrics(1) if "loss" in r]
         assert island.poll() is None, w.log(0)
     finally:
@@ -98,6 +99,14 @@ def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(wor
     alone = [r for r in w.metrics(1) if r.get("group_size") == 1]
     assert alone[-1]["wait_s"] - waited_before < 10.0, "island 1 waited a timeout for the island that left"
 
+    # a single process averages its whole vector as an island in leader mode does: it joins island 1 and they
+    # average together (sharded islands refuse it: test_a_single_process_joining_a_swarm_of_sharded_islands...)
+    flat = w.start(2, min_peers=1, join=(w.root / "w1.maddrs").read_text().split(), extra=["--num-workers", "3"])
+    wait_until(lambda: any(r.get("group_size") == 2 and r["complete"] for r in w.metrics(2)), 120,
+               "the single process averaged with island 1")
+    flat.terminate()  # it says it leaves: island 1 does not wait for it
+    assert flat.wait(timeout=60) == 130, w.log(2)
+
     # restarted with --resume, the island joins at the swarm's step and trains with the other again
     before = len(w.metrics(0))
     w.start(0, extra=[*island, "--resume"], join=(w.root / "w1.maddrs").read_text().split(), min_peers=1)
@@ -110,7 +119,7 @@ def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(wor
     theirs = {r["round"]: r["digest"] for r in syncs(w.metrics(1))}
     assert theirs[joint["round"]] == joint["digest"]  # identical again
 
-    ranks = [pid for p in w.procs.values() for pid in children(p.pid)]
+    ranks = [pid for i in (0, 1) for pid in children(w.procs[i].pid)]
     w.kill_all()  # SIGKILL the launchers: the kernel sends their ranks SIGTERM, and they stop too
     wait_until(lambda: not any(running(pid) for pid in ranks), 60, "the ranks of killed launchers stopped")
 
