@@ -20,6 +20,7 @@ import sys
 import hivemind  # noqa: F401  (imported for the workers)
 import torch  # noqa: F401
 import torch._dynamo  # noqa: F401  (what a worker's first optimizer step imports: 1-2 CPU seconds each)
+from hivemind.utils.mpfuture import MPFuture
 
 import decentral.pipeline.serve  # noqa: F401
 import decentral.worker  # noqa: F401
@@ -55,6 +56,8 @@ def become_worker(request: dict, selector: selectors.BaseSelector) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     wire.LINK = wire.LinkShaper.from_env()  # the one setting our imports read from the environment
+    MPFuture.reset_backend()  # hivemind's process-shared locks, made at its import: this worker's own, as in a
+    # fresh interpreter (shared with every worker forked here, one that died holding one blocked all later ones)
     sys.argv = ["decentral", *request["argv"]]
     sys.exit(main(request["argv"]))
 

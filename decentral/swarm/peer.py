@@ -152,10 +152,14 @@ class _DHTProcess(DHT):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does once its loop runs: Ctrl-C is the parent's
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's KeyboardInterrupt: a SIGTERM to the
-        # process group (`timeout`, a scheduler's cancel) ends this process quietly, as it ends p2pd
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM (to the process group: `timeout`, a
+        # scheduler's cancel; hivemind's own shutdown "the hard way") unwinds the loop, releasing the locks hivemind
+        # shares with the parent (a process killed outright may hold one for good), and ends quietly below
         threading.Thread(target=self._shut_down_when_orphaned, name="orphan-watch", daemon=True).start()
-        super().run()
+        try:
+            super().run()
+        except KeyboardInterrupt:
+            pass
 
     def _shut_down_when_orphaned(self) -> None:
         while os.getppid() == self._owner_pid:
