@@ -15,6 +15,7 @@ from pathlib import Path
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # before grpc: a port it cannot bind reaches us as an exception
 
 from decentral.config import RecipeError, load_recipe, parse_settings, recipe_path
 from decentral.models import GPT_SOURCE, ModelError, absolute_source, check_source

@@ -341,6 +341,10 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     refused = prefork.run(["pipeline", "train", "--recipe", str(bad), "--out", str(tmp_path / "bad")], tmp_path,
                           timeout=60)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "stagse" in refused.stderr
+    refused = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(tmp_path / "nodata"), "--data",
+                           str(tmp_path / "missing.txt")], tmp_path, timeout=60)  # before any node starts
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stdout + refused.stderr
+    assert refused.stderr.startswith("decentral: corpus path does not exist") and not (tmp_path / "nodata").exists()
 
 
 @pytest.mark.parametrize("sig", ["Ctrl-C", "SIGTERM"])

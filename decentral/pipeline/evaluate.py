@@ -111,6 +111,6 @@ def format_evaluation(result: dict) -> str:
 
     rows = [("validation", "loss", "perplexity", "vs whole"),
             (f"whole model ({result['stages']} stages)", f"{result['full_loss']:.4f}", f"{result['full_ppl']:.3f}", ""),
-            (f"{result['kept_stages']} of {result['stages']} stages (mean of {result['subsets']} subsets)",
+            (f"{result['kept_stages']} of {result['stages']} stages (mean of {result['subsets']} subset{'s' if result['subsets'] != 1 else ''})",
              f"{result['dropped_loss']:.4f}", f"{result['dropped_ppl']:.3f}", f"{result['ppl_increase']:+.1%}")]
     return format_table(rows)

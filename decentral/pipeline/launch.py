@@ -26,7 +26,7 @@ from decentral.pipeline.recipe import loopback_network, shaped_network
 TICK_S = 1.0  # how often `pipeline train`'s progress (a bar, or lines in a log) reads the lead's metrics
 STOP_S = 10.0  # how long `LocalPipeline.close` lets a node shut down before killing it
 COULD_NOT_RUN = 2  # a node's exit code when it could not run as asked (a corrupt checkpoint, a bad recipe): for good
-LAUNCHER = (sys.executable, "-m", "decentral.cli")  # what runs `decentral` for a node
+LAUNCHER = (sys.executable, "-m", "decentral")  # what runs `decentral` for a node
 
 
 def pinned(network: Network, seed: int = 0, effort: float = 0.3) -> Network:
@@ -272,6 +272,10 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         raise PipelineError(f"steps must be at least 1, got {steps}")
     if evaluate:
         check_drop(drop)  # before the run, not after it
+    if data:
+        from decentral.data import load_corpus
+
+        load_corpus(data)  # what every node reads: a bad --data fails here, not in each node after its start-up
     out = Path(out)
     if resume:
         if not (out / "network.json").exists():

@@ -182,7 +182,8 @@ def parse_network(data: Any, source: str = "network") -> Network:
             raise NetworkError(f"{source}: {key} must be a number >= 0, got {factors[key]!r}")
     raw_nodes = data.get("nodes")
     if not isinstance(raw_nodes, list) or not raw_nodes:
-        raise NetworkError(f"{source}: nodes must be a non-empty list, got {'an empty one' if raw_nodes == [] else _kind(raw_nodes)}")
+        got = "an empty one" if raw_nodes == [] else _kind(raw_nodes)
+        raise NetworkError(f"{source}: nodes must be a non-empty list, got {got}")
     nodes = tuple(_parse_node(raw, f"{source}: nodes[{i}]", shape["stages"]) for i, raw in enumerate(raw_nodes))
     names = {}
     for i, node in enumerate(nodes):
