@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from decentral.cli import positive_int
+from decentral.cli import interrupting, positive_int
 from decentral.config import RecipeError, default_recipe_path, load_recipe
 from decentral.data.domains import BUILTIN_DOMAINS, load_domains, parse_domain
 from decentral.experts.ensemble import PriorCache, ensemble_nll
@@ -67,31 +67,30 @@ def run_jobs(jobs: list[Job], out: Path, parallel: int) -> dict[str, int]:
     codes: dict[str, int | None] = {}
     running: dict[str, subprocess.Popen] = {}
     waiting = list(jobs)
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        while waiting or running:
-            for job in [j for j in waiting if all(codes.get(a) == 0 for a in j.after)][: parallel - len(running)]:
-                waiting.remove(job)
-                with open(out / f"{job.name}.log", "w") as log:  # its own session: Ctrl-C reaches us, not it
-                    running[job.name] = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                         start_new_session=True)
-                print(f"bench btm: started {job.name}", flush=True)
-            for job in [j for j in waiting if any(a in codes and codes[a] != 0 for a in j.after)]:
-                waiting.remove(job)
-                codes[job.name] = None
-                print(f"bench btm: skipped {job.name} (a job it needs failed)", flush=True)
-            for name, proc in list(running.items()):
-                if proc.poll() is not None:
-                    codes[name] = proc.returncode
-                    del running[name]
-                    print(f"bench btm: {name} "
-                          f"{'done' if proc.returncode == 0 else f'FAILED ({proc.returncode}), see {out / name}.log'}",
-                          flush=True)
-            if running:
-                time.sleep(0.5)  # polling child processes
-        return codes
+        with interrupting(signal.SIGTERM):
+            while waiting or running:
+                for job in [j for j in waiting if all(codes.get(a) == 0 for a in j.after)][: parallel - len(running)]:
+                    waiting.remove(job)
+                    with open(out / f"{job.name}.log", "w") as log:  # its own session: Ctrl-C reaches us, not it
+                        running[job.name] = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                             start_new_session=True)
+                    print(f"bench btm: started {job.name}", flush=True)
+                for job in [j for j in waiting if any(a in codes and codes[a] != 0 for a in j.after)]:
+                    waiting.remove(job)
+                    codes[job.name] = None
+                    print(f"bench btm: skipped {job.name} (a job it needs failed)", flush=True)
+                for name, proc in list(running.items()):
+                    if proc.poll() is not None:
+                        codes[name] = proc.returncode
+                        del running[name]
+                        failed = f"FAILED ({proc.returncode}), see {out / name}.log"
+                        outcome = "done" if proc.returncode == 0 else failed
+                        print(f"bench btm: {name} {outcome}", flush=True)
+                if running:
+                    time.sleep(0.5)  # polling child processes
+            return codes
     finally:
-        signal.signal(signal.SIGTERM, previous)
         _stop(running)
 
 

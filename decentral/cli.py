@@ -4,6 +4,7 @@ report."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -12,6 +13,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import Iterator
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
@@ -77,6 +79,18 @@ def swarm_key(path: str | None, notice: bool = True):
     if notice:
         print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
     return None
+
+
+@contextlib.contextmanager
+def interrupting(*signals: int) -> Iterator[None]:
+    """Within the block each of `signals` raises KeyboardInterrupt, as Ctrl-C does, so that the main thread's
+    cleanup runs; the earlier handlers afterwards. Call it from the main thread."""
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 _interrupted = threading.Event()

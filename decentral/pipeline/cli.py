@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from decentral.cli import described, number_type, positive_int
+from decentral.cli import described, interrupting, number_type, positive_int
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.constraints import path_length
 from decentral.pipeline.network import PipelineError, load_network
@@ -146,17 +146,14 @@ def cmd_train(args) -> int:
     if not args.resume and stage_checkpoints(args.out):  # (a benchmark's train_run may write over its own)
         raise PipelineError(f"{args.out} holds an earlier run (stage checkpoints): --resume goes on from it; to start "
                             "over, remove it or give another --out")
-    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,
-                           latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
-                           timeout_s=args.timeout, resume=args.resume)
+        with interrupting(signal.SIGTERM, signal.SIGHUP):
+            result = train_run(args.recipe, args.out, network_path=args.network, netlab=args.netlab,
+                               latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
+                               timeout_s=args.timeout, resume=args.resume)
     except KeyboardInterrupt:
         print(f"pipeline train: interrupted; {resume_hint(args.out)}", file=sys.stderr, flush=True)
         return 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     print(format_evaluation(result["evaluation"]))
     print(f"wrote {args.out}/eval.json; `decentral pipeline eval {args.out}` scores it again")
     return 0
