@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -81,6 +82,13 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
     while not condition():
         assert time.monotonic() < deadline, f"{what} never held within {timeout}s"
         time.sleep(0.01)  # polling another peer's state
+
+
+def kill_leftovers(pids) -> None:
+    """SIGKILL each of `pids` still there (a test's cleanup after processes it expected to end)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def running(pid: int) -> bool:

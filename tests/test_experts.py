@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_MODEL, TINY_TRAIN
+from conftest import TINY_MODEL, TINY_TRAIN, kill_leftovers
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import main
 from decentral.data.domains import balanced_eval_batches, load_domains
@@ -273,11 +273,7 @@ def test_bench_btm_jobs_end_with_the_bench(tmp_path, sig):
         assert not (tmp_path / "c.log").exists()
     finally:
         bench.kill()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_leftovers(pids)
 
 
 def test_eval_checks_the_router_and_its_experts_before_scoring(tmp_path, monkeypatch, capsys):

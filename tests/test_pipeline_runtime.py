@@ -35,7 +35,7 @@ from decentral.swarm.admission import SwarmKey
 from decentral.sync import DiLoCo
 from decentral.worker import inner_lr
 
-from conftest import running, wait_until
+from conftest import kill_leftovers, running, wait_until
 
 
 MODEL = {"n_layer": 4, "n_head": 2, "d_model": 32, "context": 32}
@@ -384,11 +384,7 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
             assert "Traceback" not in log.read_text(), log.read_text()
     finally:
         train.kill()
-        for pid in nodes:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_leftovers(nodes)
 
 
 def test_a_node_whose_port_is_taken_says_so(small_corpus):
