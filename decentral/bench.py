@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from typing import Callable
 
 import yaml
 
+from decentral.cli import stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.data import load_corpus
 from decentral.metrics import format_table, human_bytes, read_metrics
@@ -178,9 +180,8 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
                 if (far := progress(out, steps)) is not None:
                     print(f"bench: {label}: {time.monotonic() - began:.0f}s, {far}", flush=True)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
-        for p in procs:
-            p.kill()
-        codes = [p.wait() for p in procs]
+        stop_processes(procs, signal.SIGKILL)
+        codes = [p.returncode for p in procs]
         print(f"bench: {label} failed: {e}", file=sys.stderr)
     finally:
         for f in logs.values():
@@ -425,9 +426,6 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"bench: --out {out} is a file, not a folder", file=sys.stderr)
-        return 2
     if (out / "results.json").is_file():
         print(f"bench: --out {out} holds a previous bench (results.json): give another --out, or redraw its "
               f"results with --report {out}", file=sys.stderr)

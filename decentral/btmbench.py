@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from decentral.cli import interrupting, positive_int
+from decentral.cli import interrupting, positive_int, stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe
 from decentral.data.domains import BUILTIN_DOMAINS, load_domains, parse_domain
 from decentral.experts.ensemble import PriorCache, ensemble_nll
@@ -91,23 +91,9 @@ def run_jobs(jobs: list[Job], out: Path, parallel: int) -> dict[str, int]:
                     time.sleep(0.5)  # polling child processes
             return codes
     finally:
-        _stop(running)
-
-
-def _stop(running: dict[str, subprocess.Popen], grace_s: float = 60.0) -> None:
-    """Terminate the `running` jobs, killing those still there after `grace_s` seconds."""
-    if not running:
-        return
-    print(f"bench btm: stopping {', '.join(running)}", file=sys.stderr, flush=True)
-    for proc in running.values():
-        proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in running.values():
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if running:
+            print(f"bench btm: stopping {', '.join(running)}", file=sys.stderr, flush=True)
+            stop_processes(running.values())
 
 
 def plan_seed(out: Path, seed: int, domains: list[str], seed_steps: int, branch_steps: int) -> list[Job]:

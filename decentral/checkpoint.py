@@ -9,6 +9,8 @@ save_pretrained layout); they are written inside the same atomic swap and checke
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -30,7 +32,23 @@ _RESERVED = ("format", "tensors_sha256", "files_sha256")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
+    """A checkpoint is missing, incomplete or corrupt, or another process writes to its folder."""
+
+
+@contextlib.contextmanager
+def sole_writer(out: Path):
+    """Hold an exclusive lock on run folder OUT (OUT/.lock) while a run writes there: a second process given
+    the same --out (two island ranks, a run started twice) stops at once instead of writing over the first's
+    checkpoints and metrics. CheckpointError when another process holds it. A POSIX record lock: the
+    process's own, not inherited by the processes it forks (a DHT process may outlive a killed worker for a
+    few seconds)."""
+    with open(Path(out) / ".lock", "a") as lock:
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise CheckpointError(f"another process is writing to {out} (a run with the same --out): give each "
+                                  "run its own --out") from None
+        yield
 
 
 def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],

@@ -9,11 +9,13 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
@@ -91,6 +93,22 @@ def interrupting(*signals: int) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], sig: int = signal.SIGTERM, grace_s: float = 60.0) -> None:
+    """Send `sig` to each of `procs` still running, give them `grace_s` seconds in all to end (a worker saves
+    its checkpoint on SIGTERM, a pipeline node closes its server on SIGINT), then kill and reap the rest."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 _interrupted = threading.Event()
@@ -523,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.swarm import AdmissionError, SwarmError
     from decentral.transport import StateUnavailable
 
+    out = getattr(args, "out", None) if args.command in ("bench", "syncbench") else None
+    if out and Path(out).exists() and not Path(out).is_dir():  # every benchmark writes a folder
+        print(f"decentral: --out {out} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from decentral.cli import stop_processes
 from decentral.config import Recipe
 from decentral.metrics import read_metrics, write_report
 from decentral.models import build_model
@@ -44,14 +45,6 @@ def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> list[s
             raise RuntimeError(f"the first worker exited with code {proc.returncode} before the swarm was up")
         time.sleep(0.2)  # polling a file another process writes; not standing in for a handshake
     raise RuntimeError(f"the first worker did not start the swarm within {timeout:.0f}s")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Terminate the workers (each saves its checkpoint on SIGTERM) and wait for all of them."""
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait()
 
 
 def ddp_bytes_per_step(num_params: int, workers: int) -> float:
@@ -106,7 +99,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
         try:
             bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120) if swarm else []
         except RuntimeError as e:  # the first worker failed (it said why) or hangs: nobody to join
-            _stop(procs)
+            stop_processes(procs)
             relays[0].join(timeout=5)
             print(f"demo: {e}; its output is above", file=sys.stderr, flush=True)
             return 1
@@ -115,7 +108,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
             relays.append(_relay(procs[-1]))
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
-        _stop(procs)
+        stop_processes(procs)
         print("demo: interrupted; each worker saved its checkpoint", flush=True)
         return 130
     for r in relays:

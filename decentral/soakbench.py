@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import yaml
 
+from decentral.cli import stop_processes
 from decentral.config import load_recipe, recipe_path
 from decentral.metrics import format_table
 from decentral.netlab import NetLab, bandwidth_argument
@@ -124,10 +126,7 @@ class Swarm:
                 or self.trained_steps(0) >= self.steps - self.last_round_steps)
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values(), signal.SIGKILL)
         for log in self._logs:
             log.close()
 

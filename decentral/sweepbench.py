@@ -131,9 +131,6 @@ def run_sweep(args: argparse.Namespace) -> int:
         print("bench sweep: --workers and --steps must be >= 1", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"bench sweep: --out {out} is a file, not a folder", file=sys.stderr)
-        return 2
     try:
         base = read_yaml(path) or {}
         if not isinstance(base, dict):

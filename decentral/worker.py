@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import math
 import threading
@@ -28,7 +27,8 @@ from typing import Callable, Sequence
 import torch
 
 from decentral.checkpoint import (
-    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, save_checkpoint, training_state,
+    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, save_checkpoint, sole_writer,
+    training_state,
 )
 from decentral.config import Recipe, RecipeError
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
@@ -240,7 +240,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         raise RegistryError(f"--stop-at {opts.stop_at} is not past {start.source}'s step {start.step}: nothing would "
                             "train; give a later --stop-at")
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
-    with _sole_writer(opts.out):
+    with sole_writer(opts.out):
         if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
             raise CheckpointError(f"{opts.out / 'checkpoint'} holds an earlier run: --resume goes on from it; to "
                                   "start over, remove it or give another --out")
@@ -285,21 +285,6 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
             return _train(protocol, recipe, opts, batches_from, val, transport, lineage, net)
         finally:
             transport.close()
-
-
-@contextlib.contextmanager
-def _sole_writer(out: Path):
-    """Hold an exclusive lock on OUT (OUT/.lock) while a run writes there: a second process given the same
-    --out (two island ranks, a run started twice) stops at once instead of writing over the first's checkpoint
-    and metrics. CheckpointError when another process holds it. A POSIX record lock: the process's own, not
-    inherited by the DHT process it forks (which may outlive a killed worker for a few seconds)."""
-    with open(out / ".lock", "a") as lock:
-        try:
-            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise CheckpointError(f"another process is writing to {out} (a run with the same --out): give each "
-                                  "run its own --out") from None
-        yield
 
 
 @contextlib.contextmanager

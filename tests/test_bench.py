@@ -227,6 +227,9 @@ def test_bad_data_timeout_steps_and_out_are_refused_before_any_worker_starts(tmp
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "earlier" / "results.json").read_text() == "{}"
+    for suite in ("soak", "dht", "overhead", "islands", "btm", "merge", "pipeline", "sweep"):  # was a raw errno
+        assert cli_main(["bench", suite, "--out", str(tmp_path / "afile")]) == 2, suite
+        assert capsys.readouterr().err == f"decentral: --out {tmp_path / 'afile'} is a file, not a folder\n", suite
 
 
 def test_an_interrupted_bench_keeps_what_finished_and_says_what_did_not_run(tmp_path, small_corpus, prefork):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from decentral.checkpoint import load_checkpoint
+from decentral.checkpoint import CheckpointError, load_checkpoint
 from decentral.config import RecipeError
 from decentral.cpu import descendants
 from decentral.data.corpus import load_corpus
@@ -387,6 +387,28 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
         kill_leftovers(nodes)
 
 
+def test_a_second_train_into_the_out_a_running_one_writes_to_stops_before_any_node_starts(tmp_path):
+    """Two `pipeline train` runs given one --out, both before the first checkpoint, both ran and wrote over each
+    other's network.json, swarm key and stage checkpoints. The second now stops at once (decentral.cli: one line,
+    exit 2), as a second `train` does."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(  # the first run, as far as the folder's lock knows
+        [sys.executable, "-c", "import sys; from decentral.checkpoint import sole_writer\n"
+         "with sole_writer(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        parser = argparse.ArgumentParser(prog="decentral")
+        add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(["pipeline", "train", "--out", str(out)])
+        with pytest.raises(CheckpointError, match=f"another process is writing to {out}"):
+            args.func(args)
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no network.json, key or node log
+    finally:
+        holder.communicate("")
+
+
 def test_a_node_whose_port_is_taken_says_so(small_corpus):
     """A --port another process listens on is a PipelineError naming it (decentral.cli: one line, exit 2)."""
     recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
@@ -401,7 +423,7 @@ def test_a_node_whose_port_is_taken_says_so(small_corpus):
 def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_one_error(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="decentral")
     add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
-    for command in ("train", "eval", "node"):
+    for command in ("plan", "train", "eval", "node"):
         with pytest.raises(SystemExit):
             parser.parse_args(["pipeline", command, "--help"])
         lines = capsys.readouterr().out.rstrip().splitlines()

@@ -19,11 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from decentral.checkpoint import sole_writer
+from decentral.cli import stop_processes
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, shaped_network
 
 TICK_S = 1.0  # how often `pipeline train`'s progress (a bar, or lines in a log) reads the lead's metrics
+START_S = 120.0  # how long the first node may take to start the swarm
 STOP_S = 10.0  # how long `LocalPipeline.close` lets a node shut down before killing it
 COULD_NOT_RUN = 2  # a node's exit code when it could not run as asked (a corrupt checkpoint, a bad recipe): for good
 LAUNCHER = (sys.executable, "-m", "decentral")  # what runs `decentral` for a node
@@ -69,7 +72,7 @@ class LocalPipeline:
         return PipelineError(f"node {name} could not run as asked and exited: {self.last_line(name)} (its log: "
                              f"{self.out / (name + '.log')})")
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    def start(self, timeout_s: float = START_S) -> None:
         """Start every node; the first one's DHT address must appear within `timeout_s`."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.network.save(self.out / "network.json")
@@ -153,7 +156,8 @@ class LocalPipeline:
                 if stopped:
                     raise self._could_not_run(stopped[0]) from None
                 if time.monotonic() >= deadline:
-                    raise PipelineError(f"the run did not end within {timeout_s:.0f}s; see {self.out}/*.log") from None
+                    raise PipelineError(f"the run did not end in the time given (--timeout); {resume_hint(self.out)} "
+                                        f"(the nodes' logs: {self.out}/*.log)") from None
                 if tick:
                     tick()
         deadline = time.monotonic() + 30.0
@@ -172,16 +176,7 @@ class LocalPipeline:
     def close(self) -> None:
         """End every node process still running: SIGINT (it closes its DHT and server as on Ctrl-C), after
         STOP_S SIGKILL."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + STOP_S
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values(), signal.SIGINT, STOP_S)
 
     def __enter__(self) -> "LocalPipeline":
         return self
@@ -260,12 +255,10 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
     (None when not evaluated), "metrics" (`run_metrics`), "lead" (the one that ended the run)}.
 
     The nodes share a swarm key made for the run (OUT/swarm.key). `resume`: every node goes on from its
-    checkpoint in OUT, with the allocation of OUT/network.json. PipelineError when the run fails."""
-    from tqdm import tqdm
-
-    from decentral.pipeline.evaluate import check_drop, evaluate_run
+    checkpoint in OUT, with the allocation of OUT/network.json. `timeout_s` counts the nodes' start-up too.
+    PipelineError when the run fails; CheckpointError when another process writes to `out`."""
+    from decentral.pipeline.evaluate import check_drop
     from decentral.pipeline.recipe import load_pipeline_recipe
-    from decentral.swarm.admission import SwarmKey
 
     recipe = load_pipeline_recipe(recipe_path)
     if steps is not None and steps < 1:
@@ -295,6 +288,20 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed,
                          effort=recipe.pipeline.effort)
     out.mkdir(parents=True, exist_ok=True)
+    with sole_writer(out):
+        return _train_locked(recipe, Path(recipe_path), network, out, netlab=netlab, latency_ms=latency_ms,
+                             steps=steps, data=data, drop=drop, timeout_s=timeout_s, evaluate=evaluate, resume=resume)
+
+
+def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, netlab, latency_ms, steps, data, drop,
+                  timeout_s, evaluate, resume) -> dict:
+    """`train_run` once its inputs are checked and it alone writes to `out`."""
+    from tqdm import tqdm
+
+    from decentral.pipeline.evaluate import evaluate_run
+    from decentral.swarm.admission import SwarmKey
+
+    deadline = time.monotonic() + timeout_s  # start-up counts
     key = out / "swarm.key"
     if not key.exists():
         SwarmKey.generate(key)
@@ -306,12 +313,13 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
 
         lab = NetLab(len(network.nodes), netlab, latency_ms=latency_ms, name="skp")
     try:
-        with LocalPipeline(Path(recipe_path), network, out, steps=steps, lab=lab, node_args=node_args,
+        with LocalPipeline(recipe_path, network, out, steps=steps, lab=lab, node_args=node_args,
                            env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
-            run.start()
+            print(f"pipeline train: starting {len(network.nodes)} nodes (their logs: {out}/<node>.log)", flush=True)
+            run.start(min(START_S, timeout_s))
             with tqdm(total=steps or recipe.recipe.train.steps, desc="pipeline train", unit="it", disable=None) as bar:
                 tick = _progress(run, bar)
-                code = run.wait(timeout_s, tick)
+                code = run.wait(deadline - time.monotonic(), tick)
                 tick()
             if code != 0:
                 raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
