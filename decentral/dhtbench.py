@@ -18,7 +18,6 @@ import contextlib
 import datetime as dt
 import json
 import platform
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -114,10 +113,6 @@ def format_results(results: dict) -> str:
 
 
 def run_dhtbench(args: argparse.Namespace) -> int:
-    heartbeats = [float(h) for h in args.heartbeats.split(",") if h]
-    if args.peers < 2 or args.calls < 1 or args.seconds <= 0 or not heartbeats or min(heartbeats) <= 0:
-        print("bench dht: --peers >= 2, --calls >= 1, --seconds > 0 and positive --heartbeats, please", file=sys.stderr)
-        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": {"peers": args.peers, "calls": args.calls, "seconds": args.seconds,
@@ -125,7 +120,7 @@ def run_dhtbench(args: argparse.Namespace) -> int:
     print(f"bench dht: {args.calls} calls of each kind among {args.peers} peers ...", flush=True)
     results["per_call"] = per_call(args.peers, args.calls)
     results["idle"] = []
-    for beat in heartbeats:
+    for beat in args.heartbeats:
         print(f"bench dht: idle for {args.seconds:g} s with a heartbeat every {beat:g} s ...", flush=True)
         results["idle"].append({"heartbeat_s": beat, "bytes_per_s": idle_rate(args.peers, beat, args.seconds)})
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -135,10 +130,20 @@ def run_dhtbench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _heartbeats(text: str) -> list[float]:
+    """argparse type of --heartbeats: comma-separated periods in seconds, each above 0."""
+    from decentral.cli import number_type
+
+    return [number_type(float, 0, strict=True)(beat) for beat in text.split(",")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--calls", type=int, default=10, help="calls of each kind, one after another")
-    parser.add_argument("--heartbeats", default="2,6,10", help="heartbeat periods (s) to measure idle")
-    parser.add_argument("--seconds", type=float, default=30.0, help="how long each idle swarm is measured")
+    from decentral.cli import number_type, positive_int
+
+    parser.add_argument("--peers", type=number_type(int, 2), default=4)
+    parser.add_argument("--calls", type=positive_int, default=10, help="calls of each kind, one after another")
+    parser.add_argument("--heartbeats", type=_heartbeats, default="2,6,10", help="heartbeat periods (s) to measure idle")
+    parser.add_argument("--seconds", type=number_type(float, 0, strict=True), default=30.0,
+                        help="how long each idle swarm is measured")
     parser.add_argument("--out", default="runs/bench-dht")
     parser.set_defaults(func=run_dhtbench)

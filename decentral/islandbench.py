@@ -362,6 +362,11 @@ def run_islands(args: argparse.Namespace) -> int:
         return 2
     if "a" in parts:
         load_corpus(args.data)  # what part A's workers read: a bad --data fails here (DataError), not in each worker
+        every = load_recipe(Path(args.recipes) / "diloco.yaml").round_length()
+        if every and args.steps < every:  # hierarchical and flat would average nothing, and be compared as if
+            print(f"islands: --steps {args.steps} is less than one DiLoCo round (every {every} steps): give --steps "
+                  f"{every} or more", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": {"parts": sorted(parts), "bandwidth": args.bandwidth, "date": dt.date.today().isoformat(),

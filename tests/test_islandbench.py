@@ -118,4 +118,6 @@ def test_bad_arguments_and_data_are_refused_before_any_lab_opens(tmp_path, capsy
     code = cli_main(["bench", "islands", "--parts", "a", "--data", str(tmp_path / "missing"), "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "corpus path does not exist" in err and len(err.strip().splitlines()) == 1, err
+    assert cli_main(["bench", "islands", "--parts", "a", "--steps", "10", "--out", str(out)]) == 2  # averages nothing
+    assert capsys.readouterr().err.startswith("islands: --steps 10 is less than one DiLoCo round (every ")
     assert not out.exists()

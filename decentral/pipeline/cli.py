@@ -1,12 +1,9 @@
-"""`decentral pipeline`: plan SkipPipe paths, run a pipeline, evaluate what it trained.
-
-`plan` reads a network file (see decentral.pipeline.network), plans the allocation and the path of
-every microbatch, and simulates one iteration of three plans: the full pipeline (every stage,
-network-aware), network-blind skipping, and the plan. Writes the plan as JSON and, with --plot,
-their Gantt charts.
+"""`decentral pipeline`: SkipPipe. `plan` plans which stages each microbatch visits over a network and
+simulates the plan; `train` runs a pipeline of processes here (or `node`, one per machine); `eval` scores
+what a run trained, whole and with stages dropped. `decentral pipeline COMMAND --help` says more.
 
 example:
-  decentral pipeline plan examples/networks/regions20.json --stages 6 --skip 0.33 --out plan.json --plot plan.png
+  decentral pipeline train --steps 300 --out runs/skippipe
 """
 
 from __future__ import annotations
@@ -26,6 +23,14 @@ from decentral.pipeline.network import PipelineError, load_network
 from decentral.pipeline.planner import Plan, plan
 from decentral.pipeline.recipe import SHIPPED_RECIPE
 
+
+PLAN_HELP = """Read a network file (see decentral.pipeline.network), plan the allocation and the path of every
+microbatch, and simulate one iteration of three plans: the full pipeline (every stage, network-aware),
+network-blind skipping, and the plan. Writes the plan as JSON and, with --plot, their Gantt charts.
+
+example:
+  decentral pipeline plan examples/networks/regions20.json --stages 6 --skip 0.33 --out plan.json --plot plan.png
+"""
 
 TRAIN_HELP = """Train the reference GPT with SkipPipe: one `decentral pipeline node` process per node of the
 network (the recipe's pipeline.network, --network, or pipeline.nodes equal nodes on loopback), each
@@ -66,7 +71,7 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                                      **described(__doc__))
     commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
     p = commands.add_parser("plan", help="plan stages and microbatch paths; simulate them against the baselines",
-                            **described(__doc__))
+                            **described(PLAN_HELP))
     p.add_argument("network", metavar="NETWORK.json", help="nodes, links and training shape (JSON)")
     p.add_argument("--stages", type=int, help="pipeline stages (default: the file's)")
     p.add_argument("--skip", type=float, help="share of stages each microbatch skips, in [0, 1) (default: the file's)")
