@@ -13,6 +13,9 @@ its state), so all ranks start from rank 0's state without any change to the pro
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import urllib.parse
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -30,6 +33,46 @@ class RendezvousError(RuntimeError):
 
 class IslandError(RuntimeError):
     """A rank of the island failed or is gone: a collective with it failed, and the island cannot go on."""
+
+
+def _check_rendezvous_answers(init_method: str, where: str, rank: int, world_size: int, timeout: float) -> None:
+    """(a rank other than 0, before it joins) torch's TCPStore client waits forever on a port where another
+    program listens and never answers its handshake; so connect once from a thread first, and give up
+    after `timeout` (+ a few seconds of its retry) with a RendezvousError, as when nothing answers at all.
+    Until rank 0 is up the client retries, as the real rendezvous does. Only tcp:// and env:// are checked."""
+    if init_method == "env://":
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    elif init_method.startswith("tcp://"):
+        address = urllib.parse.urlparse(init_method)
+        host, port = address.hostname, address.port
+    else:
+        return
+    if not host or not port:
+        return  # torch's own rendezvous says what is missing
+    failed: list[Exception] = []
+    answered = threading.Event()
+
+    def connect() -> None:
+        try:  # without world_size: the check is not counted among the ranks rank 0 waits for
+            dist.TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 (nobody came to the port in time: said below)
+            failed.append(e)
+        answered.set()
+
+    threading.Thread(target=connect, daemon=True, name="rendezvous-check").start()
+    if not answered.wait(timeout + min(10.0, timeout)):  # (the client's last retry may run past `timeout`)
+        try:
+            socket.create_connection((host, int(port)), timeout=2.0).close()
+        except OSError:
+            failed.append(TimeoutError(f"nobody answered within {timeout:g}s"))
+        else:
+            raise RendezvousError(f"rank {rank} of {world_size} could not join the island at {where}: something "
+                                  f"listens there but did not answer as torch.distributed's rendezvous within "
+                                  f"{timeout:g}s (another program on that port? give the island another port)")
+    if failed:
+        raise RendezvousError(f"rank {rank} of {world_size} could not join the island at {where} (timeout "
+                              f"{timeout:g}s): {str(failed[0]).splitlines()[0]}")
 
 
 class IslandTransport:
@@ -55,6 +98,11 @@ class IslandTransport:
         self.rank, self.world_size = rank, world_size
         self.peer_id = f"rank{rank}"
         self._ids = [f"rank{r}" for r in range(world_size)]  # numeric order, the same on every rank
+        where = init_method
+        if init_method == "env://":  # torchrun's rendezvous: say where that is
+            where += f" ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
+        if rank != 0:
+            _check_rendezvous_answers(init_method, where, rank, world_size, timeout)
         try:
             dist.init_process_group(
                 self.backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -63,9 +111,6 @@ class IslandTransport:
         except Exception as exc:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            where = init_method
-            if init_method == "env://":  # torchrun's rendezvous: say where that is
-                where += f" ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
             raise RendezvousError(
                 f"rank {rank} of {world_size} could not join the island at {where} "
                 f"(backend {self.backend}, timeout {timeout:g}s): {exc}"

@@ -4,6 +4,8 @@ against arithmetic done independently here in the parent."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
+import threading
 import time
 import traceback
 
@@ -217,6 +219,21 @@ def test_a_torchrun_rendezvous_nobody_comes_to_names_its_address(monkeypatch):
     with pytest.raises(RendezvousError, match=rf"rank 0 of 2 could not join the island at env:// \(127.0.0.1:{port}\)"):
         IslandTransport("env://", 0, 2, backend="gloo", timeout=2.0)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_rank_whose_rendezvous_port_another_program_holds_stops_instead_of_waiting_forever():
+    """torch's store client connected to a program that never answered its handshake, and waited for good."""
+    with socket.socket() as other:  # listens and accepts, as a web server would, but says nothing
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        accepted = []
+        threading.Thread(target=lambda: accepted.append(other.accept()), daemon=True).start()
+        init_method = f"tcp://127.0.0.1:{other.getsockname()[1]}"
+        with pytest.raises(RendezvousError, match=rf"rank 1 of 2 could not join the island at {init_method}: "
+                                                  "something listens there but did not answer"):
+            IslandTransport(init_method, 1, 2, backend="gloo", timeout=1.0)
+        assert accepted and not torch.distributed.is_initialized()
+    accepted[0][0].close()
 
 
 def test_rendezvous_without_peers_raises_within_timeout():
