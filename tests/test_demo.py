@@ -25,18 +25,19 @@ def demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[
 
 
 def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn_and_replaces_an_earlier_demo(tmp_path):
-    """An earlier demo of `local` (three workers training alone) in the same OUT, then the default demo:
-    its two workers average and learn, and its records are its own (the earlier w2 and steps are gone)."""
-    done, records = demo(tmp_path, "--protocol", "local", "--workers", "3", "--steps", "10")
+    """An earlier demo of `local` (one worker training alone) in the same OUT, then the default demo:
+    its two workers average and learn, and its records are its own (the earlier w0's steps and checkpoint
+    are gone)."""
+    done, records = demo(tmp_path, "--protocol", "local", "--workers", "1", "--steps", "10")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(records) == ["w0", "w1", "w2"] and "no communication (local)" in done.stdout
+    assert sorted(records) == ["w0"] and "no communication (local)" in done.stdout
     for worker, recs in records.items():
         assert recs[-1]["final"] and recs[-1]["step"] == 10 and recs[-1]["bytes_sent"] == 0, (worker, recs[-1])
         assert recs[-1]["val_loss"] < recs[0]["val_loss"], worker
 
     done, records = demo(tmp_path, "--steps", "60")  # NoLoCo, H = 50: one outer round
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(records) == ["w0", "w1"]
+    assert sorted(records) == ["w0", "w1"] and "held an earlier demo's records; they are replaced" in done.stdout
     recipe = load_recipe(default_recipe_path("noloco"))
     params = build_model(recipe.model_source, recipe.model, recipe.train.context).num_parameters()
     for worker, recs in records.items():
