@@ -4,6 +4,7 @@ and as separate `decentral pipeline node` processes found through the DHT (end t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -387,26 +388,37 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
         kill_leftovers(nodes)
 
 
-def test_a_second_train_into_the_out_a_running_one_writes_to_stops_before_any_node_starts(tmp_path):
-    """Two `pipeline train` runs given one --out, both before the first checkpoint, both ran and wrote over each
-    other's network.json, swarm key and stage checkpoints. The second now stops at once (decentral.cli: one line,
-    exit 2), as a second `train` does."""
-    out = tmp_path / "run"
-    out.mkdir()
-    holder = subprocess.Popen(  # the first run, as far as the folder's lock knows
+@contextlib.contextmanager
+def held(folder: Path):
+    """Another process holds `folder`'s run lock (checkpoint.sole_writer) within the block, as a running
+    `pipeline train` or node does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from decentral.checkpoint import sole_writer\n"
-         "with sole_writer(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()", str(out)],
+         "with sole_writer(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()", str(folder)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        parser = argparse.ArgumentParser(prog="decentral")
-        add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(["pipeline", "train", "--out", str(out)])
-        with pytest.raises(CheckpointError, match=f"another process is writing to {out}"):
-            args.func(args)
-        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no network.json, key or node log
+        yield
     finally:
         holder.communicate("")
+
+
+def test_a_second_train_or_node_given_the_out_a_running_one_writes_to_stops_before_it_starts(tmp_path):
+    """Two `pipeline train` runs given one --out, both before the first checkpoint, both ran and wrote over each
+    other's network.json, swarm key and stage checkpoints; two nodes given one --out shared its identity (one
+    peer id). The second now stops at once (decentral.cli: one line, exit 2), as a second `train` does."""
+    parser = argparse.ArgumentParser(prog="decentral")
+    add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"nodes": 2})))
+    for command in (["train", "--recipe", str(recipe)], ["node", "--recipe", str(recipe), "--name", "n00", "--stage", "0"]):
+        out = tmp_path / command[0]
+        with held(out):
+            args = parser.parse_args(["pipeline", *command, "--out", str(out)])
+            with pytest.raises(CheckpointError, match=f"another process is writing to {out}"):
+                args.func(args)
+        assert sorted(p.name for p in out.iterdir()) == [".lock"], command  # no network.json, key, identity, log
 
 
 def test_a_node_whose_port_is_taken_says_so(small_corpus):

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from decentral.checkpoint import sole_writer
 from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, read_metrics
 from decentral.pipeline.auth import CallKey
@@ -79,7 +80,7 @@ class NodeOptions:
 def run_node(opts: NodeOptions) -> int:
     """Run one node until the run ends (see the module docstring); returns an exit code."""
     torch.set_num_threads(1)
-    recipe, network = opts.recipe, opts.network
+    network = opts.network
     entry = next((node for node in network.nodes if node.name == opts.name), None)
     if entry is None:
         raise PipelineError(f"{network.source} has no node named {opts.name!r}")
@@ -91,6 +92,13 @@ def run_node(opts: NodeOptions) -> int:
     if opts.host == "0.0.0.0" and not opts.announce_host:
         raise PipelineError("listening on 0.0.0.0 needs --announce-host (the address others reach us at)")
     opts.out.mkdir(parents=True, exist_ok=True)
+    with sole_writer(opts.out):  # two nodes given one --out would share its identity (one peer id) and checkpoint
+        return _run_stage(opts, entry, index)
+
+
+def _run_stage(opts: NodeOptions, entry, index: int) -> int:
+    """`run_node` once its options are checked and it alone writes to its --out."""
+    recipe = opts.recipe
     tokens = load_corpus(opts.data).train if index == 0 else None
     swarm = recipe.recipe.swarm
     peer = SwarmPeer(swarm.run, opts.join, host=opts.host, port=opts.dht_port,  # --announce-host is gRPC's, and
