@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
 
 from decentral.swarm import AdmissionError, SwarmKey, SwarmPeer
 from decentral.swarm.membership import Membership
@@ -162,6 +163,39 @@ def test_a_peer_that_left_stays_listed_as_left_and_a_swarm_gone_says_so_in_the_t
         monitor.close()
         b.shutdown()
         a.shutdown()
+
+
+def test_a_monitor_cut_off_finds_the_swarm_again_when_a_peer_comes_back_at_its_join_address(tmp_path):
+    """Once every peer was gone, the monitor's DHT knew nobody and never joined again: a swarm restarted at
+    the --join address (same identity and port) stayed "no peer of the swarm answers" for ever."""
+    run, port = f"test-{time.monotonic_ns()}", free_port()
+
+    def start() -> tuple[SwarmPeer, Membership]:
+        peer = SwarmPeer(run, port=port, identity_path=tmp_path / "w0.key")
+        return peer, Membership(peer, heartbeat_s=0.5)
+
+    peer, beat = start()
+    monitor = SwarmMonitor(run, peer.multiaddrs())
+    try:
+        wait_for(lambda: [r["state"] for r in monitor.rows()] == ["alive"], 10, "the peer listed as alive")
+        beat.close()
+        peer.shutdown()
+
+        def cut_off() -> bool:
+            monitor.rows()  # a node that does not answer its request leaves the routing table
+            return not monitor.reachable()
+
+        wait_for(cut_off, 10, "the monitor's DHT knowing no node that answers")
+        peer, beat = start()
+        wait_for(lambda: [r["state"] for r in monitor.rows()] == ["alive"] and monitor.reachable(), 15,
+                 "the restarted peer listed as alive")
+        table = io.StringIO()
+        watch(monitor, interval_s=1.0, as_json=False, once=True, out=table)
+        assert table.getvalue().startswith(f"run {run!r}: 1 peer alive") and "answers" not in table.getvalue()
+    finally:
+        beat.close()
+        monitor.close()
+        peer.shutdown()
 
 
 def test_a_monitor_with_another_swarms_key_says_so_in_one_clean_line(make_swarm, tmp_path):

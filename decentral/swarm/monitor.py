@@ -42,6 +42,7 @@ NAME_CHARS = 64
 MAX_ADDRS = 4
 ADDR_CHARS = 256
 GONE_KEPT_S = 600.0  # how long a live monitor keeps listing a peer whose heartbeat expired
+REJOIN_S = 5.0  # how often a monitor that no node of the swarm answers joins again through its initial peers
 
 
 class StatusCard:
@@ -97,24 +98,46 @@ class _RawRecords(RecordValidatorBase):
 
 class SwarmMonitor:
     """An observer of run `run`, joined through any member's multiaddr in `initial_peers`; `swarm_key`:
-    the swarm's key, if it has one. SwarmError when no member answers."""
+    the swarm's key, if it has one. SwarmError when no member answers. While none does later (`reachable`
+    False), `rows` joins again through `initial_peers`, at most every `REJOIN_S`, until one answers."""
 
     def __init__(self, run: str, initial_peers: Sequence[str], *, swarm_key: SwarmKey | None = None,
                  startup_timeout: float = 30.0):
         check_multiaddrs(initial_peers)
         self.run, self.swarm_key = run, swarm_key
+        self._initial_peers, self._startup_timeout = list(initial_peers), startup_timeout
         self._dir = tempfile.mkdtemp(prefix="decentral-monitor-")
-        identity = ensure_identity(Path(self._dir) / "identity.key")
-        self._check = SignedRecords(identity, swarm_key)
+        self._check = SignedRecords(ensure_identity(Path(self._dir) / "identity.key"), swarm_key)
         self._key = DHTID.generate(source=f"{run}/peers").to_bytes()  # the `peers` records' key, as stored
         self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
         try:
-            self.dht = _DHTProcess(initial_peers=list(initial_peers), client_mode=True, start=True, await_ready=True,
-                                   startup_timeout=startup_timeout, identity_path=str(identity),
-                                   record_validators=[_RawRecords()], cache_locally=False, cache_nearest=0)
-        except Exception as e:  # hivemind raises several types for an unreachable multiaddr
+            self.dht = self._join()
+        except SwarmError:
             shutil.rmtree(self._dir, ignore_errors=True)
-            raise SwarmError(startup_error(e, initial_peers, "127.0.0.1", 0)) from e  # a client listens nowhere
+            raise
+
+    def _join(self) -> _DHTProcess:
+        """A new client-only DHT node joined through our initial peers; SwarmError when none answers. Its peer
+        id is a fresh one (no identity file), so it can join beside the node it replaces."""
+        self._joined_at = time.monotonic()
+        try:
+            return _DHTProcess(initial_peers=self._initial_peers, client_mode=True, start=True, await_ready=True,
+                               startup_timeout=self._startup_timeout, record_validators=[_RawRecords()],
+                               cache_locally=False, cache_nearest=0)
+        except Exception as e:  # hivemind raises several types for an unreachable multiaddr
+            raise SwarmError(startup_error(e, self._initial_peers, "127.0.0.1", 0)) from e  # a client listens nowhere
+
+    def _rejoin_if_cut_off(self) -> None:
+        """When no node answers us and our last join is `REJOIN_S` old: a new DHT node joined through our
+        initial peers replaces ours; if none of them answers yet, ours stays, to try again later."""
+        if time.monotonic() - self._joined_at < REJOIN_S or self.reachable():
+            return
+        try:
+            dht = self._join()
+        except SwarmError:
+            return
+        self.dht.shutdown()
+        self.dht = dht
 
     def rows(self, leave_out: frozenset[str] = frozenset()) -> list[dict]:
         """One row per peer with a heartbeat (state "alive"), or that said it left ("left"), or, in a
@@ -123,7 +146,8 @@ class SwarmMonitor:
         "state", "addrs", "step", "round", "loss", "tokens_per_s", "sent_per_s", "received_per_s",
         "last_seen_s"}; None where a peer does not say (an older version). AdmissionError when peers' records
         exist but none opens with our key (or without one). `leave_out`: peers whose records are not counted
-        (a member checking the swarm it joined: itself)."""
+        (a member checking the swarm it joined: itself). Joins again first when nobody answers (class docstring)."""
+        self._rejoin_if_cut_off()
         found = self.dht.get(f"{self.run}/peers", latest=True)
         stored = found.value if found is not None and isinstance(found.value, dict) else {}
         now, current, unreadable = get_dht_time(), {}, 0
