@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 from decentral.metrics import read_metrics
@@ -12,30 +11,29 @@ from decentral.config import default_recipe_path, load_recipe
 from decentral.models import build_model
 
 
-def demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, list[dict]]]:
+def demo(prefork, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, list[dict]]]:
     """Run `decentral demo --workers 2 ARGS` into tmp_path/demo (a later --workers wins); (the finished
-    process, each worker's records in the folder)."""
+    process, each worker's records in the folder). Its workers are processes of their own, as a user's are."""
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "decentral", "demo", "--workers", "2", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = prefork.run(["demo", "--workers", "2", "--out", str(out), *args], tmp_path, timeout=300)
     records: dict[str, list[dict]] = {}
     for r in read_metrics(sorted(out.glob("w*/metrics.jsonl"))):
         records.setdefault(r["worker"], []).append(r)
     return done, records
 
 
-def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn_and_replaces_an_earlier_demo(tmp_path):
+def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn_and_replaces_an_earlier_demo(tmp_path, prefork):
     """An earlier demo of `local` (one worker training alone) in the same OUT, then the default demo:
     its two workers average and learn, and its records are its own (the earlier w0's steps and checkpoint
     are gone)."""
-    done, records = demo(tmp_path, "--protocol", "local", "--workers", "1", "--steps", "10")
+    done, records = demo(prefork, tmp_path, "--protocol", "local", "--workers", "1", "--steps", "10")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(records) == ["w0"] and "no communication (local)" in done.stdout
     for worker, recs in records.items():
         assert recs[-1]["final"] and recs[-1]["step"] == 10 and recs[-1]["bytes_sent"] == 0, (worker, recs[-1])
         assert recs[-1]["val_loss"] < recs[0]["val_loss"], worker
 
-    done, records = demo(tmp_path, "--steps", "60")  # NoLoCo, H = 50: one outer round
+    done, records = demo(prefork, tmp_path, "--steps", "60")  # NoLoCo, H = 50: one outer round
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(records) == ["w0", "w1"] and "held an earlier demo's records; they are replaced" in done.stdout
     recipe = load_recipe(default_recipe_path("noloco"))
