@@ -13,7 +13,7 @@ from conftest import loss_step, run_in_threads, wait_until
 from decentral.loopback import EXACT
 from decentral.swarm import state, wire
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo, StreamingDiLoCo
-from decentral.transport import EncodedAverage, JoinRequest, heartbeat_digest
+from decentral.transport import EncodedAverage, JoinRequest, SoloTransport, heartbeat_digest
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -376,6 +376,32 @@ def test_inner_steps_through_the_optimizer_hooks_leave_slow_weights_alone(make_s
     assert p.round == 1
     assert not torch.equal(p.slow, start)
     torch.testing.assert_close(p.slow, fast, rtol=0, atol=1e-6)
+
+
+def test_a_protocol_is_entered_once_and_an_optimizer_hooked_by_one_protocol_at_a_time():
+    """Entering a protocol again started its run again (θ back to φ: the round's progress lost, silently), and a
+    second protocol on a hooked optimizer stepped with the first: both are refused, and nothing is hooked twice."""
+    model = tiny_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 5)
+    sync = DiLoCo(model, optimizer, SoloTransport(), every=8)
+    with sync:
+        with pytest.raises(RuntimeError, match="hooked by a diloco protocol already"):
+            with NoLoCo(model, optimizer, SoloTransport(), every=8):
+                pass
+        with pytest.raises(RuntimeError, match="entered before"):
+            with sync:
+                pass
+        for _ in range(3):
+            loss_step(sync, x)
+    trained = flat(model)
+    with pytest.raises(RuntimeError, match="entered before"):
+        with sync:
+            pass
+    assert torch.equal(flat(model), trained) and sync.step == 3
+    with NoLoCo(model, optimizer, SoloTransport(), every=8) as other:  # the first one left: the optimizer is free
+        loss_step(other, x)
+    assert other.step == 1 and sync.step == 3
 
 
 def test_non_finite_local_weights_are_never_sent(make_swarm):

@@ -57,6 +57,9 @@ DONORS_GONE_S = 2.0  # a repair whose donors have all been missing from the hear
 
 T = TypeVar("T")
 
+_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()  # optimizer -> the
+# name of the protocol whose `with` block hooks it now
+
 
 class DivergedError(RuntimeError):
     """Local training produced non-finite values; nothing was sent to peers."""
@@ -114,6 +117,7 @@ class SyncProtocol:
         self._waiting_since: float | None = None  # the start of the wait under way (`_waiting`)
         self._report: SyncReport | None = None
         self._hooks: list = []
+        self._entered = False  # a protocol's `with` block is its whole run: entered once
         self._digests: dict[int, str] = {}  # round -> state_digest of our snapshot after it
         self._asked: set[str] = set()  # members we averaged with in this round (replicas only)
         self._left_out: set[str] = set()  # those of them that said they averaged without us, or averaged over
@@ -128,7 +132,15 @@ class SyncProtocol:
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
+        if self._entered:
+            raise RuntimeError(f"this {self.name} protocol was entered before: its `with` block is the whole run "
+                               "(leaving it finishes the run); make a new protocol for another")
+        if self.optimizer in _HOOKED:
+            raise RuntimeError(f"the optimizer is hooked by a {_HOOKED[self.optimizer]} protocol already (inside its "
+                               "`with` block): one protocol per optimizer")
         self.start()
+        self._entered = True
+        _HOOKED[self.optimizer] = self.name
         self._hooks = [self.optimizer.register_step_post_hook(lambda *_: self._after_step())]
         if self.hook_before_step:
             self._hooks.append(self.optimizer.register_step_pre_hook(lambda *_: self.before_step()))
@@ -138,6 +150,7 @@ class SyncProtocol:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        _HOOKED.pop(self.optimizer, None)
         if exc_type is None:
             self.finish()
 
