@@ -404,6 +404,47 @@ def test_a_protocol_is_entered_once_and_an_optimizer_hooked_by_one_protocol_at_a
     assert other.step == 1 and sync.step == 3
 
 
+class MixedPrecision(torch.nn.Module):
+    """A bfloat16 layer, then a float32 one (as models that keep some modules in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.low, self.high = torch.nn.Linear(5, 4).to(torch.bfloat16), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.high(torch.tanh(self.low(x.to(torch.bfloat16))).float())
+
+
+@pytest.mark.parametrize("cls, settings", [(DiLoCo, {"every": 2, "outer_lr": 1.0, "outer_momentum": 0.0}), (DDP, {})])
+def test_a_model_of_bfloat16_and_float32_layers_keeps_each_layers_dtype_and_precision(cls, settings):
+    """Alone, a protocol trains as the plain loop does (DiLoCo with outer lr 1 and no momentum ends its round on θ,
+    DDP steps on our own gradient), and a newcomer takes the state with each layer's dtype. DiLoCo rounded the
+    float32 layer to bfloat16 at every round (θ ← φ was cast to the first parameter's dtype); DDP failed at its first
+    step (a gradient of the wrong dtype), and its newcomer's bfloat16 layer became float32."""
+    x = torch.randn(8, 5)
+    plain = MixedPrecision()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):
+        plain(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model = MixedPrecision()
+    with cls(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport(), **settings) as sync:
+        for _ in range(2):
+            loss_step(sync, x)
+    assert sync.step == 2 and [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
+    for ours, theirs in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    newcomer = MixedPrecision()
+    joined = cls(newcomer, torch.optim.SGD(newcomer.parameters(), lr=0.1), SoloTransport(), **settings)
+    joined.load_snapshot(sync._offered_meta(), sync.snapshot())
+    joined._on_rejoined()
+    assert [p.dtype for p in newcomer.parameters()] == [p.dtype for p in plain.parameters()]
+    for ours, theirs in zip(newcomer.parameters(), model.parameters()):
+        assert torch.equal(ours, theirs)
+
+
 def test_non_finite_local_weights_are_never_sent(make_swarm):
     (p,) = make_protocols(make_swarm(1), DiLoCo, every=3)
     sent = p.transport.bytes_sent

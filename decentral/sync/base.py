@@ -687,9 +687,10 @@ class OuterProtocol(SyncProtocol):
         return torch.sub(self.round_start_weights()[part], fast, out=fast)
 
     def _load_fast(self, vector: torch.Tensor, part: slice = slice(None)) -> None:
-        """θ[part] ← vector (by default all of θ), copied into the parameters (moved to their device once)."""
-        offset, ref = 0, self.params[0]
-        vector = vector.to(device=ref.device, dtype=ref.dtype)
+        """θ[part] ← vector (by default all of θ), copied into the parameters (moved to their device once, cast to
+        each one's dtype: a model may keep some layers in float32 beside bfloat16 ones)."""
+        offset = 0
+        vector = vector.to(self.params[0].device)
         with torch.no_grad():
             for p, start, stop in self._pieces(part):
                 p.view(-1)[start:stop].copy_(vector[offset:offset + stop - start])

@@ -20,7 +20,6 @@ donor whose average did not commit names the newcomer again at its next step.
 from __future__ import annotations
 
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
 from decentral.sync.base import SyncProtocol, SyncReport
@@ -48,8 +47,8 @@ class DDP(SyncProtocol):
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Weights and the inner optimizer's state (copies)."""
-        weights = parameters_to_vector(self.params).detach().float().cpu().clone()
-        return {"weights": weights, **{k: v.detach().cpu().clone() for k, v in optimizer_tensors(self.optimizer).items()}}
+        inner = {k: v.detach().cpu().clone() for k, v in optimizer_tensors(self.optimizer).items()}
+        return {"weights": _flat(self.params), **inner}
 
     def memory_copies(self) -> list[str]:
         return ["weights (offered)", "inner optimizer state (offered; 2 model-sized vectors for AdamW)"]
@@ -74,9 +73,8 @@ class DDP(SyncProtocol):
         return meta, tensors, meta["joined_step"]
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        ours = parameters_to_vector(self.params)
-        check_same_model(tensors["weights"], ours)
-        vector_to_parameters(tensors["weights"].to(ours, copy=True), self.params)
+        check_same_model(tensors["weights"], _flat(self.params))
+        _copy_flat(tensors["weights"], self.params)
         inner = {k: v for k, v in tensors.items() if k.startswith("inner.")}
         self.optimizer.load_state_dict(optimizer_state_dict(inner, meta["param_groups"]))
         group = meta.get("group")  # a donor of our next step names its members then; else we look them up
@@ -90,7 +88,7 @@ class DDP(SyncProtocol):
         naming = self._asking[:MAX_JOINS_PER_STEP]
         note = {"join": [r.peer for r in naming]} if naming else None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = parameters_to_vector(grads).detach().float().cpu()
+        flat = _flat(grads)
         result, waited = self._timed_average(flat, self._group, f"ddp/{self.step}", note)
         if result.complete:  # every member that committed counted the same notes: all add the same newcomers
             self._group = result.group  # without those a redo left out (gone or silent): they cost one step
@@ -103,7 +101,7 @@ class DDP(SyncProtocol):
         elif len(result.group) > 1:
             result.tensor.zero_()  # rolled back: every replica steps on a zero gradient, and none drifts
             self._group = []  # the members may see another list by the next step
-        vector_to_parameters(result.tensor.to(grads[0]), grads)
+        _copy_flat(result.tensor, grads)
         for p, g in zip(self.params, grads):
             p.grad = g
         self._step_report = SyncReport(self.step, result.group, result.complete, result.contributors, waited, result.rejected)
@@ -144,6 +142,20 @@ class DDP(SyncProtocol):
             report.digest = self._digests[self.round]
         self.transport.join_rounds(self.round + 1)
         return report
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` (on one device) as one flat float32 vector on the CPU, a copy, whatever their dtypes."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors]).cpu()
+
+
+def _copy_flat(vector: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Consecutive pieces of the flat `vector` into `tensors`, in place (moved to their device once, cast to each
+    one's dtype: a model that keeps some layers in float32 beside bfloat16 ones keeps them so)."""
+    vector = vector.to(tensors[0].device)
+    with torch.no_grad():
+        for t, piece in zip(tensors, vector.split([t.numel() for t in tensors])):
+            t.copy_(piece.view_as(t))
 
 
 def _named(note: object) -> list[str]:
