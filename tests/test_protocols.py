@@ -3,6 +3,7 @@ arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out 
 
 import asyncio
 import logging
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -931,6 +932,23 @@ def test_co2_refuses_settings_outside_their_range(make_loopback):
                          ({"penalty": 0.0}, "penalty"), ({"clip": -1.0}, "clip")):
         with pytest.raises(ValueError, match=why):
             CO2(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, **setting)
+
+
+@pytest.mark.parametrize("cls, setting, why", [
+    (DiLoCo, {"every": 2.5}, r"every \(H, inner steps per outer step\) must be an integer >= 1, got 2.5"),
+    (NoLoCo, {"every": math.inf}, "every .* must be an integer >= 1, got inf"),  # never synced, silently
+    (CO2, {"every": "50"}, "every .* must be an integer >= 1, got '50'"),  # a TypeError from a comparison
+    (DiLoCo, {"every": True}, "every .* must be an integer >= 1, got True"),
+    (NoLoCo, {"group_size": 2.5}, r"group_size \(the peers that average together each round\) must be an integer >= 2"),
+    (DDP, {"membership_every": 0.5}, "membership_every .* must be an integer >= 1, got 0.5"),
+    (CO2, {"penalty": math.inf}, "penalty .* must be a finite number > 0, got inf"),  # every average scaled to 0
+])
+def test_counts_that_are_no_integers_are_refused_naming_the_argument(cls, setting, why):
+    """Refused at construction with a message naming the argument: they were taken (a round that never ends, a
+    float where a count of peers goes) or failed on a comparison deep inside."""
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match=why):
+        cls(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport(), **setting)
 
 
 def test_a_co2_average_runs_in_the_background_while_the_next_round_trains(make_loopback):

@@ -70,10 +70,11 @@ def test_fragments_are_equal_slices_and_read_and_write_only_their_values_across_
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"fragments": 0}, "fragments must be between 1 and"),
+    ({"fragments": 0}, "fragments must be an integer >= 1, got 0"),
+    ({"fragments": 2.5}, "fragments must be an integer >= 1, got 2.5"),
     ({"fragments": 40}, "model's 39 parameters"),
-    ({"fragments": 3, "delay": 4}, "delay must be >= 0 and below every // fragments = 4"),
-    ({"fragments": 3, "delay": -1}, "got delay=-1"),
+    ({"fragments": 3, "delay": 4}, "delay must be below every // fragments = 4"),
+    ({"fragments": 3, "delay": -1}, "delay must be an integer >= 0, got -1"),
     ({"fragments": 3, "every": 2, "delay": 0}, "every // fragments = 0"),
     ({"mix": 1.0}, "mix"),
 ])

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import numbers
 import time
 import weakref
 from collections import Counter
@@ -614,6 +615,12 @@ class SyncProtocol:
         return float((mine - now).pow(2).mean().sqrt())
 
 
+def check_count(value: object, name: str, least: int = 1) -> None:
+    """ValueError unless `value` is an integer (not a bool) >= `least`; `name` names the argument in the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 def check_outer_sgd(lr: float, momentum: float) -> None:
     """ValueError unless the outer SGD step's `lr` is a finite number > 0 (0 never moves φ, and below 0 φ moves
     away from the workers' progress: ALGORITHMS.md §1) and its `momentum` μ is in [0, 1) (from 1 on, the
@@ -643,8 +650,7 @@ class OuterProtocol(SyncProtocol):
 
     def __init__(self, model, optimizer, transport: Transport, *, every: int, outer_on_device: bool = False):
         super().__init__(model, optimizer, transport)
-        if every < 1:
-            raise ValueError(f"every (H, inner steps per outer step) must be >= 1, got {every}")
+        check_count(every, "every (H, inner steps per outer step)")
         self.every = every
         if outer_on_device:
             self.outer_device = self.params[0].device

@@ -46,6 +46,7 @@ which a newcomer does not hold: it downloads instead.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -86,8 +87,8 @@ class CO2(OuterProtocol):
     ):
         check_outer_sgd(outer_lr, outer_momentum)
         super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
-        if not penalty > 0:
-            raise ValueError(f"penalty (the staleness gap penalty's divisor) must be > 0, got {penalty}")
+        if not 0 < penalty < math.inf:
+            raise ValueError(f"penalty (the staleness gap penalty's divisor) must be a finite number > 0, got {penalty}")
         if clip is not None and not clip > 0:
             raise ValueError(f"clip (the outer momentum's element-wise bound) must be > 0 or None, got {clip}")
         if not 0 <= mix <= 1:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
-from decentral.sync.base import SyncProtocol, SyncReport
+from decentral.sync.base import SyncProtocol, SyncReport, check_count
 from decentral.transport import JoinRequest, Transport, check_same_model
 
 MAX_JOINS_PER_STEP = 8  # newcomers one member's note may name (more wait for later steps)
@@ -36,8 +36,7 @@ class DDP(SyncProtocol):
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, transport: Transport, *, membership_every: int = 20):
         super().__init__(model, optimizer, transport)
-        if membership_every < 1:
-            raise ValueError(f"membership_every must be >= 1, got {membership_every}")
+        check_count(membership_every, "membership_every (steps between reads of the members)")
         self.membership_every = membership_every
         self._group: list[str] = []
         self._step_report: SyncReport | None = None

@@ -20,7 +20,7 @@ import math
 import torch
 
 from decentral.sync.pairing import group_of, round_groups
-from decentral.sync.base import OuterProtocol, SyncReport
+from decentral.sync.base import OuterProtocol, SyncReport, check_count
 from decentral.transport import Transport
 
 
@@ -75,8 +75,7 @@ def check_noloco_settings(alpha: float, beta: float, gamma: float, group_size: i
     """ValueError unless a group holds 2 peers or more (1 never averages) and α, β, γ lie in the paper's
     stability region (its appendix, for n = 2; ALGORITHMS.md §3): 0 <= α < 1, α < β (finite) and
     α < γ < √(2 + α²)."""
-    if group_size < 2:
-        raise ValueError(f"group_size (the peers that average together each round) must be >= 2, got {group_size}")
+    check_count(group_size, "group_size (the peers that average together each round)", 2)
     if not 0 <= alpha < 1:
         raise ValueError(f"alpha (α, the outer momentum) must be in [0, 1), got {alpha}")
     if not alpha < beta < math.inf:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decentral.sync.base import SyncReport, not_committed
+from decentral.sync.base import SyncReport, check_count, not_committed
 from decentral.sync.diloco import DiLoCo, nesterov_sgd_step
 from decentral.transport import AverageResult, EncodedAverage, Transport
 
@@ -75,10 +75,12 @@ class StreamingDiLoCo(DiLoCo):
     ):
         super().__init__(model, optimizer, transport, every=every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, outer_on_device=outer_on_device)
-        if not 1 <= fragments <= self.numel:
+        check_count(fragments, "fragments")
+        check_count(delay, "delay", 0)
+        if fragments > self.numel:
             raise ValueError(f"fragments must be between 1 and the model's {self.numel} parameters, got {fragments}")
-        if not 0 <= delay < every // fragments:
-            raise ValueError(f"delay must be >= 0 and below every // fragments = {every // fragments} (every={every}, "
+        if delay >= every // fragments:
+            raise ValueError(f"delay must be below every // fragments = {every // fragments} (every={every}, "
                              f"fragments={fragments}): fragment 0 launches at in-round step every // fragments - delay, "
                              f"which must be >= 1; got delay={delay}")
         if not 0 <= mix < 1:
