@@ -405,6 +405,20 @@ def test_a_protocol_is_entered_once_and_an_optimizer_hooked_by_one_protocol_at_a
     assert other.step == 1 and sync.step == 3
 
 
+@pytest.mark.parametrize("cls", [DiLoCo, DDP])
+def test_an_optimizer_of_another_models_parameters_or_a_model_with_none_to_train_is_refused(cls):
+    """The protocol syncs the model's parameters: an optimizer that trains others' left them unchanged, and the
+    protocol synced a model nobody trained, silently; a model with nothing to train failed in torch.cat."""
+    model, other = tiny_model(0), tiny_model(1)
+    with pytest.raises(ValueError, match="the optimizer holds 4 parameter.s. that are not the model's"):
+        cls(model, torch.optim.SGD(other.parameters(), lr=0.1), SoloTransport())
+    frozen = tiny_model(0).requires_grad_(False)
+    with pytest.raises(ValueError, match="the model has no parameters that require grad"):
+        cls(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1), SoloTransport())
+    part = cls(model, torch.optim.SGD(model[0].parameters(), lr=0.1), SoloTransport())  # part of the model: its own
+    assert part.params == list(model.parameters())
+
+
 class MixedPrecision(torch.nn.Module):
     """A bfloat16 layer, then a float32 one (as models that keep some modules in float32)."""
 

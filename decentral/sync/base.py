@@ -112,6 +112,13 @@ class SyncProtocol:
         self.optimizer = optimizer
         self.transport = transport
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameters that require grad: nothing to train or sync")
+        ours = {id(p) for p in model.parameters()}
+        foreign = sum(id(p) not in ours for group in optimizer.param_groups for p in group["params"])
+        if foreign:
+            raise ValueError(f"the optimizer holds {foreign} parameter(s) that are not the model's: the protocol syncs "
+                             "the model's parameters, so the optimizer must be the one that trains them")
         self.step = 0  # inner steps done by this worker
         self.round = 0  # outer rounds done by the swarm (agreed through state transfer)
         self.wait_s = 0.0  # cumulative seconds blocked on the network
