@@ -292,6 +292,23 @@ def hold_back_state_transfers(monkeypatch) -> tuple[threading.Event, threading.E
     return sending, gate
 
 
+@pytest.mark.parametrize("cls", [DiLoCo, NoLoCo, CO2])
+def test_a_saved_state_of_another_model_is_refused_before_any_of_it_is_taken(cls):
+    """It raised ForeignState, which speaks of the swarm's model and recipes, once the saved step and round were
+    taken."""
+    model = tiny_model(0)
+    saved = cls(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport(), every=4)
+    x = torch.randn(8, 5)
+    with saved:
+        for _ in range(9):
+            loss_step(saved, x)
+    wide = wide_model(0)
+    ours = cls(wide, torch.optim.SGD(wide.parameters(), lr=0.1), SoloTransport(), every=4)
+    with pytest.raises(ValueError, match="state is of a model with 39 trained parameters, this one has 65,792"):
+        ours.load_state_dict(saved.state_dict())
+    assert (ours.step, ours.round) == (0, 0) and ours.slow.numel() == 65_792
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_instead_of_downloading_again(
         make_swarm, monkeypatch, cls):

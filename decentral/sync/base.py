@@ -872,6 +872,9 @@ class OuterProtocol(SyncProtocol):
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        slow = state["tensors"].get("slow")
+        if slow is not None and slow.numel() != self.numel:  # refused before any of it is taken
+            raise ValueError(f"state is of a model with {slow.numel():,} trained parameters, this one has {self.numel:,}")
         super().load_state_dict(state)
         self.load_snapshot(state["meta"], state["tensors"])
         if self.residual is not None and "residual" in state["tensors"]:
