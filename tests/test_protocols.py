@@ -292,6 +292,26 @@ def hold_back_state_transfers(monkeypatch) -> tuple[threading.Event, threading.E
     return sending, gate
 
 
+@pytest.mark.parametrize("cls, settings", [(DiLoCo, {"every": 4}), (StreamingDiLoCo, {"every": 8, "fragments": 2})])
+def test_a_protocol_resumed_from_a_state_saved_mid_round_keeps_what_its_model_trained(cls, settings):
+    """Its start put φ into the model, silently dropping the steps trained since the round began (Streaming DiLoCo:
+    all of θ's own progress, which it never resets to φ). A newcomer that takes the swarm's state still starts from
+    φ (test_late_joiner_downloads_slow_weights_momentum_and_round)."""
+    x = torch.randn(8, 5)
+    model = tiny_model(0)
+    with cls(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport(), **settings) as sync:
+        for _ in range(6):
+            loss_step(sync, x)
+    state, trained = sync.state_dict(), flat(model)
+    assert not torch.equal(trained, sync.slow)
+    resumed = tiny_model(1)
+    set_flat(resumed, trained)
+    again = cls(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), SoloTransport(), **settings)
+    again.load_state_dict(state)
+    with again:
+        assert torch.equal(flat(resumed), trained) and torch.equal(again.slow, sync.slow) and again.step == 6
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, NoLoCo, CO2])
 def test_a_saved_state_of_another_model_is_refused_before_any_of_it_is_taken(cls):
     """It raised ForeignState, which speaks of the swarm's model and recipes, once the saved step and round were

@@ -754,7 +754,8 @@ class OuterProtocol(SyncProtocol):
 
     def start(self) -> None:
         super().start()
-        self._load_fast(self.slow)  # a newcomer joining a round under way trains its rest from φ
+        if self.donor is not None:  # a newcomer joining a round under way trains its rest from φ; a peer resumed
+            self._load_fast(self.slow)  # (load_state_dict) that took no state keeps what its model trained since
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Slow weights and the protocol's outer tensors on the CPU: the very tensors there (never changed in
