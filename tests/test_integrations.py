@@ -370,6 +370,8 @@ def test_an_unknown_protocol_name_is_one_clear_error():
     ("diloco", {"peers": "2"}, ValueError, "peers: the number of peers"),
     ("diloco", {"wait_peers_s": 0}, ValueError, "wait_peers_s"),
     ("diloco", {"transport": None}, TypeError, "transport: a decentral Transport"),
+    ("diloco", {"every": 0}, ValueError, r"protocol 'diloco': every \(H, inner steps per outer step\) must be an "),
+    ("streaming", {"mix": 2.0}, ValueError, "protocol 'streaming': mix"),
 ])
 def test_arguments_the_protocol_would_refuse_are_refused_when_the_callback_is_made(protocol, arguments, error,
                                                                                    message):

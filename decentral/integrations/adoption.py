@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from decentral.checkpoint import load_checkpoint, save_checkpoint
+from decentral.config import check_protocol_settings
 from decentral.sync import PROTOCOLS, SyncProtocol, SyncReport
 from decentral.transport import Transport
 
@@ -20,8 +21,8 @@ class Adoption:
     """`protocol`: a name of decentral.sync.PROTOCOLS ("diloco", "noloco", "co2", "streaming", "ddp", "local")
     or a factory called as `protocol(model, optimizer, transport, **kwargs)`. `peers`: how many peers (us
     included) must take part in our first round before the first step (at most `wait_peers_s` seconds).
-    The transport stays the caller's to close. Arguments the protocol would not take, and peers or a
-    transport that cannot be, are refused here (TypeError, ValueError) rather than when training begins."""
+    The transport stays the caller's to close. Arguments the protocol would not take or values it refuses, and
+    peers or a transport that cannot be, are refused here (TypeError, ValueError) rather than when training begins."""
 
     def __init__(self, protocol: str | ProtocolFactory, transport: Transport, *, peers: int = 1,
                  wait_peers_s: float = 300.0, **kwargs):
@@ -35,6 +36,9 @@ class Adoption:
             raise TypeError(f"{getattr(protocol, '__name__', protocol)}: {e}") from None
         except ValueError:  # a callable without a signature to read: its call will tell
             pass
+        name = next((name for name, cls in PROTOCOLS.items() if cls is protocol), None)
+        if name is not None:  # the values too (every=0, mix=2), on a small model, as a recipe's are
+            check_protocol_settings(name, kwargs, "the callback's arguments")
         if not all(hasattr(transport, name) for name in ("peer_id", "average", "join_rounds")):
             raise TypeError(f"transport: a decentral Transport (SwarmTransport, IslandTransport, SoloTransport, ...), "
                             f"got {type(transport).__name__}")
