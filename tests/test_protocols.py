@@ -993,8 +993,10 @@ def test_co2_refuses_settings_outside_their_range(make_loopback):
     (NoLoCo, {"group_size": 2.5}, r"group_size \(the peers that average together each round\) must be an integer >= 2"),
     (DDP, {"membership_every": 0.5}, "membership_every .* must be an integer >= 1, got 0.5"),
     (CO2, {"penalty": math.inf}, "penalty .* must be a finite number > 0, got inf"),  # every average scaled to 0
+    (DiLoCo, {"nesterov": "no"}, "nesterov must be true or false, got 'no'"),  # a string that counted as true
+    (NoLoCo, {"nesterov": 1}, "nesterov must be true or false, got 1"),
 ])
-def test_counts_that_are_no_integers_are_refused_naming_the_argument(cls, setting, why):
+def test_counts_that_are_no_integers_and_flags_that_are_no_booleans_are_refused_naming_the_argument(cls, setting, why):
     """Refused at construction with a message naming the argument: they were taken (a round that never ends, a
     float where a count of peers goes) or failed on a comparison deep inside."""
     model = tiny_model(0)

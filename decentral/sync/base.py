@@ -628,6 +628,12 @@ def check_count(value: object, name: str, least: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
+def check_flag(value: object, name: str) -> None:
+    """ValueError unless `value` is True or False (a string such as "no" would count as true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 def check_outer_sgd(lr: float, momentum: float) -> None:
     """ValueError unless the outer SGD step's `lr` is a finite number > 0 (0 never moves φ, and below 0 φ moves
     away from the workers' progress: ALGORITHMS.md §1) and its `momentum` μ is in [0, 1) (from 1 on, the

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from decentral.sync.base import OuterProtocol, SyncReport, check_outer_sgd, not_committed
+from decentral.sync.base import OuterProtocol, SyncReport, check_flag, check_outer_sgd, not_committed
 from decentral.transport import Transport
 
 
@@ -45,6 +45,7 @@ class DiLoCo(OuterProtocol):
         outer_on_device: bool = False,
     ):
         check_outer_sgd(outer_lr, outer_momentum)
+        check_flag(nesterov, "nesterov")
         super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
         self.slow.requires_grad_(False)
         self.momentum = torch.zeros_like(self.slow)

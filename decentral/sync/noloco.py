@@ -20,7 +20,7 @@ import math
 import torch
 
 from decentral.sync.pairing import group_of, round_groups
-from decentral.sync.base import OuterProtocol, SyncReport, check_count
+from decentral.sync.base import OuterProtocol, SyncReport, check_count, check_flag
 from decentral.transport import Transport
 
 
@@ -45,6 +45,7 @@ class NoLoCo(OuterProtocol):
     ):
         gamma = beta if gamma is None else gamma
         check_noloco_settings(alpha, beta, gamma, group_size)
+        check_flag(nesterov, "nesterov")
         super().__init__(model, optimizer, transport, every=every, outer_on_device=outer_on_device)
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.nesterov, self.group_size, self.seed = nesterov, group_size, seed
