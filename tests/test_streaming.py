@@ -75,7 +75,7 @@ def test_fragments_are_equal_slices_and_read_and_write_only_their_values_across_
     ({"fragments": 40}, "model's 39 parameters"),
     ({"fragments": 3, "delay": 4}, "delay must be below every // fragments = 4"),
     ({"fragments": 3, "delay": -1}, "delay must be an integer >= 0, got -1"),
-    ({"fragments": 3, "every": 2, "delay": 0}, "every // fragments = 0"),
+    ({"fragments": 3, "every": 2, "delay": 0}, "fragments must be between 1 and every = 2"),  # was said of delay
     ({"mix": 1.0}, "mix"),
 ])
 def test_bad_fragments_delay_or_mix_are_refused(kwargs, message):
