@@ -552,6 +552,14 @@ def test_posterior_weights_are_the_domains_prior_and_are_cached(registry, out_pa
                             "experts": [{"name": "code", "weight": 2.0}]}, "posterior.yaml")
 
 
+def test_posterior_of_experts_that_do_not_fit_together_is_refused_before_scoring(registry, out_parent, text_domain):
+    short = GPTConfig(n_layer=2, n_head=2, d_model=32, context=16)
+    save_expert(registry / "short", gpt_state(5, short), "short", short)
+    assert_fails_leaving_nothing(recipe_for(registry, "posterior", ("code", "short"), domain=text_domain),
+                                 out_parent / "p", "'embed.pos.weight' has different shapes")
+    assert not (registry / "priors.json").exists()  # nothing was scored
+
+
 def test_non_finite_inputs_are_reported(registry, out_parent):
     state = gpt_state(5)
     state["blocks.0.attn.qkv.bias"][3] = float("nan")

@@ -3,7 +3,8 @@
 1. Check before reading any tensor, from the expert.json files and the safetensors headers only:
    every input has the same tensor names (a missing output head or embedding gets a hint about tied
    weights), the same shape per tensor (a different first dimension of an embedding or head: the
-   vocabularies differ), floating-point dtypes only, and one model config.
+   vocabularies differ), floating-point dtypes only, and one model config. Only then are weights
+   a method computes found (posterior's prior, which runs the inputs on a domain's dev split).
 2. Merge: for each tensor, in the output file's order, read the base's and the experts' versions,
    convert them to float32, merge, cast the result to the output dtype, check it is finite and
    append it to the output file, hashing it on the way. Memory holds about k+2 tensors (TIES a few
@@ -85,9 +86,6 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
     `progress`: a bar of the bytes written, on stderr when that is a terminal."""
     if not isinstance(recipe, MergeRecipe):
         recipe = load_merge_recipe(recipe)
-    if recipe.method.weights_from is not None:
-        recipe = replace(recipe, experts=[replace(ref, weight=w) for ref, w in
-                                          zip(recipe.experts, recipe.method.weights_from(recipe))])
     out_dir = Path(os.path.abspath(out_dir))
     try:
         name = check_name(out_dir.name)
@@ -101,6 +99,9 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
         _check_one_kind(inputs)
         specs = _output_specs(inputs, recipe.dtype)
         model = _common_model(inputs)
+        if recipe.method.weights_from is not None:  # once the inputs fit together: posterior scores them
+            for i, weight in zip([i for i in inputs if i.role == "expert"], recipe.method.weights_from(recipe)):
+                i.ref = replace(i.ref, weight=weight)
         base = inputs[0].expert if recipe.base else None
         meta = Expert(
             name=name, sha256="", size=0, model=model, domain=None, parent=base.sha256 if base else None,
