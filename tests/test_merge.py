@@ -545,8 +545,9 @@ def test_posterior_weights_are_the_domains_prior_and_are_cached(registry, out_pa
         expected = sum(float(w) * s[tensor] for w, s in zip(prior, states)) / float(prior.sum())
         torch.testing.assert_close(merged[tensor], expected, rtol=1e-5, atol=1e-6)
     assert len(json.loads((registry / "priors.json").read_text())) == 1
-    with pytest.raises(MergeError, match="parameters.domain"):
-        merge(recipe_for(registry, "posterior", names, domain=""), out_parent / "q", progress=False)
+    for domain in ("", "nodomain", f"text={out_parent / 'nothing'}"):
+        with pytest.raises(MergeError, match="^posterior.yaml: parameters.domain: "):
+            merge(recipe_for(registry, "posterior", names, domain=domain), out_parent / "q", progress=False)
     with pytest.raises(MergeError, match="posterior does not weight its experts"):
         parse_merge_recipe({"method": "posterior", "registry": str(registry),
                             "experts": [{"name": "code", "weight": 2.0}]}, "posterior.yaml")

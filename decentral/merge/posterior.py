@@ -25,6 +25,7 @@ PRIOR_FLOOR = 1e-6  # an expert the domain never picks still gets this weight (r
 
 def posterior_weights(recipe: Any) -> list[float]:
     """π of `recipe.parameters["domain"]` over the recipe's experts (cached beside the first expert)."""
+    from decentral.data import DataError
     from decentral.data.domains import load_domain
     from decentral.experts.ensemble import PriorCache
     from decentral.experts.evaluate import EvalConfig, domain_prior
@@ -35,12 +36,16 @@ def posterior_weights(recipe: Any) -> list[float]:
         raise MergeError(f"{recipe.source}: parameters.domain: the target domain whose posterior weights the experts "
                          "(a built-in name such as legal, or NAME=PATH)")
     try:
+        domain = load_domain(spec)
+    except DataError as e:
+        raise MergeError(f"{recipe.source}: parameters.domain: {e}") from None
+    try:
         experts = [read_expert(ref.folder) for ref in recipe.experts]
     except RegistryError as e:
         raise MergeError(f"{recipe.source}: {e}") from None
     config = EvalConfig(context=experts[0].context)
     cache = PriorCache(experts[0].folder.parent / "priors.json")
-    prior = domain_prior(experts, load_domain(spec), config, cache)
+    prior = domain_prior(experts, domain, config, cache)
     return [max(float(p), PRIOR_FLOOR) for p in prior]
 
 
