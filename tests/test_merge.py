@@ -486,12 +486,19 @@ def test_shape_mismatch_names_the_tensor_and_each_shape(registry, out_parent):
                                  r"expert 'code' \[128\], expert 'odd' \[100\]")
 
 
-def test_vocab_mismatch_says_the_vocabularies_differ(registry, out_parent):
+def test_vocab_and_context_mismatches_say_which_differs(registry, out_parent):
     config = GPTConfig(vocab_size=300, n_layer=2, n_head=2, d_model=32, context=32)
     save_expert(registry / "bigvocab", gpt_state(5, config), "bigvocab", config)
     message = assert_fails_leaving_nothing(recipe_for(registry, "linear", ("code", "bigvocab")), out_parent / "m",
                                            "'embed.tok.weight' has different shapes")
     assert "256 vs 300: the vocabularies differ" in message and "'head.out.weight'" in message
+    short = GPTConfig(n_layer=2, n_head=2, d_model=32, context=16)
+    save_expert(registry / "short", gpt_state(5, short), "short", short)
+    message = assert_fails_leaving_nothing(recipe_for(registry, "linear", ("code", "short")), out_parent / "m",
+                                           r"'embed.pos.weight' has different shapes: expert 'code' \[32, 32\], "
+                                           r"expert 'short' \[16, 32\] \(only the first dimension, 16 vs 32: the "
+                                           "contexts differ")
+    assert "vocabularies" not in message
 
 
 def test_model_config_mismatch_is_refused(registry, out_parent):

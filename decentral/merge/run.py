@@ -3,8 +3,9 @@
 1. Check before reading any tensor, from the expert.json files and the safetensors headers only:
    every input has the same tensor names (a missing output head or embedding gets a hint about tied
    weights), the same shape per tensor (a different first dimension of an embedding or head: the
-   vocabularies differ), floating-point dtypes only, and one model config. Only then are weights
-   a method computes found (posterior's prior, which runs the inputs on a domain's dev split).
+   vocabularies differ; of a position embedding: the contexts), floating-point dtypes only, and one
+   model config. Only then are weights a method computes found (posterior's prior, which runs the
+   inputs on a domain's dev split).
 2. Merge: for each tensor, in the output file's order, read the base's and the experts' versions,
    convert them to float32, merge, cast the result to the output dtype, check it is finite and
    append it to the output file, hashing it on the way. Memory holds about k+2 tensors (TIES a few
@@ -56,6 +57,7 @@ from decentral.merge.tensors import (
 from decentral.models.hf import SAVED_AS
 
 EMBEDDING_HINTS = ("head", "embed", "wte", "tok")  # names of output heads and token embeddings
+POSITION_HINTS = ("pos", "wpe")  # names of position embeddings (embed.pos, wpe, embed_positions), one row per token
 MAX_LISTED = 10  # problems listed in one error message
 
 
@@ -171,8 +173,10 @@ def _output_specs(inputs: list[_Input], dtype: str | None) -> dict[str, tuple[st
             problem = f"{tensor!r} has different shapes: {listed}"
             if _looks_like_embedding(tensor) and len({s[1:] for s in shapes}) == 1:
                 rows = " vs ".join(str(n) for n in sorted({s[0] for s in shapes}))
-                problem += (f" (only the first dimension, {rows}: the vocabularies differ; "
-                            "experts must share one tokenizer to be merged)")
+                what = ("the contexts differ; experts must be trained at one context to be merged"
+                        if any(hint in tensor.lower() for hint in POSITION_HINTS) else
+                        "the vocabularies differ; experts must share one tokenizer to be merged")
+                problem += f" (only the first dimension, {rows}: {what})"
             problems.append(problem)
         for i, info in zip(inputs, infos):
             if info.dtype not in FLOAT_CODES:
