@@ -343,6 +343,7 @@ def test_recipe_resolves_names_paths_weights_and_registry_override(tmp_path):
     ({"method": "linear", "experts": ["a", "b", {"name": "a", "weight": 2.0}]},
      r"experts\[2\]: 'a' is experts\[0\] \('a'\) again; list each expert once \(a weight counts it more\)"),
     ({"method": "slerp", "experts": ["a", "./reg/a"]}, r"experts\[1\]: './reg/a' is experts\[0\] \('a'\) again"),
+    ({"method": "ties", "base": "./reg/b", "experts": ["a", "b"]}, r"experts\[1\]: 'b' is the base; its task vector"),
     ({"method": "slerp", "experts": [{"name": "a", "weight": 2.0}, "b"]}, r"slerp does not weight .*parameters.t"),
     ({"method": "linear", "experts": [{"nam": "a"}]}, r"experts\[0\]: expected \{name, weight\}"),
     ({"method": "linear", "experts": []}, "experts: expected a list"),

@@ -107,6 +107,11 @@ def parse_merge_recipe(data: Any, where: str = "recipe", registry: str | Path | 
                          f"(methods with a base: {sorted(m for m in METHODS if METHODS[m].needs_base)})")
     if base is not None and not isinstance(base, str):
         raise MergeError(f"{where}: base: expected an expert name or path, got {base!r}")
+    base = None if base is None else _model_ref(base, "base", where, registry, method)
+    if base is not None and base.folder.resolve() in folders:
+        again = experts[folders.index(base.folder.resolve())]
+        raise MergeError(f"{where}: {again.key}: {again.label!r} is the base; its task vector would be zero: list the "
+                         "experts that branched from it")
 
     dtype = data.get("dtype")
     if dtype is not None and dtype not in OUTPUT_DTYPES:
@@ -118,7 +123,7 @@ def parse_merge_recipe(data: Any, where: str = "recipe", registry: str | Path | 
     return MergeRecipe(
         method=method,
         experts=experts,
-        base=None if base is None else _model_ref(base, "base", where, registry, method),
+        base=base,
         parameters=_parameters(method, data.get("parameters"), where),
         dtype=dtype,
         verify=verify,
