@@ -475,7 +475,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"; the finished ones are in {out / 'results.json'} (`decentral bench --report {out}` tables them)"
             if results["methods"] else "") + f"; run the rest with --protocols {','.join(rest)} and another --out",
               file=sys.stderr, flush=True)
-        raise
+        return 130
     return report(results, out, args.target_loss)
 
 

@@ -555,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print("decentral: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (commands that say more about where they stopped return 130 themselves)
+        print("decentral: interrupted", file=sys.stderr, flush=True)
         return 130
 
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_recipe
+from conftest import wait_until, write_recipe
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
 from decentral.swarm.admission import SwarmKey
@@ -101,6 +102,20 @@ USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own
     ("island rendezvous", [*train_into("island"), "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
      "rank 1 of 2 could not join the island at tcp://127.0.0.1:1"),
 ]
+
+
+def test_a_command_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, prefork):
+    """`merge`, `experts fetch`, `bench merge`: a Ctrl-C ended them with exit code 130 and not a word (those
+    that say where they stopped, as `train` and `bench` do, say it themselves)."""
+    out, err = tmp_path / "merge.log", tmp_path / "merge.err"
+    merging = prefork.spawn(["bench", "merge", "--params", "20000000", "--out", "bench"], out, cwd=tmp_path, err=err)
+    try:
+        wait_until(lambda: out.exists() and "writing 4 random models" in out.read_text(), 60, "the bench to begin")
+        merging.send_signal(signal.SIGINT)
+        assert merging.wait(60) == 130
+    finally:
+        merging.kill()
+    assert err.read_text() == "decentral: interrupted\n"
 
 
 @pytest.mark.parametrize("name, expected", [(name, expected) for name, _, expected in USER_ERRORS],
