@@ -54,6 +54,18 @@ def test_bytes_that_do_not_match_the_record_are_refused(tmp_path, sharing):
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())  # nothing installed, no temp folder
 
 
+def test_a_publisher_whose_copy_is_gone_mid_fetch_is_said_plainly_and_nothing_is_installed(tmp_path, sharing):
+    """Its stream closed after the answer: asyncio's "0 bytes read on a total of 8 expected bytes" was the message."""
+    publisher, fetcher = sharing
+    expert, _ = tiny_expert(tmp_path / "a", name="code")
+    publisher.publish(["code"])
+    expert.model_file.unlink()  # removed under the publisher after it announced it
+    with pytest.raises(RegistryError, match=r"code/model.safetensors: the publisher closed the connection after 0 of "
+                                            r"\d+ bytes \(it stopped, or its copy is gone\)"):
+        fetcher.fetch("code")
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
 def test_fetch_checks_every_name_is_published_before_fetching_any(tmp_path, sharing, prefork):
     publisher, _ = sharing
     tiny_expert(tmp_path / "a", name="code")

@@ -135,7 +135,8 @@ class ExpertSharing:
         if not with_optimizer:
             expert.optimizer = None
         errors = []
-        for peer in random.sample(published.peers, len(published.peers)):
+        peers = random.sample(published.peers, len(published.peers))
+        for tried, peer in enumerate(peers, 1):
             try:
                 with staging(self.registry.folder(name)) as tmp:
                     for file, (digest, size) in expert.files().items():
@@ -145,18 +146,20 @@ class ExpertSharing:
                 return self.registry.get(name)
             except Exception as e:
                 errors.append(f"{peer[-8:]}: {e}")
-                log.warning("fetching %s from %s failed: %s", name, peer[-8:], e)
+                if tried < len(peers):  # (the last one's failure is the RegistryError's to say)
+                    log.warning("fetching %s from %s failed, trying another publisher: %s", name, peer[-8:], e)
         raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors))
 
     async def _download_file(self, peer: str, name: str, file: str, path: Path, digest: str, size: int,
                         progress: Callable[[int], None] | None) -> None:
         reader, writer = await self.peer.open_stream(peer, "expert")
+        received = 0
         try:
             await write_frame(writer, json.dumps({"name": name, "file": file}).encode(), self.peer.stats)
             answer = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S))
             if not answer.get("ok"):
                 raise RegistryError(f"the publisher no longer serves {name}/{file}")
-            hasher, received = hashlib.sha256(), 0
+            hasher = hashlib.sha256()
             with open(path, "wb") as f:
                 while chunk := await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S):
                     received += len(chunk)
@@ -166,6 +169,9 @@ class ExpertSharing:
                     f.write(chunk)
                     if progress:
                         progress(len(chunk))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            raise RegistryError(f"{name}/{file}: the publisher closed the connection after {received} of {size} bytes "
+                                "(it stopped, or its copy is gone)") from None
         finally:
             writer.close()
         if received != size or hasher.hexdigest() != digest:
