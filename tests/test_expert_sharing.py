@@ -77,3 +77,9 @@ def test_fetch_checks_every_name_is_published_before_fetching_any(tmp_path, shar
     assert not (tmp_path / "c" / "code").exists()  # nothing installed
     done = prefork.run(["experts", "fetch", "code", "code", *join, "--registry", "c"], tmp_path, timeout=120)
     assert done.returncode == 2 and "fetch: 'code' is given twice" in done.stderr, done.stderr
+    done = prefork.run(["experts", "fetch", "code", *join, "--registry", "c"], tmp_path, timeout=120)
+    assert done.returncode == 0 and "fetched code" in done.stdout, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("fetch code: ")]  # not a terminal: a
+    assert said[0].startswith("fetch code: 0 of") and "\r" not in done.stderr, done.stderr  # line at each tenth
+    done_bytes, total = said[-1].removeprefix("fetch code: ").removesuffix(" B").split(" of ")
+    assert done_bytes == total, done.stderr

@@ -55,6 +55,7 @@ from decentral.merge.tensors import (
     DTYPES, FLOAT_CODES, SafetensorsReader, SafetensorsWriter, ShardedReader, write_order,
 )
 from decentral.models.hf import SAVED_AS
+from decentral.progress import progress_bar
 
 EMBEDDING_HINTS = ("head", "embed", "wte", "tok")  # names of output heads and token embeddings
 POSITION_HINTS = ("pos", "wpe")  # names of position embeddings (embed.pos, wpe, embed_positions), one row per token
@@ -85,7 +86,7 @@ class _Input:
 
 def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool = True) -> Expert:
     """Merge as `recipe` (a MergeRecipe or a recipe file) says into expert folder `out_dir`; its Expert.
-    `progress`: a bar of the bytes written, on stderr when that is a terminal."""
+    `progress`: how many bytes are written, on stderr (decentral.progress: a bar on a terminal, else lines)."""
     if not isinstance(recipe, MergeRecipe):
         recipe = load_merge_recipe(recipe)
     out_dir = Path(os.path.abspath(out_dir))
@@ -294,8 +295,7 @@ def _write_merged(path: Path, recipe: MergeRecipe, inputs: list[_Input],
         reading = stages["read"].submit(read, order[0], buffer_sets[0]) if order else None
         total = sum(DTYPES[code].itemsize * torch.Size(shape).numel() for code, shape in specs.values())
         with SafetensorsWriter(path, specs) as writer, \
-                tqdm(total=total, unit="B", unit_scale=True, desc=f"merge {recipe.method.name}",
-                     disable=None if progress else True) as bar:  # None: on a terminal only
+                progress_bar(total, f"merge {recipe.method.name}", "B", unit_scale=True, disable=not progress) as bar:
             for index, name in enumerate(order):
                 _raise_if_corrupt(rereads, wait=False)
                 versions = reading.result()

@@ -23,6 +23,7 @@ from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
+from decentral.progress import progress_bar
 from decentral.pipeline.recipe import loopback_network, shaped_network
 
 TICK_S = 1.0  # how often `pipeline train`'s progress (a bar, or lines in a log) reads the lead's metrics
@@ -185,22 +186,6 @@ class LocalPipeline:
         self.close()
 
 
-def _progress(run: LocalPipeline, bar) -> Callable[[], None]:
-    """What `run.wait` calls about every TICK_S: it moves the tqdm `bar` on a terminal; elsewhere (a log)
-    it prints a line at each tenth of the run's iterations done (on stdout, as a worker's steps are)."""
-    said = [-1]
-
-    def tick() -> None:
-        done = run.iterations_done()
-        if not bar.disable:
-            bar.update(done - bar.n)
-        elif done * 10 // bar.total > said[0]:
-            said[0] = done * 10 // bar.total
-            print(f"pipeline train: iteration {done} of {bar.total}", flush=True)
-
-    return tick
-
-
 def run_metrics(out: str | Path) -> list[dict]:
     """The records of a run's iterations, by step, from every lead's OUT/<node>/metrics.jsonl (a head
     that took over begins with a `recovered` record of the last step, which the dead lead may have
@@ -296,8 +281,6 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
 def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, netlab, latency_ms, steps, data, drop,
                   timeout_s, evaluate, resume) -> dict:
     """`train_run` once its inputs are checked and it alone writes to `out`."""
-    from tqdm import tqdm
-
     from decentral.pipeline.evaluate import evaluate_run
     from decentral.swarm.admission import SwarmKey
 
@@ -317,8 +300,11 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
                            env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
             print(f"pipeline train: starting {len(network.nodes)} nodes (their logs: {out}/<node>.log)", flush=True)
             run.start(min(START_S, timeout_s))
-            with tqdm(total=steps or recipe.recipe.train.steps, desc="pipeline train", unit="it", disable=None) as bar:
-                tick = _progress(run, bar)
+            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", file=sys.stdout,
+                              line="{desc}: iteration {n} of {total}") as bar:  # on stdout, as a worker's steps are
+                def tick() -> None:
+                    bar.update(run.iterations_done() - bar.n)
+
                 code = run.wait(deadline - time.monotonic(), tick)
                 tick()
             if code != 0:

@@ -1,0 +1,42 @@
+"""How far long work is: tqdm's bar on a terminal; elsewhere (a log, a pipe, a scheduler's output file),
+where a bar would be a stream of carriage returns, one line at each tenth of the work done."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from tqdm import tqdm
+
+
+class _TenthLines(tqdm):
+    """A tqdm whose display is one line, "DESC: N of TOTAL UNIT", when the work crosses a tenth of `total`."""
+
+    def __init__(self, *args, line: str, **kwargs):
+        self._line, self._said = line, -1
+        super().__init__(*args, mininterval=0, miniters=1, **kwargs)
+        self.sp = None  # no status line to clear or end with a newline on close (tqdm's own display is not used)
+
+    def display(self, msg=None, pos=None) -> bool:
+        if not self.total or self.n * 10 // self.total <= self._said:
+            return True
+        self._said = self.n * 10 // self.total
+        sized = (lambda n: self.format_sizeof(n) if n else "0") if self.unit_scale else str
+        print(self._line.format(desc=self.desc, n=sized(self.n), total=sized(self.total), unit=self.unit),
+              file=self.fp, flush=True)
+        return True
+
+    def close(self) -> None:
+        if not self.disable:
+            self.display()  # the end, when the last update did not say it
+        super().close()
+
+
+def progress_bar(total: int, desc: str, unit: str = "it", *, file: TextIO | None = None,
+                 line: str = "{desc}: {n} of {total} {unit}", **kwargs) -> tqdm:
+    """A tqdm bar of `total` on `file` (stderr by default) when it is a terminal, else tenth lines shaped as
+    `line` (fields desc, n, total, unit; sizes scaled with `unit_scale=True`). Other keywords go to tqdm."""
+    file = file or sys.stderr
+    if file.isatty():
+        return tqdm(total=total, desc=desc, unit=unit, file=file, **kwargs)
+    return _TenthLines(total=total, desc=desc, unit=unit, file=file, line=line, **kwargs)
