@@ -328,6 +328,8 @@ def test_duplicates_run_folders_and_unknown_names_are_one_line_before_any_work(t
                         "--from: 'code' is given twice"),
                        (["experts", "add", "runs/hf/run1", "--name", "x"],
                         "meta.json is missing (did you mean runs/hf/run1/checkpoint?)"),
+                       (["experts", "add", "reg/code", "--name", "x"],
+                        "reg/code is an expert folder (expert.json), not a `decentral train` checkpoint"),
                        (["experts", "publish", "code", "nosuch"], "no expert 'nosuch'")):
         done = prefork.run([*args, "--registry", "reg"], tmp_path, timeout=60)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

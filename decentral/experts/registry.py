@@ -370,6 +370,9 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
     try:
         tensors, meta = load_checkpoint(checkpoint)  # checks every file's sha256, the layout's included
     except CheckpointError as e:
+        if (checkpoint / META_FILE).is_file():
+            raise RegistryError(f"{checkpoint} is an expert folder ({META_FILE}), not a `decentral train` checkpoint: "
+                                "copy it into the registry's folder, or `experts fetch` it from a swarm") from None
         inside = checkpoint / "checkpoint"  # a `decentral train` run's folder holds its checkpoint there
         raise RegistryError(f"{e}" + (f" (did you mean {inside}?)" if inside.is_dir() else "")) from None
     state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
