@@ -23,8 +23,8 @@ from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
-from decentral.progress import progress_bar
 from decentral.pipeline.recipe import loopback_network, shaped_network
+from decentral.progress import progress_bar
 
 TICK_S = 1.0  # how often `pipeline train`'s progress (a bar, or lines in a log) reads the lead's metrics
 START_S = 120.0  # how long the first node may take to start the swarm
