@@ -175,7 +175,7 @@ def test_a_monitor_cut_off_finds_the_swarm_again_when_a_peer_comes_back_at_its_j
         return peer, Membership(peer, heartbeat_s=0.5)
 
     peer, beat = start()
-    monitor = SwarmMonitor(run, peer.multiaddrs())
+    monitor = SwarmMonitor(run, peer.multiaddrs(), rejoin_s=1.0)
     try:
         wait_for(lambda: [r["state"] for r in monitor.rows()] == ["alive"], 10, "the peer listed as alive")
         beat.close()

@@ -99,12 +99,12 @@ class _RawRecords(RecordValidatorBase):
 class SwarmMonitor:
     """An observer of run `run`, joined through any member's multiaddr in `initial_peers`; `swarm_key`:
     the swarm's key, if it has one. SwarmError when no member answers. While none does later (`reachable`
-    False), `rows` joins again through `initial_peers`, at most every `REJOIN_S`, until one answers."""
+    False), `rows` joins again through `initial_peers`, at most every `rejoin_s` seconds, until one answers."""
 
     def __init__(self, run: str, initial_peers: Sequence[str], *, swarm_key: SwarmKey | None = None,
-                 startup_timeout: float = 30.0):
+                 startup_timeout: float = 30.0, rejoin_s: float = REJOIN_S):
         check_multiaddrs(initial_peers)
-        self.run, self.swarm_key = run, swarm_key
+        self.run, self.swarm_key, self.rejoin_s = run, swarm_key, rejoin_s
         self._initial_peers, self._startup_timeout = list(initial_peers), startup_timeout
         self._dir = tempfile.mkdtemp(prefix="decentral-monitor-")
         self._check = SignedRecords(ensure_identity(Path(self._dir) / "identity.key"), swarm_key)
@@ -128,9 +128,9 @@ class SwarmMonitor:
             raise SwarmError(startup_error(e, self._initial_peers, "127.0.0.1", 0)) from e  # a client listens nowhere
 
     def _rejoin_if_cut_off(self) -> None:
-        """When no node answers us and our last join is `REJOIN_S` old: a new DHT node joined through our
+        """When no node answers us and our last join is `rejoin_s` old: a new DHT node joined through our
         initial peers replaces ours; if none of them answers yet, ours stays, to try again later."""
-        if time.monotonic() - self._joined_at < REJOIN_S or self.reachable():
+        if time.monotonic() - self._joined_at < self.rejoin_s or self.reachable():
             return
         try:
             dht = self._join()
