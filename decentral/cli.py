@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -238,9 +239,11 @@ def cmd_swarm_start(args) -> int:
     peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host,
                      swarm_key=swarm_key(key_path))
     keyed = f" --swarm-key {key_path}" if key_path else ""
+    # listening beyond loopback, we are joined from other machines: they must listen beyond it too
+    remote = "" if ipaddress.ip_address(args.host).is_loopback else " --host 0.0.0.0"
     print(f"swarm {args.run!r} is up. Peers join with:")
     for maddr in peer.multiaddrs():
-        print(f"  decentral train --join {maddr} --run {args.run}{keyed} --protocol noloco")
+        print(f"  decentral train --join {maddr} --run {args.run}{keyed}{remote} --protocol noloco")
     serve_until_stopped()
     peer.shutdown()
     return 0

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import wait_until, write_recipe
+from conftest import needs_netns, wait_until, write_recipe
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
+from decentral.netlab import NetLab
 from decentral.swarm.admission import SwarmKey
 
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed id nobody runs
@@ -250,3 +251,26 @@ def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_on
     done = prefork.run([*args, "--protocol", str(local)], tmp_path, timeout=120)
     assert done.returncode == 2 and "its metadata does not fit this run" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@needs_netns
+def test_the_join_command_swarm_start_prints_works_as_written_on_another_host(lab_name, tmp_path, small_corpus):
+    """`swarm start --host 0.0.0.0` on one host, its printed `decentral train ...` run as written on another: the
+    newcomer listens where the others reach it (the hint lacked --host 0.0.0.0, so it listened on 127.0.0.1)."""
+    key = tmp_path / "swarm.key"
+    SwarmKey.generate(key)
+    with NetLab(2, None, name=lab_name, mode="netns") as lab:
+        entry = lab.hosts[0].popen([sys.executable, "-m", "decentral", "swarm", "start", "--swarm-key", str(key),
+                                    "--host", "0.0.0.0", "--announce-host", lab.hosts[0].address, "--port", "31337"],
+                                   stdout=subprocess.PIPE, text=True)
+        printed = []
+        while not printed or printed[-1] not in ("", "Ctrl-C to stop.\n"):  # "": it ended
+            printed.append(entry.stdout.readline())
+        hint = [line for line in printed if "decentral train" in line]
+        assert hint, printed
+        command = [sys.executable, "-m", *shlex.split(hint[0])]
+        done = lab.hosts[1].run([*command, "--steps", "2", "--data", str(small_corpus), "--out", str(tmp_path / "run")],
+                                timeout=120)
+        entry.terminate()
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"others join with --join /ip4/{lab.hosts[1].address}/" in done.stdout, done.stdout
