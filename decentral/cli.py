@@ -186,9 +186,10 @@ def train_worker(recipe, args, **overrides) -> int:
 def cmd_train(args) -> int:
     from decentral.codec import TOPK_NOTICE, make_codec
     from decentral.ranks import rank_from_env, spawn_ranks
-    from decentral.swarm.peer import check_multiaddrs
+    from decentral.swarm.peer import check_multiaddrs, check_reachable_back
 
     check_multiaddrs(args.join or ())  # a malformed --join fails now, not once the model is built
+    check_reachable_back(args.join or (), args.host, args.announce_host)  # so does one we could not be reached from
     if args.island:
         if not 0 <= args.rank < args.world_size:
             raise RecipeError(f"--rank {args.rank}: must be in [0, {args.world_size}) (--world-size {args.world_size})")
@@ -390,7 +391,8 @@ def described(text: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decentral", description=__doc__, **example(
-        "decentral demo", "decentral train --protocol noloco --join /ip4/203.0.113.5/tcp/31337/p2p/Qm...",
+        "decentral demo",
+        "decentral train --protocol noloco --join /ip4/203.0.113.5/tcp/31337/p2p/Qm... --host 0.0.0.0",
         before=EXIT_CODES))
     parser.add_argument("-v", "--verbose", action="store_true", help="log swarm internals")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -444,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                            **example("# the first member prints the --join address of the others",
                                      "decentral train --protocol noloco --swarm-key swarm.key --host 0.0.0.0 --port 31337",
                                      "decentral train --protocol noloco --swarm-key swarm.key --join "
-                                     "/ip4/203.0.113.5/tcp/31337/p2p/Qm... --data mytexts/"))
+                                     "/ip4/203.0.113.5/tcp/31337/p2p/Qm... --host 0.0.0.0 --data mytexts/"))
     train.add_argument("--protocol", default="noloco", help="a recipe file (protocols/*.yaml) or a protocol name")
     train.add_argument("--out", default="runs/train",
                        help="where the run writes metrics.jsonl and checkpoint/ (default: runs/train)")

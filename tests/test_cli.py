@@ -136,6 +136,8 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["train", "--protocol", "local", "--island", "tcp://127.0.0.1:1"], "give another protocol"),
     ([*TRAIN, "--announce-host", "example.com", "--port", "31999"], "'example.com' is not an IP address"),
     ([*TRAIN, "--announce-host", "203.0.113.5"], "--announce-host 203.0.113.5 needs a fixed --port"),
+    ([*TRAIN, "--join", f"/ip4/203.0.113.5/tcp/31337/p2p/{PEER_ID}"], "--host 127.0.0.1 listens on this machine only"),
+    (["swarm", "start", "--join", f"/ip4/203.0.113.5/tcp/31337/p2p/{PEER_ID}"], "give --host 0.0.0.0"),
     (["train", "--protocol", "typo.yaml"], "unknown section(s) ['trian']"),
     (["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
     (["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),

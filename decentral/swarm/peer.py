@@ -57,6 +57,28 @@ def check_multiaddrs(maddrs: Sequence[str]) -> None:
                              "prints it")
 
 
+def check_reachable_back(maddrs: Sequence[str], host: str, announce_host: str | None) -> None:
+    """SwarmError when we would listen on loopback only (`host`, no `announce_host`) but one of `maddrs` is on
+    another machine: its peers could not reach us (they would dial 127.0.0.1, their own machine)."""
+    try:
+        if announce_host or not ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:  # not an IP address: starting the peer says so
+        return
+    for maddr in maddrs:
+        ip = next((value for proto, value in Multiaddr(str(maddr)).items() if proto.name in ("ip4", "ip6")), None)
+        if ip is None or ipaddress.ip_address(ip).is_loopback:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
+            try:
+                probe.bind((ip, 0))  # an address of this machine: its peers reach our loopback
+                continue
+            except OSError:
+                pass
+        raise SwarmError(f"--host {host} listens on this machine only, but {ip} (--join) is another machine, whose "
+                         "peers could not reach us: give --host 0.0.0.0 (and --announce-host behind a NAT)")
+
+
 def check_listenable(host: str, port: int) -> None:
     """OSError (EADDRINUSE when something listens there) unless we can listen on `host`:`port`; port 0 (any
     free one) always can. p2pd's listener takes its port with SO_REUSEPORT, so a second p2pd on a port
@@ -210,6 +232,7 @@ class SwarmPeer:
         swarm_key: SwarmKey | None = None,
     ):
         check_multiaddrs(initial_peers)
+        check_reachable_back(initial_peers, host, announce_host)
         announce = [announced_maddr(announce_host, port)] if announce_host else None
         self.run = run
         self.stats = TrafficStats()
