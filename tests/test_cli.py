@@ -276,3 +276,13 @@ def test_the_join_command_swarm_start_prints_works_as_written_on_another_host(la
         entry.terminate()
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"others join with --join /ip4/{lab.hosts[1].address}/" in done.stdout, done.stdout
+
+
+def test_a_join_address_whose_peer_id_is_wrong_says_a_process_answers_there(make_swarm):
+    """A typo in the id, or the id of a peer that no longer listens there: it said "nothing answered there"."""
+    from decentral.swarm import SwarmError, SwarmPeer
+
+    member, = make_swarm(1)
+    address = member.multiaddrs()[0].split("/p2p/")[0]
+    with pytest.raises(SwarmError, match="a process answers there, but not as that peer"):
+        SwarmPeer(member.peer.run, [f"{address}/p2p/{PEER_ID}"])

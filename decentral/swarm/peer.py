@@ -57,6 +57,12 @@ def check_multiaddrs(maddrs: Sequence[str]) -> None:
                              "prints it")
 
 
+def _ip_and_port(maddr: str) -> tuple[str | None, str | None]:
+    """The IP address and TCP port of a multiaddr, None for either it does not have (/dns4/..., /udp/...)."""
+    found = {proto.name: value for proto, value in Multiaddr(str(maddr)).items()}
+    return found.get("ip4", found.get("ip6")), found.get("tcp")
+
+
 def check_reachable_back(maddrs: Sequence[str], host: str, announce_host: str | None) -> None:
     """SwarmError when we would listen on loopback only (`host`, no `announce_host`) but one of `maddrs` is on
     another machine: its peers could not reach us (they would dial 127.0.0.1, their own machine)."""
@@ -66,7 +72,7 @@ def check_reachable_back(maddrs: Sequence[str], host: str, announce_host: str | 
     except ValueError:  # not an IP address: starting the peer says so
         return
     for maddr in maddrs:
-        ip = next((value for proto, value in Multiaddr(str(maddr)).items() if proto.name in ("ip4", "ip6")), None)
+        ip, _ = _ip_and_port(maddr)
         if ip is None or ipaddress.ip_address(ip).is_loopback:
             continue
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
@@ -100,6 +106,11 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
     if "cannot assign requested address" in text.lower():
         return f"cannot listen on {host}: it is not an address of this machine (--host)"
     if "failed to connect to bootstrap peers" in text or "bootstrap failed" in text:
+        addresses = [(ip, port) for ip, port in map(_ip_and_port, initial_peers) if ip and port]
+        if asyncio.run(plain_dial(addresses)) == "accepted":
+            return (f"could not join through {', '.join(map(str, initial_peers))}: a process answers there, but not "
+                    "as that peer (is the peer id right? copy the whole address a member prints; a peer restarted "
+                    "with another --out has a new id)")
         return (f"could not reach any peer at {', '.join(map(str, initial_peers))}: nothing answered there "
                 "(is the address right, and is that peer still running?)")
     if "already taken" in text:
