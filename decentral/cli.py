@@ -238,7 +238,7 @@ def cmd_swarm_start(args) -> int:
 
     key_path = swarm_key_path(args)
     peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host,
-                     swarm_key=swarm_key(key_path))
+                     swarm_key=swarm_key(key_path), identity_path=args.identity)
     keyed = f" --swarm-key {key_path}" if key_path else ""
     # listening beyond loopback, we are joined from other machines: they must listen beyond it too
     remote = "" if ipaddress.ip_address(args.host).is_loopback else " --host 0.0.0.0"
@@ -420,8 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
         "decentral swarm keygen swarm.key", "decentral swarm start --swarm-key swarm.key --host 0.0.0.0 --port 31337"))
     swarm_sub = swarm.add_subparsers(dest="swarm_command", required=True)
     start = swarm_sub.add_parser("start", help="start a swarm's first peer and print its multiaddr", **example(
-        "decentral swarm start --swarm-key swarm.key --host 0.0.0.0 --announce-host 203.0.113.5 --port 31337"))
+        "decentral swarm start --swarm-key swarm.key --host 0.0.0.0 --announce-host 203.0.113.5 --port 31337 "
+        "--identity entry.key"))
     add_network_arguments(start, run_default="decentral, the recipes'")
+    start.add_argument("--identity", metavar="FILE", help="the entry's private key, made when missing: keep it (and "
+                       "--port) to keep the --join address it prints across restarts (default: a new one each start)")
     start.set_defaults(func=cmd_swarm_start, run="decentral")
     keygen = swarm_sub.add_parser("keygen", help="write a new swarm key: only peers holding it take part",
                                   **example("decentral swarm keygen swarm.key"))

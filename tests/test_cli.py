@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -103,6 +104,22 @@ USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own
     ("island rendezvous", [*train_into("island"), "--island", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "2"],
      "rank 1 of 2 could not join the island at tcp://127.0.0.1:1"),
 ]
+
+
+def test_swarm_start_with_an_identity_file_keeps_its_peer_id_and_so_its_join_address_across_restarts(
+        tmp_path, prefork):
+    """Without one an entry peer had a new id at each start: every address it had printed stopped working."""
+    ids = []
+    for life in range(2):
+        log = tmp_path / f"entry{life}.log"
+        entry = prefork.spawn(["swarm", "start", "--run", "x", "--identity", "entry.key"], log, cwd=tmp_path)
+        try:
+            wait_until(lambda: log.exists() and "--join" in log.read_text(), 60, "the entry's address")
+            ids.append(re.search(r"/p2p/(\S+)", log.read_text()).group(1))
+        finally:
+            entry.terminate()  # as Ctrl-C: it leaves the swarm and exits 0
+            assert entry.wait(30) == 0
+    assert ids[0] == ids[1]
 
 
 def test_a_command_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, prefork):
