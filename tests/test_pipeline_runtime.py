@@ -348,11 +348,11 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     assert refused.stderr.startswith("decentral: corpus path does not exist") and not (tmp_path / "nodata").exists()
 
 
-@pytest.mark.parametrize("sig", ["Ctrl-C", "SIGTERM"])
-def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_path, small_corpus, sig):
-    """`pipeline train` stopped by a terminal's Ctrl-C (SIGINT to its process group) or by a SIGTERM to it
-    alone: exit 130 within seconds, one line on stderr naming the nodes' last checkpoint and `--resume`, and
-    no node process (nor its DHT) left running."""
+def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_path, small_corpus):
+    """`pipeline train` stopped by a SIGTERM to it alone (a scheduler's cancel; a terminal's Ctrl-C takes the
+    same way, as KeyboardInterrupt, and reaches no node either: each runs in a session of its own): exit 130
+    within seconds, one line on stderr naming the nodes' last checkpoint and `--resume`, and no node process
+    (nor its DHT) left running."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"nodes": 2}, train={"steps": 500,
                                                                                            "eval_every": 2})))
@@ -361,8 +361,7 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
     train = subprocess.Popen(
         [sys.executable, "-m", "decentral", "pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--data",
          str(small_corpus)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,  # its own group, as a terminal's job is
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background job inherits it ignored)
+        stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as a terminal's job is
     nodes: set[int] = set()
     try:
         deadline = time.monotonic() + 240
@@ -371,10 +370,7 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
             time.sleep(0.1)  # polling the lead's metrics and the checkpoints
         nodes = descendants(train.pid)  # the nodes and their DHT processes
         assert len(nodes) >= 4
-        if sig == "Ctrl-C":
-            os.killpg(train.pid, signal.SIGINT)
-        else:
-            os.kill(train.pid, signal.SIGTERM)
+        os.kill(train.pid, signal.SIGTERM)
         _, stderr = train.communicate(timeout=30)
         assert train.returncode == 130, stderr
         saved = min(stage_checkpoints(out).values())
