@@ -26,7 +26,7 @@ from decentral.cli import (
 )
 from decentral.config import parse_recipe
 from decentral.metrics import format_table
-from decentral.experts.registry import CONFIG_FILE, META_FILE, OPTIMIZER_FILE, Registry, RegistryError
+from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError
 from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, absolute_source
 from decentral.progress import progress_bar
 
@@ -219,8 +219,7 @@ def cmd_fetch(args) -> int:
     try:
         found = [sharing.find(name, sha256=args.sha256) for name in args.names]  # every one, before any is fetched
         for name, published in zip(args.names, found):
-            total = sum(size for file, (_, size) in published.expert.files().items()
-                        if file != OPTIMIZER_FILE or not args.no_optimizer)
+            total = sum(size for _, size in published.files(with_optimizer=not args.no_optimizer).values())
             with progress_bar(total, f"fetch {name}", "B", unit_scale=True) as bar:
                 expert = sharing.download(published, with_optimizer=not args.no_optimizer, progress=bar.update)
             print(f"experts: fetched {expert.name} ({expert.sha256[:12]}, hash checked) into {expert.folder}", flush=True)

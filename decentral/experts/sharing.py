@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decentral.experts.registry import (
-    Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
+    OPTIMIZER_FILE, Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
 )
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import read_frame, write_frame
@@ -39,6 +39,12 @@ class Published:
 
     expert: Expert
     peers: list[str]
+
+    def files(self, with_optimizer: bool = True) -> dict[str, tuple[str, int]]:
+        """{file name: (sha256, size)} of what a download fetches (`Expert.files`, less the optimizer state
+        unless `with_optimizer`)."""
+        return {file: entry for file, entry in self.expert.files().items()
+                if with_optimizer or file != OPTIMIZER_FILE}
 
 
 class ExpertSharing:
@@ -131,15 +137,15 @@ class ExpertSharing:
                  progress: Callable[[int], None] | None = None) -> Expert:
         """Download a version `find` gave into our registry, checked against its record's hashes; returns it.
         Tries its publishers in random order until one delivers; RegistryError when none does."""
-        expert, name = published.expert, published.expert.name
+        expert, name, files = published.expert, published.expert.name, published.files(with_optimizer)
         if not with_optimizer:
-            expert.optimizer = None
+            expert.optimizer = None  # (its expert.json then names none)
         errors = []
         peers = random.sample(published.peers, len(published.peers))
         for tried, peer in enumerate(peers, 1):
             try:
                 with staging(self.registry.folder(name)) as tmp:
-                    for file, (digest, size) in expert.files().items():
+                    for file, (digest, size) in files.items():
                         fetched = self._download_file(peer, name, file, tmp / file, digest, size, progress)
                         self.peer.call(fetched).result()
                     write_meta(tmp, expert)
