@@ -316,6 +316,21 @@ def number_type(kind: type, minimum: float, *, strict: bool = False):
 positive_int = number_type(int, 1)
 
 
+def int_list_type(minimum: int, why: str):
+    """An argparse type: comma-separated integers, each at least `minimum`; `why` says what a smaller one
+    breaks ("an island has at least 1 rank")."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: {why}")
+        return values
+    return parse
+
+
 SET_HELP = ("change one setting of the recipe (repeatable): SECTION.NAME=VALUE (swarm.codec=int8, train.lr=1e-3) "
             "or a protocol setting NAME=VALUE (outer_lr=0.7)")
 

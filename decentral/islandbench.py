@@ -396,19 +396,8 @@ def run_islands(args: argparse.Namespace) -> int:
     return 0 if ok and all(p["ok"] for p in results.get("b", {}).get("points", [])) else 1
 
 
-def _ks(text: str) -> list[int]:
-    """argparse type of --ks: comma-separated numbers of ranks per island, each at least 1."""
-    try:
-        ks = [int(k) for k in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
-    if min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"{text}: an island has at least 1 rank")
-    return ks
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from decentral.cli import number_type, positive_int
+    from decentral.cli import int_list_type, number_type, positive_int
     from decentral.syncbench import _rounds
 
     parser.add_argument("--parts", default="a,b", help="a (utilisation, hierarchical vs flat), b (sharded vs leader "
@@ -418,7 +407,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=200, help="(A) inner steps per process")
     parser.add_argument("--rounds", type=_rounds, default=8,
                         help="(B) averages timed per point, at least 2 (the first is dropped)")
-    parser.add_argument("--ks", type=_ks, default="2,4", help="(B) comma-separated ranks per island")
+    parser.add_argument("--ks", type=int_list_type(1, "an island has at least 1 rank"), default="2,4", help="(B) comma-separated ranks per island")
     parser.add_argument("--numel", type=positive_int, help="(B) floats averaged (default: the DiLoCo recipe's parameter count)")
     parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
                         help="folder with diloco.yaml and local.yaml")

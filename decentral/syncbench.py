@@ -142,16 +142,6 @@ def _plot(results: dict, out_png: Path) -> None:
     fig.savefig(out_png)
 
 
-def _host_counts(text: str) -> list[int]:
-    try:
-        counts = [int(h) for h in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
-    if min(counts) < 2:
-        raise argparse.ArgumentTypeError(f"{text}: every point needs at least 2 hosts to sync")
-    return counts
-
-
 def _rounds(text: str) -> int:
     value = int(text)
     if value < 2:
@@ -160,9 +150,10 @@ def _rounds(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from decentral.cli import positive_int
+    from decentral.cli import int_list_type, positive_int
 
-    parser.add_argument("--hosts", type=_host_counts, default="2,4,8", help="comma-separated host counts")
+    parser.add_argument("--hosts", type=int_list_type(2, "every point needs at least 2 hosts to sync"), default="2,4,8",
+                        help="comma-separated host counts")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help="uplink cap per host (tc rate) or 'none'")
     parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")
