@@ -235,10 +235,12 @@ def cmd_train(args) -> int:
 
 def cmd_swarm_start(args) -> int:
     from decentral.swarm import SwarmPeer
+    from decentral.swarm.membership import EntryBeacon
 
     key_path = swarm_key_path(args)
     peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host,
                      swarm_key=swarm_key(key_path), identity_path=args.identity)
+    beacon = EntryBeacon(peer)  # a peer joining through us alone learns whether its key opens the swarm
     keyed = f" --swarm-key {key_path}" if key_path else ""
     # listening beyond loopback, we are joined from other machines: they must listen beyond it too
     remote = "" if ipaddress.ip_address(args.host).is_loopback else " --host 0.0.0.0"
@@ -246,6 +248,7 @@ def cmd_swarm_start(args) -> int:
     for maddr in peer.multiaddrs():
         print(f"  decentral train --join {maddr} --run {args.run}{keyed}{remote} --protocol noloco")
     serve_until_stopped()
+    beacon.close()
     peer.shutdown()
     return 0
 

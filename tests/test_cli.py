@@ -23,7 +23,7 @@ from conftest import needs_netns, wait_until, write_recipe
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
 from decentral.netlab import NetLab
-from decentral.swarm.admission import SwarmKey
+from decentral.swarm.admission import AdmissionError, SwarmKey
 
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed id nobody runs
 
@@ -109,13 +109,23 @@ USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own
 def test_swarm_start_with_an_identity_file_is_the_peer_that_file_names_so_its_join_address_outlives_a_restart(
         tmp_path, prefork):
     """Without one an entry peer had a new id at each start: every address it had printed stopped working. With
-    one, the id it prints is the file's (libp2p's peer id of its key), whichever life prints it."""
+    one, the id it prints is the file's (libp2p's peer id of its key), whichever life prints it. It publishes its
+    mark: a peer with a swarm key, joining this keyless swarm through it alone, is told so."""
     from hivemind.p2p import PeerID
+
+    from decentral.swarm.monitor import SwarmMonitor
 
     log = tmp_path / "entry.log"
     entry = prefork.spawn(["swarm", "start", "--run", "x", "--identity", "entry.key"], log, cwd=tmp_path)
     try:
         wait_until(lambda: log.exists() and "--join" in log.read_text(), 60, "the entry's address")
+        keyed = SwarmMonitor("x", [re.search(r"--join (\S+)", log.read_text()).group(1)],
+                             swarm_key=SwarmKey.generate(tmp_path / "swarm.key"))
+        try:
+            with pytest.raises(AdmissionError, match="do not open with swarm key"):
+                keyed.rows()
+        finally:
+            keyed.close()
     finally:
         entry.terminate()  # as Ctrl-C: it leaves the swarm and exits 0
         assert entry.wait(30) == 0

@@ -16,7 +16,7 @@ import yaml
 from conftest import free_port
 
 from decentral.swarm import AdmissionError, SwarmKey, SwarmPeer
-from decentral.swarm.membership import Membership
+from decentral.swarm.membership import EntryBeacon, Membership
 from decentral.swarm.monitor import BYTES_WINDOW_S, WINDOW_S, StatusCard, SwarmMonitor, watch
 
 
@@ -209,6 +209,27 @@ def test_a_monitor_with_another_swarms_key_says_so_in_one_clean_line(make_swarm,
         monitor.close()
     assert str(e.value) == (f"the records of run {a.peer.run!r} do not open with swarm key {theirs.fingerprint}: "
                             "the swarm has another key, or none")  # was "run 'test-1''s records"
+
+
+@pytest.mark.parametrize("entry_keyed", [True, False])
+def test_an_entrys_mark_alone_tells_a_reader_whether_its_key_opens_the_swarm(tmp_path, entry_keyed):
+    """Through a `swarm start` entry before anyone trains, a peer without the swarm's key (or with one where the
+    swarm has none) saw no record at all, so it trained alone: the entry's mark now says so, and lists nobody."""
+    ours = SwarmKey.generate(tmp_path / "ours.key")
+    opens, wrong = (ours, None) if entry_keyed else (None, ours)
+    run = f"test-{time.monotonic_ns()}"
+    entry = SwarmPeer(run, swarm_key=opens)
+    beacon = EntryBeacon(entry)
+    readers = [SwarmMonitor(run, entry.multiaddrs(), swarm_key=key) for key in (opens, wrong)]
+    try:
+        assert readers[0].rows() == []  # the entry is no member
+        with pytest.raises(AdmissionError, match="is keyed" if entry_keyed else "do not open with swarm key"):
+            readers[1].rows()
+    finally:
+        for reader in readers:
+            reader.close()
+        beacon.close()
+        entry.shutdown()
 
 
 class CardRecorder:

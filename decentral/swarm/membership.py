@@ -1,6 +1,6 @@
 """Who is in the swarm, and who takes part in which outer round.
 
-Two kinds of DHT records under the run's key:
+Three kinds of DHT records under the run's key:
 - `peers`: a heartbeat per peer ({"step", "round", "digests", "at"} and its `set_card` fields, at most
   `CARD_BYTES`; "at": when it was sent, DHT time), refreshed every `heartbeat_s` and expiring
   after `expire_s`; a killed peer drops out of every view within that time, and a peer that closes
@@ -13,6 +13,9 @@ Two kinds of DHT records under the run's key:
 - `round/<r>`: a peer announces that it will take part in round r `lookahead` rounds ahead, so that
   by the time anyone reaches round r all live participants have long since announced it. Every peer
   then derives the same member list for r without a barrier.
+- `entry`: a mark per `decentral swarm start` entry (`EntryBeacon`), no member: a peer that joins
+  through an entry alone reads it to learn that the swarm is there and whether its records open with
+  the peer's key (decentral.swarm.monitor), rather than training alone.
 
 A peer that hangs (SIGSTOP, a debugger, swapping) hangs its DHT node too: hivemind hands its DHT process a
 pipe with every call, which that process fetches from the caller, so a call under way when the caller
@@ -163,3 +166,32 @@ class Membership:
             self.peer.publish("peers", self.peer.peer_id, {**self._record(), "left": True}, ttl=self.expire_s)
         except Exception as e:
             log.warning("could not announce leaving: %s", e)
+
+
+ENTRY_KEY = "entry"
+
+
+class EntryBeacon:
+    """While an entry (`decentral swarm start`) serves: its signed record under `run/entry`, sealed in a keyed
+    swarm like every record, published at once and refreshed every `every_s`. It lists nobody as a member."""
+
+    def __init__(self, peer: SwarmPeer, every_s: float = 3 * HEARTBEAT_S):
+        self.peer, self.every_s = peer, every_s
+        self._stop = threading.Event()
+        self._publish()
+        self._thread = threading.Thread(target=self._loop, name="entry-beacon", daemon=True)
+        self._thread.start()
+
+    def _publish(self) -> None:
+        self.peer.publish(ENTRY_KEY, self.peer.peer_id, {"at": get_dht_time()}, ttl=3 * self.every_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._publish()
+            except Exception as e:  # the next one may go through
+                log.warning("entry mark not refreshed: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

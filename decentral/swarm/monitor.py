@@ -9,9 +9,10 @@ no connection and no DHT write of its own.
 
 `SwarmMonitor` joins the run's DHT as a client-only node: it serves nothing, publishes nothing (no
 heartbeat, no round announcement), so no member counts it, waits for it or averages with it. It reads
-the `peers` records with its own validator, which hands it every record as stored; it then checks
-each one as a member would (signed by the peer it names, sealed under the swarm key) and keeps those
-that pass. Records that do not open at all tell it that the swarm is keyed and it lacks that key. (A
+the `peers` records (and the `entry` marks of `swarm start` entries) with its own validator, which hands
+it every record as stored; it then checks each one as a member would (signed by the peer it names,
+sealed under the swarm key) and keeps those that pass. Records that do not open at all tell it that the
+swarm has another key (or none) than the one it holds. (A
 DHT node that serves forged records in place of a peer's can hide that peer from the monitor; members'
 nodes store no such record, and nobody can fake a peer's row.)
 """
@@ -34,6 +35,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
+from decentral.swarm.membership import ENTRY_KEY
 from decentral.swarm.peer import SwarmError, _DHTProcess, check_multiaddrs, startup_error
 
 WINDOW_S = 3.0  # the shortest window a card's loss and tokens per second are measured over
@@ -108,7 +110,6 @@ class SwarmMonitor:
         self._initial_peers, self._startup_timeout = list(initial_peers), startup_timeout
         self._dir = tempfile.mkdtemp(prefix="decentral-monitor-")
         self._check = SignedRecords(ensure_identity(Path(self._dir) / "identity.key"), swarm_key)
-        self._key = DHTID.generate(source=f"{run}/peers").to_bytes()  # the `peers` records' key, as stored
         self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
         try:
             self.dht = self._join()
@@ -144,20 +145,15 @@ class SwarmMonitor:
         monitor that looked before, whose heartbeat expired since ("gone", or "left" still for one that left;
         either listed for `GONE_KEPT_S` after its record was last read), sorted by name and id: {"id", "name",
         "state", "addrs", "step", "round", "loss", "tokens_per_s", "sent_per_s", "received_per_s",
-        "last_seen_s"}; None where a peer does not say (an older version). AdmissionError when peers' records
-        exist but none opens with our key (or without one). `leave_out`: peers whose records are not counted
+        "last_seen_s"}; None where a peer does not say (an older version). AdmissionError when records of peers or
+        entries exist but none opens with our key (or without one). `leave_out`: peers whose records are not counted
         (a member checking the swarm it joined: itself). Joins again first when nobody answers (class docstring)."""
         self._rejoin_if_cut_off()
-        found = self.dht.get(f"{self.run}/peers", latest=True)
-        stored = found.value if found is not None and isinstance(found.value, dict) else {}
-        now, current, unreadable = get_dht_time(), {}, 0
-        for item in stored.values():
-            opened = self._open(item.value)
-            if opened is None:
-                unreadable += 1
-            elif opened[0] not in leave_out:
-                current[opened[0]] = opened[1]
-        if unreadable and not current:
+        heartbeats, unreadable = self._records("peers")
+        entries, unreadable_entries = self._records(ENTRY_KEY)  # marks of `swarm start` entries: no rows
+        current = {peer: info for peer, info in heartbeats.items() if peer not in leave_out}
+        now = get_dht_time()
+        if (unreadable or unreadable_entries) and not current and not entries:
             if self.swarm_key is None:
                 raise AdmissionError(f"run {self.run!r} is keyed: its records do not open without its key; "
                                      "give it with --swarm-key FILE")
@@ -174,12 +170,20 @@ class SwarmMonitor:
         it out of the routing table, so when the swarm (or the way to it) is gone, none is left."""
         return self.dht.run_coroutine(_routing_table_size) > 0
 
-    def _open(self, raw) -> tuple[str, dict] | None:
-        """(peer id, its heartbeat) of a record as stored, when it passes a member's checks."""
+    def _records(self, name: str) -> tuple[dict[str, dict], int]:
+        """The records under `run/name` that pass a member's checks, {peer id: value}, and how many did not."""
+        found = self.dht.get(f"{self.run}/{name}", latest=True)
+        stored = found.value if found is not None and isinstance(found.value, dict) else {}
+        key = DHTID.generate(source=f"{self.run}/{name}").to_bytes()  # as stored
+        opened = [self._open(item.value, key) for item in stored.values()]
+        return dict(o for o in opened if o is not None), sum(o is None for o in opened)
+
+    def _open(self, raw, expected_key: bytes) -> tuple[str, dict] | None:
+        """(peer id, its value) of a record as stored, when it passes a member's checks."""
         try:
             key, subkey, value, expiration = raw
             record = DHTRecord(key, subkey, value, expiration)
-            if key != self._key or not self._check.validate(record):
+            if key != expected_key or not self._check.validate(record):
                 return None
             info = MSGPackSerializer.loads(self._check.strip_value(record))
             peer = MSGPackSerializer.loads(subkey)
