@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -78,6 +80,8 @@ def test_dropping_half_the_stages_keeps_stage_0_and_sorted_subsets():
     assert kept_orders(4, 0.0) == [(0, 1, 2, 3)]
     many = kept_orders(12, 0.5, draws=7, seed=3)
     assert len(many) == 7 and all(o[0] == 0 and list(o[1:]) == sorted(o[1:]) and len(o) == 6 for o in many)
+    every = kept_orders(8, 0.5, draws=50)  # 35 subsets, fewer than the draws asked for: all of them, once each
+    assert every == [(0, *subset) for subset in itertools.combinations(range(1, 8), 3)]
     torch.manual_seed(0)
     model = GPT(CONFIG)
     result = evaluate_dropping(model, 6, [tokens(1), tokens(2)], drop=0.5)

@@ -49,7 +49,8 @@ example:
 
 EVAL_HELP = """Evaluate a `decentral pipeline train` run: validation loss and perplexity of the whole model and,
 with a share --drop of its stages dropped at inference (stage 0 kept, the others a sorted subset),
-the mean perplexity over subsets (all of them when there are at most 20, else --draws at random).
+the mean perplexity over subsets (all of them when there are at most 20 or at most --draws, else --draws
+at random).
 
 example:
   decentral pipeline eval runs/skippipe --drop 0.5
@@ -109,7 +110,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("run", metavar="RUN", help="a `decentral pipeline train` output folder")
     e.add_argument("--drop", type=float, default=0.5, help="share of stages dropped (default 0.5)")
     e.add_argument("--draws", type=positive_int, default=10,
-                   help="random subsets scored when there are more than 20")
+                   help="random subsets scored when there are more than 20 (all of them when there are at most "
+                   "this many; default 10)")
     e.add_argument("--data", action="append", metavar="PATH", help="text whose validation split scores the model "
                    "(default: Python's stdlib)")
     e.add_argument("--seed", type=number_type(int, 0), default=0)

@@ -5,8 +5,9 @@ per stage (where a stage has replicas, the one that stepped most, then the first
 died, such as a lead another head took over from, left an older checkpoint). Dropping a share `drop`
 of the stages keeps stage 0 (embedding, first blocks, head) and `stages - round(drop * stages) - 1`
 of the others, in increasing order: every such subset is scored when there are at most
-`MAX_SUBSETS`, else `draws` random ones. Reported: the validation loss and perplexity of the whole
-model, the mean over subsets of the perplexity with stages dropped, and their ratio.
+`MAX_SUBSETS` or at most `draws`, else `draws` random ones. Reported: the validation loss and
+perplexity of the whole model, the mean over subsets of the perplexity with stages dropped, and
+their ratio.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def kept_orders(stages: int, drop: float, draws: int = 10, seed: int = 0) -> lis
     check_drop(drop)
     keep = max(1, stages - math.floor(drop * stages + 0.5))
     subsets = list(itertools.combinations(range(1, stages), keep - 1))
-    if len(subsets) > MAX_SUBSETS:
+    if len(subsets) > max(MAX_SUBSETS, draws):
         rng = np.random.default_rng(seed)
         subsets = [subsets[i] for i in rng.choice(len(subsets), size=draws, replace=False)]
     return [(0, *subset) for subset in subsets]
