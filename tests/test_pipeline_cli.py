@@ -75,6 +75,19 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_fewer_stages_than_a_node_is_pinned_to_is_one_line_and_exit_code_2(tmp_path, capsys):
+    """--stages below a pin in the file is refused as the file's own bad pin is, not an IndexError in the planner."""
+    data = json.loads((EXAMPLES / "two_sites.json").read_text())
+    data["nodes"][6]["stage"] = 3
+    (tmp_path / "pinned.json").write_text(json.dumps(data))
+    code, stdout, stderr = run_cli(["pipeline", "plan", str(tmp_path / "pinned.json"), "--stages", "3", "--skip", "0",
+                                    "--out", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and stdout == ""
+    assert stderr == ("decentral: pinned.json: nodes[6] ('cloud-3') is pinned to stage 3, but the pipeline has 3 "
+                      "stages (0 to 2): pin it to one of them, or ask for more stages\n")
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_an_out_that_cannot_be_written_is_one_line_and_exit_code_2(tmp_path, capsys):
     (tmp_path / "plan.json").symlink_to(tmp_path / "gone" / "plan.json")  # into a folder that is not there
     code, _, stderr = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--microbatches", "2",

@@ -103,10 +103,17 @@ class Network:
         raise NetworkError(f"{self.source}: no node named {name!r}")
 
     def replace(self, **shape: Any) -> Network:
-        """The same nodes and links with other `stages`, `skip`, `microbatches` or `activation_bytes` (None keeps)."""
+        """The same nodes and links with other `stages`, `skip`, `microbatches` or `activation_bytes` (None keeps).
+        NetworkError when a node is pinned to a stage the new `stages` lacks."""
         values = {key: getattr(self, key) for key in SHAPE_KEYS}
         values.update({key: value for key, value in shape.items() if value is not None})
-        return dataclasses.replace(self, **_check_shape(values, self.source))
+        checked = _check_shape(values, self.source)
+        for i, node in enumerate(self.nodes):
+            if node.stage is not None and node.stage >= checked["stages"]:
+                raise NetworkError(f"{self.source}: nodes[{i}] ({node.name!r}) is pinned to stage {node.stage}, but "
+                                   f"the pipeline has {checked['stages']} stages (0 to {checked['stages'] - 1}): "
+                                   "pin it to one of them, or ask for more stages")
+        return dataclasses.replace(self, **checked)
 
     def without(self, names: list[str] | tuple[str, ...]) -> Network:
         """The network with the nodes named `names` removed."""
