@@ -27,7 +27,7 @@ from decentral.pipeline.cli import add_pipeline_parser
 from decentral.pipeline.coordinator import Coordinator
 from decentral.pipeline.discovery import new_server
 from decentral.pipeline.launch import run_metrics, stage_checkpoints
-from decentral.pipeline.network import NetworkError, PipelineError, parse_network
+from decentral.pipeline.network import NetworkError, PipelineError, load_network, parse_network
 from decentral.pipeline.node import StageNode, microbatch
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
 from decentral.pipeline.simulator import simulate
@@ -426,6 +426,22 @@ def test_a_node_whose_port_is_taken_says_so(small_corpus):
         port = taken.getsockname()[1]
         with pytest.raises(PipelineError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
             StageNode("h", make_stage(recipe.recipe.model, 2, 1, 0), recipe, memory=3, port=port)
+
+
+def test_resume_refuses_a_network_file_it_would_not_read(tmp_path):
+    """`pipeline train --resume` keeps the run's OUT/network.json: a --network beside it is refused, before any
+    node starts, rather than silently ignored."""
+    networks = Path(__file__).resolve().parent.parent / "examples" / "networks"
+    out = tmp_path / "run"
+    load_network(networks / "two_sites.json").save(out / "network.json")  # a run stopped before its checkpoints
+    parser = argparse.ArgumentParser(prog="decentral")
+    add_pipeline_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["pipeline", "train", "--out", str(out), "--resume", "--network",
+                              str(networks / "regions20.json")])
+    with pytest.raises(PipelineError, match=r"--resume keeps the run's network .* --network .*regions20.json would "
+                                            "not be read: drop it"):
+        args.func(args)
+    assert sorted(p.name for p in out.iterdir()) == ["network.json"]
 
 
 def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_one_error(tmp_path, capsys):

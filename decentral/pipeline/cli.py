@@ -91,7 +91,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    help="a SkipPipe recipe (default: the shipped protocols/skippipe.yaml)")
     t.add_argument("--network", metavar="NETWORK.json", help="the nodes and links to plan for (default: the "
                    "recipe's pipeline.network, else pipeline.nodes equal nodes); the pipeline's shape (stages, skip, "
-                   "microbatches, activation size) is the recipe's, whatever the file says")
+                   "microbatches, activation size) is the recipe's, whatever the file says; not with --resume, which "
+                   "keeps the run's OUT/network.json")
     t.add_argument("--steps", type=positive_int, help="iterations (default: the recipe's train.steps)")
     t.add_argument("--out", default="runs/skippipe")
     t.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")

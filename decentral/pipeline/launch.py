@@ -240,7 +240,8 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
     (None when not evaluated), "metrics" (`run_metrics`), "lead" (the one that ended the run)}.
 
     The nodes share a swarm key made for the run (OUT/swarm.key). `resume`: every node goes on from its
-    checkpoint in OUT, with the allocation of OUT/network.json. `timeout_s` counts the nodes' start-up too.
+    checkpoint in OUT, with the network and allocation of OUT/network.json (a `network_path` too is
+    refused). `timeout_s` counts the nodes' start-up too.
     PipelineError when the run fails; CheckpointError when another process writes to `out`."""
     from decentral.pipeline.evaluate import check_drop
     from decentral.pipeline.recipe import load_pipeline_recipe
@@ -258,6 +259,10 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
     if resume:
         if not (out / "network.json").exists():
             raise PipelineError(f"--resume: {out} holds no run to resume (no network.json)")
+        if network_path:
+            raise PipelineError(f"--resume keeps the run's network and allocation ({out / 'network.json'}), so "
+                                f"--network {network_path} would not be read: drop it, or start a new run in "
+                                "another --out to plan for that network")
         network = shaped_network(load_network(out / "network.json"), recipe)  # the first run's allocation
         saved = stage_checkpoints(out)
         missing = [node.name for node in network.nodes if node.name not in saved]
