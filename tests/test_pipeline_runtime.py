@@ -428,9 +428,10 @@ def test_a_node_whose_port_is_taken_says_so(small_corpus):
             StageNode("h", make_stage(recipe.recipe.model, 2, 1, 0), recipe, memory=3, port=port)
 
 
-def test_resume_refuses_a_network_file_it_would_not_read(tmp_path):
+def test_resume_refuses_a_network_file_it_would_not_read_and_a_recipe_of_another_shape(tmp_path):
     """`pipeline train --resume` keeps the run's OUT/network.json: a --network beside it is refused, before any
-    node starts, rather than silently ignored."""
+    node starts, rather than silently ignored; so is a recipe with other stages than the run's (the nodes started,
+    then each stopped saying its checkpoint holds another stage)."""
     networks = Path(__file__).resolve().parent.parent / "examples" / "networks"
     out = tmp_path / "run"
     load_network(networks / "two_sites.json").save(out / "network.json")  # a run stopped before its checkpoints
@@ -440,6 +441,11 @@ def test_resume_refuses_a_network_file_it_would_not_read(tmp_path):
                               str(networks / "regions20.json")])
     with pytest.raises(PipelineError, match=r"--resume keeps the run's network .* --network .*regions20.json would "
                                             "not be read: drop it"):
+        args.func(args)
+    assert sorted(p.name for p in out.iterdir()) == ["network.json"]
+    args = parser.parse_args(["pipeline", "train", "--out", str(out), "--resume"])  # the shipped recipe: 6 stages
+    with pytest.raises(PipelineError, match=r"the run in .* has 4 stages, the recipe .*skippipe.yaml has 6: give the "
+                                            r"recipe the run was started with \(--recipe\)"):
         args.func(args)
     assert sorted(p.name for p in out.iterdir()) == ["network.json"]
 

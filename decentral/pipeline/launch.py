@@ -263,7 +263,12 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
             raise PipelineError(f"--resume keeps the run's network and allocation ({out / 'network.json'}), so "
                                 f"--network {network_path} would not be read: drop it, or start a new run in "
                                 "another --out to plan for that network")
-        network = shaped_network(load_network(out / "network.json"), recipe)  # the first run's allocation
+        saved_network = load_network(out / "network.json")  # the first run's allocation
+        if saved_network.stages != recipe.pipeline.stages:
+            raise PipelineError(f"--resume: the run in {out} has {saved_network.stages} stages, the recipe "
+                                f"{recipe_path} has {recipe.pipeline.stages}: give the recipe the run was started "
+                                "with (--recipe)")
+        network = shaped_network(saved_network, recipe)
         saved = stage_checkpoints(out)
         missing = [node.name for node in network.nodes if node.name not in saved]
         if missing:

@@ -564,7 +564,8 @@ class StageNode:
         tensors, meta = load_checkpoint(self.out / "stage")
         if (meta.get("stage"), meta.get("stages")) != (self.stage.index, self.recipe.pipeline.stages):
             raise PipelineError(f"{self.out / 'stage'} holds stage {meta.get('stage')} of {meta.get('stages')}, "
-                                f"this node serves stage {self.stage.index} of {self.recipe.pipeline.stages}")
+                                f"this node serves stage {self.stage.index} of {self.recipe.pipeline.stages}: give "
+                                "the recipe the run was started with (--recipe)")
         model, sync = load_training_state(tensors, meta, self.optimizer)
         self.stage.load_global_state_dict(model)
         if self.protocol is not None and sync is not None:
