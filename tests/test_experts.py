@@ -197,8 +197,28 @@ def test_a_registry_that_cannot_be_read_is_one_line_and_the_rest_is_listed(tmp_p
     model_file.write_bytes(model_file.read_bytes()[:100])
     done = prefork.run(["experts", "eval", "--registry", "reg", "--experts", "good,torn", "--domain", "legal",
                         "--batches", "1"], tmp_path, timeout=120)
-    assert done.returncode == 2 and "not a readable safetensors file" in done.stderr, done.stderr
+    assert done.returncode == 2 and "torn'" in done.stderr and "does not match its recorded sha256" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_expert_changed_since_it_was_written_is_refused_before_eval_or_branch_use_it(tmp_path, prefork):
+    tiny_expert(tmp_path / "reg", "code")
+    tiny_expert(tmp_path / "reg", "legal", seed=1)
+    model_file = tmp_path / "reg" / "legal" / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-1] ^= 1  # one weight changed on disk: still a readable file of the recorded size
+    model_file.write_bytes(bytes(data))
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
+                                      "train": {**TINY_TRAIN, "steps": 20}}))
+    for args in (["experts", "eval", "--experts", "code,legal", "--domain", "legal", "--batches", "1"],
+                 ["experts", "branch", "x", "--from", "code", "--from", "legal", "--domain", "legal",
+                  "--protocol", str(recipe)]):
+        done = prefork.run([*args, "--registry", "reg"], tmp_path, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "expert 'legal'" in done.stderr and "does not match its recorded sha256" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # refused before scoring or averaging anything
+    assert not (tmp_path / "reg" / "priors.json").exists() and not (tmp_path / "runs").exists()
 
 
 def test_experts_of_different_contexts_are_evaluated_on_the_shortest_in_either_order(tmp_path, prefork):

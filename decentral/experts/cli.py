@@ -26,7 +26,7 @@ from decentral.cli import (
 )
 from decentral.config import parse_recipe
 from decentral.metrics import format_table
-from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError
+from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError, verify_expert
 from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, absolute_source
 from decentral.progress import progress_bar
 
@@ -100,6 +100,8 @@ def cmd_branch(args) -> int:
     parents = [registry.get(name) for name in _distinct(args.parent, "--from")]
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
+    for parent in parents:  # before any work: the start is the weights the registry records
+        verify_expert(parent)
     recipe = _recipe(args)
     first = parents[0]
     if first.recipe:  # the schedule follows the parent; protocol and swarm come from --protocol
@@ -281,6 +283,8 @@ def cmd_eval(args) -> int:
     router = None
     if args.router:
         router, experts = _load_router(args.router, experts)
+    for expert in experts:  # before any work: the weights scored, and priors cached under their sha256, are the recorded
+        verify_expert(expert)
     domains = load_domains(args.domain)
     contexts = {e.name: e.context for e in experts}
     context = min(contexts.values())  # every expert scores the same windows: the shortest context's

@@ -284,7 +284,8 @@ def verify_expert(expert: Expert) -> None:
     for name, (sha256, size) in expert.files().items():
         path = expert.folder / name
         if not path.is_file() or path.stat().st_size != size or file_sha256(path) != sha256:
-            raise RegistryError(f"expert {expert.name!r}: {path} does not match its recorded sha256 (missing, corrupt or changed)")
+            raise RegistryError(f"expert {expert.name!r}: {path} does not match its recorded sha256 (missing, corrupt or "
+                                "changed since it was written): fetch, add or merge it again with --replace")
 
 
 @contextlib.contextmanager
