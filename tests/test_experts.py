@@ -358,3 +358,21 @@ def test_duplicates_run_folders_and_unknown_names_are_one_line_before_any_work(t
                                          "parameters: {t: 0.25}\n")
     out = run_cli(prefork, "merge", "slerp.yaml", "--out", "reg/s", cwd=tmp_path)
     assert "merge: slerp of code, legal (t 0.25, parallel_threshold 0.9995) -> " in out, out
+
+
+def test_a_branch_takes_its_parents_model_and_says_the_recipes_other_model_is_not_used(tmp_path, prefork):
+    parent, _ = tiny_expert(tmp_path / "reg", "code")  # n_layer 1, d_model 16, context 16; no recipe of its own
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
+                                      "train": {**TINY_TRAIN, "context": 16, "steps": 2, "eval_every": 2}}))
+    common = ["--from", "code", "--domain", "code", "--protocol", str(recipe), "--registry", "reg"]
+    done = prefork.run(["experts", "branch", "x", *common, "--set", "model.dropout=0.1"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "--set model.dropout: a branch's model is that of its parent, expert 'code'" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()  # before any training
+
+    done = prefork.run(["experts", "branch", "x", *common], tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (f"the model of --protocol {recipe} is not used (code there, the recipe here: context 16 there, 32 here; "
+            "d_model 16 there, 32 here; n_layer 1 there, 2 here)") in done.stderr, done.stderr
+    assert Registry(tmp_path / "reg").get("x").model == parent.model

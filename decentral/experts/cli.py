@@ -24,10 +24,10 @@ from pathlib import Path
 from decentral.cli import (
     _recipe, add_network_arguments, add_worker_arguments, example, positive_int, serve_until_stopped, train_worker,
 )
-from decentral.config import parse_recipe
+from decentral.config import RecipeError, parse_recipe, parse_settings
 from decentral.metrics import format_table
 from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError, verify_expert
-from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, absolute_source
+from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, HF_SOURCE, absolute_source, gpt_description
 from decentral.progress import progress_bar
 
 DEFAULT_REGISTRY = "runs/btm/experts"
@@ -94,6 +94,32 @@ def cmd_seed(args) -> int:
     return _run_worker(recipe, args, args.expert, ",".join(args.domain), True, stop_at=stop_at)
 
 
+def _take_parents_model(recipe, args, parent) -> None:
+    """Make `recipe`'s model `parent`'s, as a branch continues its weights: RecipeError for a `--set model.*`, which
+    cannot change it; a note on stderr when the model the recipe file describes is another, which is not used."""
+    from decentral.experts.branch import model_differences
+
+    shaped = sorted(k for k in parse_settings(args.set or []) if k.startswith("model."))
+    if shaped:
+        raise RecipeError(f"--set {', '.join(shaped)}: a branch's model is that of its parent, expert {parent.name!r}, "
+                          "and cannot be changed; drop it")
+    if parent.is_hf:  # a Hugging Face model is built from the config.json in the parent's folder
+        source = absolute_source(f"{HF_CONFIG_PREFIX}{parent.folder / CONFIG_FILE}")
+        ignored = recipe.model_source not in (GPT_SOURCE, source)  # a GPT section there is the protocol file's default
+        differences = f"model.source {recipe.model_source}"
+        recipe.model_source = source
+    else:
+        ours = ({"source": HF_SOURCE} if recipe.model_source != GPT_SOURCE
+                else gpt_description(dataclasses.asdict(recipe.model)))
+        differences = model_differences(gpt_description(dataclasses.asdict(parent.config())), ours)
+        ignored = bool(differences)
+        recipe.model, recipe.model_source = parent.config(), GPT_SOURCE
+    if ignored:
+        print(f"experts: the model is {parent.name}'s, whose weights the branch continues; the model of --protocol "
+              f"{args.protocol} is not used ({parent.name} there, the recipe here: {differences})",
+              file=sys.stderr, flush=True)
+
+
 def cmd_branch(args) -> int:
     registry = Registry(args.registry)
     _check_new_expert(registry, args.expert, args.replace)
@@ -113,10 +139,7 @@ def cmd_branch(args) -> int:
         print(f"experts: {first.name} has no training recipe (a merge or a download without one): the schedule is "
               f"this run's ({recipe.train.steps} steps in all, from its step {first.steps})"
               + ("" if first.optimizer else "; AdamW starts fresh"), flush=True)
-    if first.is_hf:  # the model is the parent's: a Hugging Face one is built from the config.json in its folder
-        recipe.model_source = absolute_source(f"{HF_CONFIG_PREFIX}{first.folder / CONFIG_FILE}")
-    else:
-        recipe.model, recipe.model_source = first.config(), GPT_SOURCE
+    _take_parents_model(recipe, args, first)
     args.out = args.out or f"runs/btm/{args.expert}"
     if len(parents) == 1:
         start = first.folder
