@@ -101,6 +101,14 @@ class Recipe:
         every = self.protocol_args.get("every", protocol_params(self.protocol).get("every"))
         return every if isinstance(every, int) else None
 
+    def check_context(self, where: str | None = None) -> None:
+        """RecipeError when the reference GPT would train on sequences longer than its context (train.context over
+        model.context); `where` names the recipe in the message."""
+        if self.model_source == GPT_SOURCE and self.train.context > self.model.context:
+            raise RecipeError(f"{where + ': ' if where else ''}train.context {self.train.context} is longer than the "
+                              f"model's context {self.model.context}, the longest sequence it takes: give --set "
+                              f"train.context={self.model.context} or less, or a model of a longer context")
+
     def to_dict(self) -> dict:
         return {
             "protocol": {"name": self.protocol, **self.protocol_args},

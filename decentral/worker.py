@@ -230,6 +230,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         torch.cuda.set_device(device)  # NCCL collectives run on the current device
     if opts.data and opts.domains:
         raise DataError("give either --data (one corpus) or --domain (balanced domains), not both")
+    recipe.check_context()  # a branch's model is its parent's, set after the recipe was read
     domains = load_domains(opts.domains) if opts.domains else None
     corpus = None if domains else load_corpus(opts.data)
     if opts.stop_at is not None and opts.stop_at > t.steps:

@@ -376,3 +376,17 @@ def test_a_branch_takes_its_parents_model_and_says_the_recipes_other_model_is_no
     assert (f"the model of --protocol {recipe} is not used (code there, the recipe here: context 16 there, 32 here; "
             "d_model 16 there, 32 here; n_layer 1 there, 2 here)") in done.stderr, done.stderr
     assert Registry(tmp_path / "reg").get("x").model == parent.model
+
+
+def test_a_train_context_longer_than_the_models_is_one_line_before_any_work(tmp_path, prefork):
+    tiny_expert(tmp_path / "reg", "code")  # context 16, no recipe: a branch takes the recipe's train.context
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": {"n_layer": 1, "n_head": 2, "d_model": 16,
+                                      "context": 16}, "train": {**TINY_TRAIN, "steps": 2}}))  # train.context 32
+    for args in (["train", "--out", "runs/t"], ["experts", "branch", "x", "--from", "code", "--domain", "code",
+                                                "--registry", "reg"]):
+        done = prefork.run([*args, "--protocol", str(recipe)], tmp_path, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "train.context 32 is longer than the model's context 16" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "runs").exists()  # nothing trained

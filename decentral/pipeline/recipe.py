@@ -91,8 +91,7 @@ def parse_pipeline_recipe(data, where: str = "recipe") -> PipelineRecipe:
         raise RecipeError(f"{where}: pipeline.nodes {config.nodes} cannot hold {config.stages} stages (0: one node "
                           "per stage)")
     recipe = parse_recipe(rest, where)
-    if recipe.model_source == GPT_SOURCE and recipe.train.context > recipe.model.context:
-        raise RecipeError(f"{where}: train.context {recipe.train.context} exceeds model.context {recipe.model.context}")
+    recipe.check_context(where)
     if recipe.model_source == GPT_SOURCE and recipe.model.n_layer < config.stages:
         raise RecipeError(f"{where}: {config.stages} stages need at least {config.stages} transformer blocks "
                           f"(model.n_layer), the model has {recipe.model.n_layer}: is this a SkipPipe recipe?")
