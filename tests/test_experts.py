@@ -47,6 +47,23 @@ def test_expert_folder_round_trip_and_hash(tmp_path):
         verify_expert(read_expert(tmp_path / "e"))
 
 
+def test_a_damaged_optimizer_state_fails_a_full_check_but_not_one_of_the_weights_that_eval_and_merge_use(tmp_path):
+    """eval, a merge and a branch from several parents read the weights alone: a damaged optimizer.safetensors
+    refused them, after hashing a file twice the weights' size for nothing."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, context=16))
+    optimizer = ({f"state.{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}, [{"lr": 1e-3}])
+    meta = Expert(name="e", sha256="", size=0, model=dataclasses.asdict(model.config), domain="d")
+    write_expert(tmp_path / "e", lambda path: path.write_bytes(model_bytes(model.state_dict())), meta, optimizer)
+    state_file = tmp_path / "e" / "optimizer.safetensors"
+    state_file.write_bytes(b"\0" * state_file.stat().st_size)
+    expert = read_expert(tmp_path / "e")
+    verify_expert(expert, with_optimizer=False)
+    expert.load_model(verify=True)
+    with pytest.raises(RegistryError, match="optimizer.safetensors does not match its recorded sha256"):
+        verify_expert(expert)
+
+
 def test_failed_write_leaves_nothing_and_bad_folders_are_clear(tmp_path):
     tiny_expert(tmp_path)
 

@@ -127,7 +127,7 @@ def cmd_branch(args) -> int:
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
     for parent in parents:  # before any work: the start is the weights the registry records
-        verify_expert(parent)
+        verify_expert(parent, with_optimizer=len(parents) == 1)  # several: AdamW starts fresh
     recipe = _recipe(args)
     first = parents[0]
     if first.recipe:  # the schedule follows the parent; protocol and swarm come from --protocol
@@ -307,7 +307,7 @@ def cmd_eval(args) -> int:
     if args.router:
         router, experts = _load_router(args.router, experts)
     for expert in experts:  # before any work: the weights scored, and priors cached under their sha256, are the recorded
-        verify_expert(expert)
+        verify_expert(expert, with_optimizer=False)
     domains = load_domains(args.domain)
     contexts = {e.name: e.context for e in experts}
     context = min(contexts.values())  # every expert scores the same windows: the shortest context's

@@ -95,13 +95,14 @@ class Expert:
     def optimizer_file(self) -> Path | None:
         return self.folder / OPTIMIZER_FILE if self.optimizer else None
 
-    def files(self) -> dict[str, tuple[str, int]]:
-        """{file name: (sha256, size)} of the files that make up this expert, expert.json aside."""
+    def files(self, with_optimizer: bool = True) -> dict[str, tuple[str, int]]:
+        """{file name: (sha256, size)} of the files that make up this expert, expert.json aside (and the optimizer
+        state unless `with_optimizer`)."""
         if self.is_hf:
             out = {name: (entry["sha256"], entry["size"]) for name, entry in self.layout.items()}
         else:
             out = {MODEL_FILE: (self.sha256, self.size)}
-        if self.optimizer:
+        if self.optimizer and with_optimizer:
             out[OPTIMIZER_FILE] = (self.optimizer["sha256"], self.optimizer["size"])
         return out
 
@@ -149,7 +150,7 @@ class Expert:
         from safetensors.torch import load_file
 
         if verify:
-            verify_expert(self)
+            verify_expert(self, with_optimizer=False)
         if self.is_hf:
             from decentral.models.hf import HFCausalLM, read_pretrained_layout
 
@@ -279,9 +280,10 @@ def _check_layout(expert: Expert, where: str) -> None:
         raise RegistryError(f"{where}: sha256 and size must be the layout's (its manifest's sha256, its bytes)")
 
 
-def verify_expert(expert: Expert) -> None:
-    """Raise RegistryError unless each of the expert's files has its recorded size and sha256."""
-    for name, (sha256, size) in expert.files().items():
+def verify_expert(expert: Expert, with_optimizer: bool = True) -> None:
+    """Raise RegistryError unless each of the expert's files (the optimizer state only `with_optimizer`) has its
+    recorded size and sha256."""
+    for name, (sha256, size) in expert.files(with_optimizer).items():
         path = expert.folder / name
         if not path.is_file() or path.stat().st_size != size or file_sha256(path) != sha256:
             raise RegistryError(f"expert {expert.name!r}: {path} does not match its recorded sha256 (missing, corrupt or "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decentral.experts.registry import (
-    OPTIMIZER_FILE, Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
+    Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
 )
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import read_frame, write_frame
@@ -43,8 +43,7 @@ class Published:
     def files(self, with_optimizer: bool = True) -> dict[str, tuple[str, int]]:
         """{file name: (sha256, size)} of what a download fetches (`Expert.files`, less the optimizer state
         unless `with_optimizer`)."""
-        return {file: entry for file, entry in self.expert.files().items()
-                if with_optimizer or file != OPTIMIZER_FILE}
+        return self.expert.files(with_optimizer)
 
 
 class ExpertSharing:

@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from decentral.experts.registry import (
-    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, OPTIMIZER_FILE, Expert, RegistryError, check_name, file_sha256,
+    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, Expert, RegistryError, check_name, file_sha256,
     read_expert, write_expert,
 )
 from decentral.merge.base import MergeError
@@ -80,8 +80,8 @@ class _Input:
 
     def checked_files(self) -> dict[Path, str]:
         """The files a verifying merge hashes, with their recorded sha256 (all but optimizer.safetensors)."""
-        return {self.expert.folder / name: digest for name, (digest, _) in self.expert.files().items()
-                if name != OPTIMIZER_FILE}
+        files = self.expert.files(with_optimizer=False)
+        return {self.expert.folder / name: digest for name, (digest, _) in files.items()}
 
 
 def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool = True) -> Expert:
