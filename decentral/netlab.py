@@ -88,15 +88,23 @@ def parse_rate(text: str) -> int:
     return bps
 
 
+def rate_argument(text: str) -> str:
+    """argparse type of a link rate that must be one (`--netlab RATE`): a `parse_rate` string."""
+    try:
+        parse_rate(text)
+    except LabSettingsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def bandwidth_argument(text: str) -> str | None:
     """argparse type of every `--bandwidth`: a `parse_rate` string, or None for 'none' (uncapped links)."""
     if text.strip().lower() == "none":
         return None
     try:
-        parse_rate(text)
-    except LabSettingsError as e:
+        return rate_argument(text)
+    except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e}, or 'none' for uncapped links") from None
-    return text
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:
@@ -549,7 +557,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=2, help="number of emulated hosts")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help="uplink cap per host, e.g. 20mbit, or 'none'")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="link latency passed to apps (not kernel-enforced)")
+    parser.add_argument("--latency-ms", type=number_type(float, 0), default=0.0,
+                        help="link latency passed to apps (not kernel-enforced)")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     parser.add_argument("--name", default="dcl", help="prefix of the namespaces, veths and bridge")
     parser.add_argument("--measure", action="store_true", help="measure host0 -> host1 throughput against the cap")

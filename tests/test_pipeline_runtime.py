@@ -479,7 +479,9 @@ def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_on
     with pytest.raises(NetworkError, match=r"--drop must be in \[0, 1\)"):  # before any node starts
         args.func(args)
     assert not (tmp_path / "never").exists()
-    for bad in (["train", "--steps", "0"], ["eval", str(tmp_path), "--draws", "0"], ["plan", "n.json", "--effort", "0"]):
-        with pytest.raises(SystemExit):
+    for bad, says in ((["train", "--steps", "0"], "must be"), (["eval", str(tmp_path), "--draws", "0"], "must be"),
+                      (["plan", "n.json", "--effort", "0"], "must be"), (["train", "--latency-ms", "-5"], "must be"),
+                      (["train", "--netlab", "garbage"], "not a link rate")):  # a negative latency ran as none; a bad
+        with pytest.raises(SystemExit):                                         # rate, after OUT/swarm.key was made
             parser.parse_args(["pipeline", *bad])
-        assert "must be" in capsys.readouterr().err
+        assert says in capsys.readouterr().err, bad

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from decentral.netlab import rate_argument
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.network import regions_network
 from decentral.pipeline.planner import plan, replan
@@ -85,7 +86,7 @@ def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 
 def add_arguments(parser) -> None:
     """`decentral bench pipeline` (the planner), `... pipeline convergence` and `... pipeline timing` (the
     runtime: decentral.pipeline.trainbench)."""
-    from decentral.cli import example
+    from decentral.cli import example, number_type
     from decentral.pipeline import trainbench
     from decentral.pipeline.recipe import SHIPPED_RECIPE
 
@@ -99,7 +100,8 @@ def add_arguments(parser) -> None:
     convergence.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.33], help="the first is the baseline")
     convergence.add_argument("--drop", type=float, default=0.5)
     convergence.add_argument("--data", action="append", metavar="PATH")
-    convergence.add_argument("--netlab", metavar="RATE", help="run the nodes on netlab hosts with this uplink")
+    convergence.add_argument("--netlab", metavar="RATE", type=rate_argument,
+                             help="run the nodes on netlab hosts with this uplink")
     convergence.add_argument("--out", default="runs/bench-skippipe")
     convergence.set_defaults(func=lambda args: trainbench.convergence_bench(
         args.out, args.recipe, args.steps, tuple(args.skips), args.drop, args.data, args.netlab) and 0)
@@ -108,8 +110,8 @@ def add_arguments(parser) -> None:
                                    "decentral bench pipeline timing --nodes 4 --stages 2 --out runs/bench-skippipe-timing"))
     timing.add_argument("--recipe", default=SHIPPED_RECIPE,
                         help="model and microbatch shape (default: the shipped protocols/skippipe.yaml)")
-    timing.add_argument("--bandwidth", default="20mbit", help="every host's uplink cap")
-    timing.add_argument("--latency-ms", type=float, default=20.0)
+    timing.add_argument("--bandwidth", type=rate_argument, default="20mbit", help="every host's uplink cap")
+    timing.add_argument("--latency-ms", type=number_type(float, 0), default=20.0)
     timing.add_argument("--nodes", type=int, default=8)
     timing.add_argument("--stages", type=int, default=4)
     timing.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.25])

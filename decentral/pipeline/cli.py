@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from decentral.cli import described, interrupting, number_type, positive_int
+from decentral.netlab import rate_argument
 from decentral.pipeline.baselines import full_pipeline, network_blind
 from decentral.pipeline.constraints import path_length
 from decentral.pipeline.network import PipelineError, load_network
@@ -96,9 +97,9 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--steps", type=positive_int, help="iterations (default: the recipe's train.steps)")
     t.add_argument("--out", default="runs/skippipe")
     t.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
-    t.add_argument("--netlab", metavar="RATE", help="run every node in its own netlab host, uplink capped at RATE "
-                   "(e.g. 20mbit); needs root, else loopback with paced sends")
-    t.add_argument("--latency-ms", type=float, default=0.0, help="latency added to every message we send")
+    t.add_argument("--netlab", metavar="RATE", type=rate_argument, help="run every node in its own netlab host, uplink "
+                   "capped at RATE (e.g. 20mbit); needs root, else loopback with paced sends")
+    t.add_argument("--latency-ms", type=number_type(float, 0), default=0.0, help="latency added to every message we send")
     t.add_argument("--drop", type=float, default=0.5, help="share of stages dropped in the evaluation (default 0.5)")
     t.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
                    help="the longest the run may take, in seconds")
