@@ -280,10 +280,10 @@ def cmd_status(args) -> int:
 
 
 def serve_until_stopped() -> None:
-    """Say how to stop, then block until Ctrl-C or SIGTERM."""
-    print("Ctrl-C to stop.", flush=True)
+    """Say how to stop, then block until Ctrl-C or SIGTERM (whose handler is in place once the line is out)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("Ctrl-C to stop.", flush=True)
     try:
         stop.wait()
     except KeyboardInterrupt:
