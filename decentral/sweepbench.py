@@ -1,6 +1,6 @@
 """`decentral bench sweep`: one protocol's settings against each other, on validation loss.
 
-Every point of the grid (`--set KEY=V1,V2,...` for each setting swept; the points are their product)
+Every point of the grid (`--set KEY=V1,V2,...` once for each setting swept; the points are their product)
 trains the same model on the same data shards for the same `--steps`, with `--workers` workers in one
 process joined by a `LoopbackHub` (decentral.loopback: exact float32 averages, no network). Only loss
 is compared: the workers share this machine's cores, so the wall time of a sweep says nothing about a
@@ -9,8 +9,8 @@ so a sweep gives the same numbers on a busy machine. `--with-local` adds the sam
 communication, so a sweep also says whether syncing helps at all.
 
 KEY is a protocol setting (`outer_lr`) or `train.NAME` (`train.lr`); values are YAML (`0.7`, `true`).
-Writes OUT/results.json (rewritten after each point) and OUT/sweep.png (each point's validation
-curve, worker 0), and prints a table sorted by final loss.
+Writes OUT/results.json (rewritten after each point) and OUT/sweep.png (each point's validation curve,
+worker 0), and prints a table sorted by final loss; an OUT that holds an earlier sweep is refused.
 """
 
 from __future__ import annotations
@@ -44,11 +44,22 @@ def parse_grid(settings: list[str]) -> dict[str, list]:
             raise RecipeError(f"--set {item!r}: KEY is a protocol setting (outer_lr) or train.NAME (train.lr)")
         if key == "train.steps":
             raise RecipeError(f"--set {item!r}: a sweep's points all train --steps steps; sweep other settings")
+        if key in grid:
+            raise RecipeError(f"--set {item!r}: {key} is given twice; give all its values in one --set ({key}=V1,V2)")
         texts = [v.strip() for v in values.split(",")]
         if not all(texts):
             raise RecipeError(f"--set {item!r}: an empty value; give VALUE[,VALUE...] (values hold no commas)")
         grid[key] = [setting_value(text) for text in texts]
     return grid
+
+
+def check_fresh_out(out: Path) -> None:
+    """RecipeError when `out` holds an earlier sweep (its results.json, or a point's folder): its points'
+    checkpoints would refuse this sweep's workers after its results were overwritten."""
+    earlier = [p.name for p in (out / "results.json", *sorted(out.glob("point*"))) if p.exists()] if out.is_dir() else []
+    if earlier:
+        raise RecipeError(f"--out {out} holds an earlier sweep ({', '.join(earlier[:3])}): give another --out, "
+                          "or remove it to sweep again")
 
 
 def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[str] | None, label: str) -> dict:
@@ -132,6 +143,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     try:
+        check_fresh_out(out)
         base = read_yaml(path) or {}
         if not isinstance(base, dict):
             raise RecipeError(f"{path}: expected a mapping at the top level")

@@ -21,6 +21,8 @@ def test_the_grid_is_the_product_of_the_settings_and_a_malformed_one_is_refused(
     for bad in ("outer_lr", "outer_lr=", "model.n_layer=2", "a.b.c=1", "outer_lr=,", "outer_lr=0.5,", "train.steps=5,10"):
         with pytest.raises(RecipeError, match="--set"):
             parse_grid([bad])
+    with pytest.raises(RecipeError, match="outer_lr is given twice; give all its values in one --set"):
+        parse_grid(["outer_lr=0.7", "train.lr=1e-3", "outer_lr=1.0"])  # not a grid of outer_lr=1.0 alone
 
 
 def test_bad_data_or_local_recipe_is_one_line_and_exit_2_before_any_point_trains(tmp_path, small_corpus, capsys):
@@ -37,6 +39,26 @@ def test_bad_data_or_local_recipe_is_one_line_and_exit_2_before_any_point_trains
         err = capsys.readouterr().err
         assert err.startswith("bench sweep: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "sweep").exists()
+
+
+def test_an_out_holding_an_earlier_sweep_is_refused_before_its_results_are_overwritten(tmp_path, small_corpus,
+                                                                                       capsys):
+    """A second sweep into the same --out overwrote the first's results.json, then each of its points failed on
+    the checkpoints the first left in pointK/wI (exit 1): the first sweep's results were lost."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=2)
+    out = tmp_path / "sweep"
+    sweep = ["bench", "sweep", "--protocol", str(recipe), "--steps", "2", "--workers", "1", "--data", str(small_corpus),
+             "--out", str(out)]
+    assert main(sweep) == 0
+    first = (out / "results.json").read_bytes()
+    capsys.readouterr()
+    assert main(sweep) == 2
+    err = capsys.readouterr().err
+    assert err == f"bench sweep: --out {out} holds an earlier sweep (results.json, point1): give another --out, " \
+                  "or remove it to sweep again\n", err
+    assert (out / "results.json").read_bytes() == first
+    (out / "results.json").unlink()  # a sweep interrupted in its first point leaves only the point's folder
+    assert main(sweep) == 2 and "holds an earlier sweep (point1)" in capsys.readouterr().err
 
 
 def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, small_corpus, prefork):
