@@ -121,7 +121,9 @@ def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]
 
 
 def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Path:
-    """Save a PNG with training loss (lightly smoothed) and validation loss per worker, vs step and vs wall time."""
+    """Save a PNG with training loss (lightly smoothed) and validation loss per worker, vs step and vs wall time;
+    a record without `step` or `wall_s` (a pipeline lead's first record after it took over has no wall time)
+    is drawn in the other panel only."""
     from matplotlib.figure import Figure  # here, not at import: every worker imports this module, few plot
 
     fig = Figure(figsize=(12, 4.5), layout="constrained")
@@ -131,12 +133,13 @@ def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Pa
         train = [r for r in rows if r.get("loss") is not None]
         val = [r for r in rows if r.get("val_loss") is not None]
         smooth = _moving_average([r["loss"] for r in train], SMOOTH_WINDOW)
-        for ax, x in ((by_step, "step"), (by_time, "wall_s")):
-            if train:
-                ax.plot([r[x] for r in train], smooth, color=colour, lw=1.2, label=f"{worker} train")
-            if val:
-                ax.plot([r[x] for r in val], [r["val_loss"] for r in val], color=colour, ls="--", marker="o",
-                        ms=3, label=f"{worker} val")
+        for ax, x in ((by_step, "step"), (by_time, "wall_s")):  # a record without x is left out of that panel
+            shown = [(r[x], loss) for r, loss in zip(train, smooth) if r.get(x) is not None]
+            if shown:
+                ax.plot(*zip(*shown), color=colour, lw=1.2, label=f"{worker} train")
+            shown = [(r[x], r["val_loss"]) for r in val if r.get(x) is not None]
+            if shown:
+                ax.plot(*zip(*shown), color=colour, ls="--", marker="o", ms=3, label=f"{worker} val")
     by_step.set(xlabel="inner step", ylabel="loss", title="loss vs step")
     by_time.set(xlabel="wall time (s)", ylabel="loss", title="loss vs wall time")
     for ax in (by_step, by_time):

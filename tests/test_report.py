@@ -113,6 +113,22 @@ def test_report_tells_apart_workers_of_the_same_name_in_a_bench_folder(tmp_path,
     assert (tmp_path / "report.png").stat().st_size > 0
 
 
+def test_report_of_a_pipeline_run_whose_lead_was_taken_over_draws_every_iteration(tmp_path, capsys):
+    """The head that takes over from a dead lead writes the last iteration the nodes took without a wall time
+    (`recovered`, decentral.pipeline.serve); the report of such a run was a KeyError traceback."""
+    with MetricsLog(tmp_path / "h0" / "metrics.jsonl") as log:
+        for step in range(1, 4):
+            log.write(worker="h0", step=step, wall_s=step * 0.5, loss=5.0 - step / 10, microbatches=4)
+    with MetricsLog(tmp_path / "h1" / "metrics.jsonl") as log:
+        log.write(worker="h1", step=3, loss=4.7, microbatches=4, recovered=True)  # as serve writes it on takeover
+        for step in range(4, 6):
+            log.write(worker="h1", step=step, wall_s=(step - 3) * 0.5, loss=5.0 - step / 10, microbatches=4)
+    assert main(["report", str(tmp_path)]) == 0
+    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert rows == [["h0", "3"], ["h1", "5"]]
+    assert (tmp_path / "report.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("make", ["empty", "missing"])
 def test_report_without_metrics_exits_2_with_one_line(tmp_path, capsys, make):
     run = tmp_path / "run"
