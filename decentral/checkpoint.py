@@ -99,21 +99,8 @@ def load_checkpoint(directory: str | Path, files: Callable[[Path], Mapping[str, 
 
     Raises CheckpointError naming the path when anything is missing, unreadable or fails its checksum.
     """
-    directory = Path(directory)
-    if not directory.is_dir() and _aside(directory).is_dir():  # a save crashed between its two renames
-        directory = _aside(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: directory does not exist")
-    meta_path, tensors_path = directory / META_FILE, directory / TENSORS_FILE
-    for path in (meta_path, tensors_path):
-        if not path.is_file():
-            raise CheckpointError(f"incomplete checkpoint {directory}: {path.name} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"corrupt checkpoint {meta_path}: not valid JSON ({e})") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tensors_sha256" not in meta:
-        raise CheckpointError(f"corrupt checkpoint {meta_path}: not a format-{FORMAT} checkpoint meta")
+    directory, meta = _read_meta(directory)
+    tensors_path = directory / TENSORS_FILE
     data = tensors_path.read_bytes()
     if hashlib.sha256(data).hexdigest() != meta["tensors_sha256"]:
         raise CheckpointError(f"corrupt checkpoint {tensors_path} (checksum mismatch)")
@@ -130,6 +117,34 @@ def load_checkpoint(directory: str | Path, files: Callable[[Path], Mapping[str, 
     if files is not None:
         tensors.update(files(directory))
     return tensors, {k: v for k, v in meta.items() if k not in _RESERVED}
+
+
+def read_checkpoint_meta(directory: str | Path) -> dict:
+    """The meta that was saved with a checkpoint, read without its tensors (none of the checksums is checked:
+    `load_checkpoint` does that); CheckpointError as `load_checkpoint` when it is missing or unreadable."""
+    _, meta = _read_meta(directory)
+    return {k: v for k, v in meta.items() if k not in _RESERVED}
+
+
+def _read_meta(directory: str | Path) -> tuple[Path, dict]:
+    """(the checkpoint's folder: `directory`, or where a save that crashed left it; its meta.json, reserved keys
+    included); CheckpointError naming what is missing or unreadable."""
+    directory = Path(directory)
+    if not directory.is_dir() and _aside(directory).is_dir():  # a save crashed between its two renames
+        directory = _aside(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: directory does not exist")
+    meta_path = directory / META_FILE
+    for path in (meta_path, directory / TENSORS_FILE):
+        if not path.is_file():
+            raise CheckpointError(f"incomplete checkpoint {directory}: {path.name} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"corrupt checkpoint {meta_path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tensors_sha256" not in meta:
+        raise CheckpointError(f"corrupt checkpoint {meta_path}: not a format-{FORMAT} checkpoint meta")
+    return directory, meta
 
 
 def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 import torch
 
 from decentral.checkpoint import (
-    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, save_checkpoint, sole_writer,
-    training_state,
+    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, read_checkpoint_meta, save_checkpoint,
+    sole_writer, training_state,
 )
 from decentral.config import Recipe, RecipeError
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
@@ -102,6 +102,22 @@ def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: 
     tokens = lineage["start_tokens"] + (protocol.step - lineage["start_step"]) * recipe.train.batch_size * recipe.train.context
     meta.update(recipe=recipe.to_dict(), lineage={**lineage, "tokens": tokens})
     save_checkpoint(opts.out / "checkpoint", tensors, meta, files=files)
+
+
+def _check_left_to_train(path: Path, steps: int, stop_at: int | None) -> None:
+    """CheckpointError when the checkpoint at `path`, which --resume goes on from, is at the run's last step
+    (`stop_at`, else the schedule's `steps`) or past it: nothing would train (only its meta is read here)."""
+    sync = read_checkpoint_meta(path).get("sync")
+    step = sync.get("step") if isinstance(sync, dict) else None
+    if not isinstance(step, int):
+        return  # metadata that does not fit: _restore says so
+    if stop_at is not None and stop_at <= step:
+        raise CheckpointError(f"--stop-at {stop_at} is not past {path}'s step {step}: nothing would train; give a "
+                              "later --stop-at")
+    if steps <= step:
+        raise CheckpointError(f"{path} is at step {step}, {'the end' if step == steps else 'past the end'} of a "
+                              f"{steps}-step schedule (train.steps): nothing would train; to train on, give --steps past "
+                              f"{step} (the whole schedule's length)")
 
 
 def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) -> dict:
@@ -236,6 +252,8 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     if opts.stop_at is not None and opts.stop_at > t.steps:
         raise RecipeError(f"--stop-at {opts.stop_at} is past the end of the {t.steps}-step schedule (train.steps): "
                           f"give --steps {opts.stop_at} or more, or an earlier --stop-at")
+    if opts.resume and not (opts.island_mode and opts.rank > 0):  # (those take their leader's checkpoint)
+        _check_left_to_train(opts.out / "checkpoint", t.steps, opts.stop_at)
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
     if start is not None and opts.stop_at is not None and opts.stop_at <= start.step:
         raise RegistryError(f"--stop-at {opts.stop_at} is not past {start.source}'s step {start.step}: nothing would "

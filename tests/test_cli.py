@@ -22,6 +22,7 @@ import torch
 from conftest import needs_netns, wait_until, write_recipe
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
+from decentral.metrics import read_metrics
 from decentral.netlab import NetLab
 from decentral.swarm.admission import AdmissionError, SwarmKey
 
@@ -265,6 +266,32 @@ def test_a_second_process_given_the_same_out_stops_at_once_and_the_first_trains_
         assert first.poll() is None
     finally:
         first.kill()
+
+
+def test_resuming_a_run_at_or_past_its_stop_at_or_steps_is_refused_and_leaves_the_run_as_it_was(tmp_path, small_corpus,
+                                                                                               capsys):
+    """--resume with a --stop-at or --steps the checkpoint already reached trained nothing, validated again,
+    appended records, saved the checkpoint with the smaller schedule and said `done` with exit 0."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=8)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", str(tmp_path / "run")]
+    assert main([*run, "--stop-at", "4"]) == 0
+    files = {name: (tmp_path / "run" / name).read_bytes() for name in ("metrics.jsonl", "checkpoint/meta.json")}
+    checkpoint = tmp_path / "run" / "checkpoint"
+    capsys.readouterr()
+    for extra, said in [
+        (["--stop-at", "3"], f"--stop-at 3 is not past {checkpoint}'s step 4: nothing would train; give a later "
+                             "--stop-at"),
+        (["--steps", "4"], f"{checkpoint} is at step 4, the end of a 4-step schedule (train.steps): nothing would "
+                           "train; to train on, give --steps past 4 (the whole schedule's length)"),
+        (["--steps", "3"], f"{checkpoint} is at step 4, past the end of a 3-step schedule"),
+    ]:
+        assert main([*run, "--resume", *extra]) == 2, extra
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"decentral: {said}"), captured
+        assert len(captured.err.splitlines()) == 1
+        assert files == {name: (tmp_path / "run" / name).read_bytes() for name in files}
+    assert main([*run, "--resume", "--stop-at", "5"]) == 0  # a later --stop-at goes on
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
 
 
 def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_one_line(tmp_path, small_corpus, prefork):

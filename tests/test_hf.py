@@ -187,7 +187,7 @@ def test_resume_and_a_new_run_from_the_checkpoint_folder(tmp_path, small_corpus,
     assert first["step"] == 0 and first["val_loss"] == records[-1]["val_loss"]
     capsys.readouterr()
     wider = write_config(tmp_path / "wider", hidden_size=48)
-    assert main([*args, "--resume", "--model", f"hf:{wider}"]) == 2
+    assert main([*args, "--resume", "--steps", "30", "--model", f"hf:{wider}"]) == 2  # (at 20 nothing would train)
     err = capsys.readouterr().err
     assert "holds another model than this run's" in err and len(err.strip().splitlines()) == 1, err
     assert f"resume with --model hf:{llama_config}" in err  # the source the checkpoint was written with
@@ -196,6 +196,6 @@ def test_resume_and_a_new_run_from_the_checkpoint_folder(tmp_path, small_corpus,
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
     capsys.readouterr()
-    assert main([*args, "--resume"]) == 2
+    assert main([*args, "--resume", "--steps", "30"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors (checksum mismatch)" in err and len(err.strip().splitlines()) == 1, err
