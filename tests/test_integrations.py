@@ -316,24 +316,43 @@ class LightningCaptures(lightning.Callback):
         self.state = self.sync.adoption.sync.state_dict()
 
 
-def test_a_lightning_fit_resumed_from_its_checkpoint_resumes_the_protocols_state_too(tokens, tmp_path):
+def fit_to(max_steps, tokens, folder=None, ckpt_path=None) -> tuple[lightning.Trainer, LightningCaptures]:
+    """LitGPT fitted to `max_steps` under DiLoCo (H=2) on its own, from `ckpt_path` if given; with `folder`,
+    Lightning checkpoints it every 3 steps there. (The trainer, what the protocol held when fitting began.)"""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def fit_to(max_steps, ckpt_path=None):
-        sync = lightning_integration.DecentralCallback("diloco", SoloTransport(), every=2)
-        captures = LightningCaptures(sync)
-        saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
-        trainer = lightning.Trainer(max_steps=max_steps, callbacks=[sync, captures, saves], accelerator="cpu",
-                                    devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(LitGPT(), torch.utils.data.DataLoader(ByteBatches(tokens, 0), batch_size=None),
-                    ckpt_path=ckpt_path)
-        return sync, captures
+    sync = lightning_integration.DecentralCallback("diloco", SoloTransport(), every=2)
+    captures = LightningCaptures(sync)
+    saves = [] if folder is None else [ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_top_k=-1,
+                                                       filename="{step}")]
+    trainer = lightning.Trainer(max_steps=max_steps, callbacks=[sync, captures, *saves], accelerator="cpu",
+                                devices=1, logger=False, enable_checkpointing=folder is not None,
+                                enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LitGPT(), torch.utils.data.DataLoader(ByteBatches(tokens, 0), batch_size=None), ckpt_path=ckpt_path)
+    return trainer, captures
 
-    fit_to(3)
+
+def saved_protocol_state(checkpoint: Path) -> dict:
+    callbacks = torch.load(checkpoint, weights_only=True)["callbacks"]
+    (saved,) = [state["protocol"] for key, state in callbacks.items() if key.startswith("DecentralCallback")]
+    return saved
+
+
+def test_a_lightning_fit_resumed_from_its_checkpoint_resumes_the_protocols_state_too(tokens, tmp_path):
+    fit_to(3, tokens, folder=tmp_path)
     checkpoint = tmp_path / "step=3.ckpt"
-    saved = torch.load(checkpoint, weights_only=True)["callbacks"]
-    (saved,) = [state["protocol"] for key, state in saved.items() if key.startswith("DecentralCallback")]
-    sync, captures = fit_to(4, str(checkpoint))
+    saved = saved_protocol_state(checkpoint)
+    _, captures = fit_to(4, tokens, ckpt_path=str(checkpoint))
+    assert_resumed(captures.state, saved, step=3)
+
+
+def test_a_lightning_checkpoint_saved_after_fit_holds_the_protocols_state_as_the_run_ended(tokens, tmp_path):
+    """`trainer.save_checkpoint` once `fit` returned (before: the protocol was gone by then, the checkpoint held
+    none of its state, and a fit resumed from it began the protocol afresh at step 0 with no momentum)."""
+    trainer, _ = fit_to(3, tokens)
+    trainer.save_checkpoint(tmp_path / "final.ckpt")
+    saved = saved_protocol_state(tmp_path / "final.ckpt")
+    _, captures = fit_to(4, tokens, ckpt_path=str(tmp_path / "final.ckpt"))
     assert_resumed(captures.state, saved, step=3)
 
 

@@ -51,6 +51,7 @@ class Adoption:
         self.peers, self.wait_peers_s = peers, wait_peers_s
         self.sync: SyncProtocol | None = None  # the protocol of the run under way
         self.reports: list[SyncReport] = []  # every synchronisation of the run, in order
+        self._ended_state: dict | None = None  # the state_dict of the last run's protocol, as it ended
 
     def enter(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, hook_before_step: bool = True,
               state: dict | None = None) -> SyncProtocol:
@@ -87,6 +88,12 @@ class Adoption:
         sync, self.sync = self.sync, None
         if sync is not None:
             sync.__exit__(None if error is None else type(error), error, None if error is None else error.__traceback__)
+            self._ended_state = sync.state_dict()
+
+    def state_dict(self) -> dict | None:
+        """The protocol's `state_dict` for a checkpoint: the run's under way, or once it ended the last run's as
+        it ended (a checkpoint saved after training resumes it too); None before any run."""
+        return self.sync.state_dict() if self.sync is not None else self._ended_state
 
     def metrics(self) -> dict[str, float]:
         """Numbers for a framework's logs: the outer round, syncs so far, seconds waited, bytes each way, and

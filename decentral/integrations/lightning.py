@@ -9,7 +9,7 @@ torch optimizer and joins the swarm; at fit end it finishes what is in flight; o
 unhooks. Lightning runs the backward inside the optimizer's step (a closure), so a gradient protocol's
 `before_step` (DDP) runs at `on_before_optimizer_step`, after backward, rather than from the step's pre-hook.
 The protocol's state (its step, round and outer tensors) is the callback's state in Lightning's checkpoints,
-so `trainer.fit(..., ckpt_path=...)` resumes it too.
+those saved after fit included (the state it ended with), so `trainer.fit(..., ckpt_path=...)` resumes it too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ class DecentralCallback(Callback):
         self._resumed: dict | None = None  # the protocol's state of the checkpoint being resumed
 
     def state_dict(self) -> dict:
-        return {} if self.adoption.sync is None else {"protocol": self.adoption.sync.state_dict()}
+        """The protocol's state while fitting, and after fit ends (`trainer.save_checkpoint` after `fit`)."""
+        state = self.adoption.state_dict()
+        return {} if state is None else {"protocol": state}
 
     def load_state_dict(self, state_dict: dict) -> None:  # before on_fit_start, once the module is restored
         self._resumed = state_dict.get("protocol")
