@@ -3,6 +3,7 @@ Lightning, two trainers in two threads over a loopback hub, checked against what
 (replicas averaged every H real optimizer steps, to the mean of what each trained); the examples run as
 scripts over the real swarm; importing decentral pulls in neither framework."""
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -237,6 +238,30 @@ def test_a_trainer_resumed_from_its_checkpoint_resumes_the_protocols_state_too(t
     again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert_resumed(captures.state, saved, step=3)
     assert again.state.global_step == 4
+
+
+def test_the_best_checkpoint_a_trainer_loads_at_the_end_stays_the_models_weights(tokens, tmp_path):
+    """`load_best_model_at_end`: the Trainer loads the best checkpoint just before train end, where CO2 applies
+    the average still in flight (before: θ ← φ, and the model ended on the last round's weights, not the best)."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CONTEXT))
+    evaluation = [{"input_ids": x[0], "labels": x[0]}
+                  for x, _ in itertools.islice(train_batches(tokens, batch_size=1, context=CONTEXT, seed=7), 4)]
+    sync = hf_trainer.DecentralCallback("co2", SoloTransport(), every=2)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
+                             eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                             load_best_model_at_end=True, metric_for_best_model="eval_loss", report_to="none",
+                             disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(tokens, 0), eval_dataset=evaluation,
+                      callbacks=[sync])
+    trainer.train()
+    best = load_file(Path(trainer.state.best_model_checkpoint) / "model.safetensors")
+    weights = model.state_dict()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in best.items())
+    assert sync.adoption.state_dict()["meta"]["round"] == 4  # the average in flight at the end was applied all the same
 
 
 # ----- Lightning -----

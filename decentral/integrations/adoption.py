@@ -82,13 +82,19 @@ class Adoption:
             self.reports.append(report)
         return report
 
-    def exit(self, error: BaseException | None = None) -> None:
+    def exit(self, error: BaseException | None = None, *, keep_weights: bool = False) -> None:
         """Unhook the optimizer; without `error`, first complete what is in flight (CO2 and Streaming DiLoCo
-        apply the average they launched last), so the model holds everything trained."""
+        apply the average they launched last), so the model holds everything trained. `keep_weights`: the
+        protocol completes its round with its peers all the same, but the model's weights stay as they are
+        (the framework loaded others after the last step, e.g. its best checkpoint)."""
         sync, self.sync = self.sync, None
         if sync is not None:
+            kept = [p.detach().clone() for p in sync.params] if keep_weights else []
             sync.__exit__(None if error is None else type(error), error, None if error is None else error.__traceback__)
             self._ended_state = sync.state_dict()
+            with torch.no_grad():
+                for p, weights in zip(sync.params, kept):
+                    p.copy_(weights)
 
     def state_dict(self) -> dict | None:
         """The protocol's `state_dict` for a checkpoint: the run's under way, or once it ended the last run's as

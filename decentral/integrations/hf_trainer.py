@@ -6,7 +6,7 @@
 
 At train begin (the Trainer has made and prepared its optimizer by then) the protocol wraps the model and
 the torch optimizer under accelerate's wrapper, and joins the swarm; at train end it finishes what is in
-flight. Everything else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one
+flight (the model keeps the best checkpoint when the Trainer loaded it: `load_best_model_at_end`). Everything else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one
 protocol step per optimizer step. Each checkpoint the Trainer saves gets the protocol's state (its step,
 round and outer tensors: DiLoCo's φ and momentum, ...) in `checkpoint-N/decentral-protocol/`, and
 `trainer.train(resume_from_checkpoint=...)` takes it back from `checkpoint-N` of `args.output_dir`.
@@ -63,7 +63,9 @@ class DecentralCallback(TrainerCallback):
         state.log_history[-1].update(metrics)  # the record Trainer.log appended just before calling us
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.adoption.exit()
+        """Finish the protocol; a best checkpoint the Trainer loaded just before (`load_best_model_at_end`) stays
+        the model's weights."""
+        self.adoption.exit(keep_weights=args.load_best_model_at_end and state.best_model_checkpoint is not None)
 
 
 def _protocol_folder(args, state) -> Path:
