@@ -456,6 +456,25 @@ def test_an_optimizer_of_another_models_parameters_or_a_model_with_none_to_train
     assert part.params == list(model.parameters())
 
 
+@pytest.mark.parametrize("cls", [DiLoCo, DDP])
+def test_a_parameter_unfrozen_after_the_protocol_was_made_is_refused_at_the_next_step(cls):
+    """It trained but was never synced (the protocol syncs the parameters that required grad when it was made):
+    each replica's copy of it drifted apart without a word. One frozen since stays synced: no error."""
+    model = tiny_model(0)
+    model[0].requires_grad_(False)  # frozen for the first steps
+    x = torch.randn(8, 5)
+    settings = {"every": 2} if cls is DiLoCo else {}
+    with cls(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport(), **settings) as sync:
+        loss_step(sync, x)
+        model[2].bias.requires_grad_(False)
+        loss_step(sync, x)
+        model[0].requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"2 parameter\(s\) of the model require grad now that did not when the "
+                                               rf"{cls.name} protocol was made \(0.weight, 0.bias\)"):
+            loss_step(sync, x)
+    assert sync.step == 2
+
+
 class MixedPrecision(torch.nn.Module):
     """A bfloat16 layer, then a float32 one (as models that keep some modules in float32)."""
 

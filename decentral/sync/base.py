@@ -111,9 +111,10 @@ class SyncProtocol:
         self.model = model
         self.optimizer = optimizer
         self.transport = transport
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]  # the parameters synced, for the whole run
         if not self.params:
             raise ValueError("the model has no parameters that require grad: nothing to train or sync")
+        self._synced_ids = {id(p) for p in self.params}
         ours = {id(p) for p in model.parameters()}
         foreign = sum(id(p) not in ours for group in optimizer.param_groups for p in group["params"])
         if foreign:
@@ -163,11 +164,25 @@ class SyncProtocol:
             self.finish()
 
     def _after_step(self) -> None:
+        self._check_none_unsynced()
         self.step += 1
         report = self.after_step()
         if report is not None:
             self._report = report
         self.transport.set_progress(self.step, self.round)
+
+    def _check_none_unsynced(self) -> None:
+        """RuntimeError when a parameter of the model requires grad that did not when the protocol was made
+        (unfrozen since): it trains, but is not synced, so each replica's copy of it would drift apart unseen.
+        One frozen since is no error: it stays synced."""
+        unsynced = [name for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in self._synced_ids]
+        if unsynced:
+            shown = ", ".join(unsynced[:3]) + (", ..." if len(unsynced) > 3 else "")
+            raise RuntimeError(
+                f"{len(unsynced)} parameter(s) of the model require grad now that did not when the {self.name} protocol "
+                f"was made ({shown}): it syncs only those that did, so each replica would train its own copy of these. "
+                "Make the protocol once they require grad (one that must not train yet stays out of the optimizer "
+                "until optimizer.add_param_group), or leave its `with` block and make a new protocol after unfreezing")
 
     def pop_report(self) -> SyncReport | None:
         """The report of the latest synchronisation not yet popped, if any."""
