@@ -7,8 +7,9 @@
 At train begin (the Trainer has made and prepared its optimizer by then) the protocol wraps the model and
 the torch optimizer under accelerate's wrapper, and joins the swarm; at train end it finishes what is in
 flight (the model keeps the best checkpoint when the Trainer loaded it: `load_best_model_at_end`). Everything
-else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one protocol step per optimizer step. Each checkpoint the Trainer saves gets the protocol's state (its step,
-round and outer tensors: DiLoCo's φ and momentum, ...) in `checkpoint-N/decentral-protocol/`, and
+else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one protocol step per optimizer step.
+Each checkpoint the Trainer saves gets the protocol's state (its step, round and outer tensors: DiLoCo's φ and
+momentum, ...) in `checkpoint-N/decentral-protocol/`, and
 `trainer.train(resume_from_checkpoint=...)` takes it back from `checkpoint-N` of `args.output_dir`.
 """
 

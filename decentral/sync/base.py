@@ -175,14 +175,16 @@ class SyncProtocol:
         """RuntimeError when a parameter of the model requires grad that did not when the protocol was made
         (unfrozen since): it trains, but is not synced, so each replica's copy of it would drift apart unseen.
         One frozen since is no error: it stays synced."""
-        unsynced = [name for name, p in self.model.named_parameters() if p.requires_grad and id(p) not in self._synced_ids]
+        unsynced = [name for name, p in self.model.named_parameters()
+                    if p.requires_grad and id(p) not in self._synced_ids]
         if unsynced:
             shown = ", ".join(unsynced[:3]) + (", ..." if len(unsynced) > 3 else "")
             raise RuntimeError(
-                f"{len(unsynced)} parameter(s) of the model require grad now that did not when the {self.name} protocol "
-                f"was made ({shown}): it syncs only those that did, so each replica would train its own copy of these. "
-                "Make the protocol once they require grad (one that must not train yet stays out of the optimizer "
-                "until optimizer.add_param_group), or leave its `with` block and make a new protocol after unfreezing")
+                f"{len(unsynced)} parameter(s) of the model require grad now that did not when the {self.name} "
+                f"protocol was made ({shown}): it syncs only those that did, so each replica would train its own copy "
+                "of these. Make the protocol once they require grad (one that must not train yet stays out of the "
+                "optimizer until optimizer.add_param_group), or leave its `with` block and make a new protocol after "
+                "unfreezing")
 
     def pop_report(self) -> SyncReport | None:
         """The report of the latest synchronisation not yet popped, if any."""
