@@ -13,7 +13,7 @@ import torch
 from conftest import loss_step, run_in_threads, wait_until
 from decentral.loopback import EXACT
 from decentral.swarm import state, wire
-from decentral.sync import CO2, DDP, DiLoCo, DivergedError, NoLoCo, StreamingDiLoCo
+from decentral.sync import CO2, DDP, DiLoCo, DivergedError, Local, NoLoCo, StreamingDiLoCo
 from decentral.transport import EncodedAverage, JoinRequest, SoloTransport, heartbeat_digest
 
 
@@ -472,6 +472,18 @@ def test_a_parameter_unfrozen_after_the_protocol_was_made_is_refused_at_the_next
         with pytest.raises(RuntimeError, match=r"2 parameter\(s\) of the model require grad now that did not when the "
                                                rf"{cls.name} protocol was made \(0.weight, 0.bias\)"):
             loss_step(sync, x)
+    assert sync.step == 2
+
+
+def test_a_local_protocol_which_syncs_nothing_lets_a_parameter_be_unfrozen():
+    """Experts trained alone (`local`) may unfreeze gradually: there is no replica for their copies to drift from."""
+    model = tiny_model(0)
+    model[0].requires_grad_(False)
+    x = torch.randn(8, 5)
+    with Local(model, torch.optim.SGD(model.parameters(), lr=0.1), SoloTransport()) as sync:
+        loss_step(sync, x)
+        model[0].requires_grad_(True)
+        loss_step(sync, x)
     assert sync.step == 2
 
 

@@ -91,6 +91,7 @@ class SyncProtocol:
     """
 
     name = "base"
+    syncs_parameters = True  # False: the protocol never syncs the model (`local`), so unfreezing one is no error
     shares_state = False
     identical_replicas = False
     weights_key = "weights"  # the snapshot tensor whose distance between replicas is their spread
@@ -175,6 +176,8 @@ class SyncProtocol:
         """RuntimeError when a parameter of the model requires grad that did not when the protocol was made
         (unfrozen since): it trains, but is not synced, so each replica's copy of it would drift apart unseen.
         One frozen since is no error: it stays synced."""
+        if not self.syncs_parameters:
+            return
         unsynced = [name for name, p in self.model.named_parameters()
                     if p.requires_grad and id(p) not in self._synced_ids]
         if unsynced:

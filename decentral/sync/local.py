@@ -9,3 +9,4 @@ from decentral.sync.base import SyncProtocol
 
 class Local(SyncProtocol):
     name = "local"
+    syncs_parameters = False
