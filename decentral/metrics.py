@@ -99,12 +99,15 @@ def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]
     """All records of one or more JSONL files, in file order.
 
     An unterminated, unparseable last line (a writer killed mid-line) is skipped; any other malformed
-    line raises ValueError naming `file:line`.
+    line raises ValueError naming `file:line`, and a file that is not UTF-8 text one naming the file.
     """
     paths = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
     records = []
     for path in paths:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")  # last item: "" or an unterminated line
+        try:
+            lines = Path(path).read_text(encoding="utf-8").split("\n")  # last item: "" or an unterminated line
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): not a metrics file") from None
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

@@ -55,6 +55,20 @@ def test_malformed_middle_line_names_file_and_line(tmp_path):
         read_metrics(path)
 
 
+def test_a_file_that_is_not_utf8_text_is_named(tmp_path, capsys):
+    """`decentral report` on such a file said only "'utf-8' codec can't decode byte ...", not which file."""
+    from decentral.cli import main
+
+    path = tmp_path / "w0" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b'{"step": 1}\n\xff\xfe binary\n')
+    with pytest.raises(ValueError, match=f"{path}: not UTF-8 text \\(byte 12\\): not a metrics file"):
+        read_metrics(path)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and len(err.splitlines()) == 1, err
+
+
 def test_malformed_terminated_last_line_raises(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo\n')  # terminated, so not a write cut short
