@@ -235,6 +235,13 @@ def test_an_expert_changed_since_it_was_written_is_refused_before_eval_or_branch
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert "expert 'legal'" in done.stderr and "does not match its recorded sha256" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # refused before scoring or averaging anything
+    one_parent = tmp_path / "one.yaml"  # the parent's context: the branch gets as far as loading its start point
+    one_parent.write_text(yaml.safe_dump({"protocol": {"name": "local"}, "model": TINY_MODEL,
+                                          "train": {**TINY_TRAIN, "context": 16, "steps": 20}}))
+    done = prefork.run(["experts", "branch", "y", "--from", "legal", "--domain", "legal", "--protocol", str(one_parent),
+                        "--registry", "reg"], tmp_path, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "expert 'legal'" in done.stderr and "does not match its recorded sha256" in done.stderr, done.stderr
     assert not (tmp_path / "reg" / "priors.json").exists() and not (tmp_path / "runs").exists()
 
 

@@ -126,8 +126,9 @@ def cmd_branch(args) -> int:
     parents = [registry.get(name) for name in _distinct(args.parent, "--from")]
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
-    for parent in parents:  # before any work: the start is the weights the registry records
-        verify_expert(parent, with_optimizer=len(parents) == 1)  # several: AdamW starts fresh
+    if len(parents) > 1:  # before averaging them (one parent is checked where the worker loads it: load_start_point)
+        for parent in parents:
+            verify_expert(parent, with_optimizer=False)  # AdamW starts fresh
     recipe = _recipe(args)
     first = parents[0]
     if first.recipe:  # the schedule follows the parent; protocol and swarm come from --protocol
