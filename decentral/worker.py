@@ -104,6 +104,14 @@ def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: 
     save_checkpoint(opts.out / "checkpoint", tensors, meta, files=files)
 
 
+def _check_stop_at_past(stop_at: int | None, source, step: int, error: type[Exception]) -> None:
+    """`error` when `stop_at` is not past `step`, the step that `source` (a checkpoint, a start point) is at:
+    nothing would train."""
+    if stop_at is not None and stop_at <= step:
+        raise error(f"--stop-at {stop_at} is not past {source}'s step {step}: nothing would train; give a later "
+                    "--stop-at")
+
+
 def _check_left_to_train(path: Path, steps: int, stop_at: int | None) -> None:
     """CheckpointError when the checkpoint at `path`, which --resume goes on from, is at the run's last step
     (`stop_at`, else the schedule's `steps`) or past it: nothing would train (only its meta is read here)."""
@@ -111,9 +119,7 @@ def _check_left_to_train(path: Path, steps: int, stop_at: int | None) -> None:
     step = sync.get("step") if isinstance(sync, dict) else None
     if not isinstance(step, int):
         return  # metadata that does not fit: _restore says so
-    if stop_at is not None and stop_at <= step:
-        raise CheckpointError(f"--stop-at {stop_at} is not past {path}'s step {step}: nothing would train; give a "
-                              "later --stop-at")
+    _check_stop_at_past(stop_at, path, step, CheckpointError)
     if steps <= step:
         raise CheckpointError(f"{path} is at step {step}, {'the end' if step == steps else 'past the end'} of a "
                               f"{steps}-step schedule (train.steps): nothing would train; to train on, give --steps past "
@@ -255,9 +261,8 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     if opts.resume and not (opts.island_mode and opts.rank > 0):  # (those take their leader's checkpoint)
         _check_left_to_train(opts.out / "checkpoint", t.steps, opts.stop_at)
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
-    if start is not None and opts.stop_at is not None and opts.stop_at <= start.step:
-        raise RegistryError(f"--stop-at {opts.stop_at} is not past {start.source}'s step {start.step}: nothing would "
-                            "train; give a later --stop-at")
+    if start is not None:
+        _check_stop_at_past(opts.stop_at, start.source, start.step, RegistryError)
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
     with sole_writer(opts.out):
         if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
