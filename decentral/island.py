@@ -64,8 +64,10 @@ def _check_rendezvous_answers(init_method: str, where: str, rank: int, world_siz
     if not answered.wait(timeout + min(10.0, timeout)):  # (the client's last retry may run past `timeout`)
         try:
             socket.create_connection((host, int(port)), timeout=2.0).close()
-        except OSError:
-            failed.append(TimeoutError(f"nobody answered within {timeout:g}s"))
+        except OSError:  # nothing listens: torch's client gives up by itself once its timeout has passed. Wait for
+            # it: a process that exits while that thread is inside the client aborts ("terminate called ...", 134)
+            if not answered.wait(timeout + 30.0):
+                failed.append(TimeoutError(f"nobody answered within {timeout:g}s"))
         else:
             raise RendezvousError(f"rank {rank} of {world_size} could not join the island at {where}: something "
                                   f"listens there but did not answer as torch.distributed's rendezvous within "
