@@ -475,6 +475,25 @@ def test_a_parameter_unfrozen_after_the_protocol_was_made_is_refused_at_the_next
     assert sync.step == 2
 
 
+def test_ddp_leaves_a_parameter_frozen_since_the_protocol_was_made_alone_as_the_plain_loop_does():
+    """A frozen parameter has no gradient, so AdamW skips it. DDP gave it a zero gradient to average, and AdamW's
+    weight decay (and its moments) moved the frozen weights at every step."""
+    x = torch.randn(8, 5)
+    plain = tiny_model(0)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.1, weight_decay=0.5)
+    model = tiny_model(0)
+    with DDP(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5), SoloTransport()) as sync:
+        for step in range(3):
+            if step == 1:
+                plain[0].requires_grad_(False)
+                model[0].requires_grad_(False)
+            plain(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss_step(sync, x)
+    assert torch.equal(flat(model), flat(plain))
+
+
 def test_a_local_protocol_which_syncs_nothing_lets_a_parameter_be_unfrozen():
     """Experts trained alone (`local`) may unfreeze gradually: there is no replica for their copies to drift from."""
     model = tiny_model(0)

@@ -102,7 +102,7 @@ class DDP(SyncProtocol):
             self._group = []  # the members may see another list by the next step
         _copy_flat(result.tensor, grads)
         for p, g in zip(self.params, grads):
-            p.grad = g
+            p.grad = g if p.requires_grad else None  # frozen since the protocol was made: the optimizer skips it
         self._step_report = SyncReport(self.step, result.group, result.complete, result.contributors, waited, result.rejected)
 
     def _live(self, named: set[str]) -> set[str]:
