@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 SMOOTH_WINDOW = 10  # inner steps averaged for the plotted training loss
+NUMBER_FIELDS = ("step", "loss", "val_loss", "wall_s", "bytes_sent", "bytes_received", "wait_s")  # what reports read
 FINAL_LOSS_WINDOW = 10  # last training losses averaged for the summary's final loss
 TENSORBOARD_FLUSH_S = 5  # how stale the TensorBoard files may be (the JSONL is flushed after every record)
 TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 'decentral[tensorboard]'"
@@ -95,11 +96,16 @@ def summary_writer_class() -> type:
     return SummaryWriter
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]:
     """All records of one or more JSONL files, in file order.
 
     An unterminated, unparseable last line (a writer killed mid-line) is skipped; any other malformed
-    line raises ValueError naming `file:line`, and a file that is not UTF-8 text one naming the file.
+    line, or one whose field of NUMBER_FIELDS holds no number, raises ValueError naming `file:line`, and a file
+    that is not UTF-8 text one naming the file.
     """
     paths = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
     records = []
@@ -119,6 +125,9 @@ def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]
                 raise ValueError(f"{path}:{number}: malformed metrics line ({e.msg})") from e
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            wrong = [k for k in NUMBER_FIELDS if record.get(k) is not None and not _is_number(record[k])]
+            if wrong:
+                raise ValueError(f"{path}:{number}: {wrong[0]} is {record[wrong[0]]!r}, not a number")
             records.append(record)
     return records
 

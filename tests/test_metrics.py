@@ -69,6 +69,23 @@ def test_a_file_that_is_not_utf8_text_is_named(tmp_path, capsys):
     assert str(path) in err and len(err.splitlines()) == 1, err
 
 
+def test_a_record_whose_loss_or_step_is_no_number_names_file_and_line(tmp_path, capsys):
+    """`decentral report` on it ended in a TypeError traceback from the summary's arithmetic."""
+    from decentral.cli import main
+
+    path = tmp_path / "w0" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": "2.4"}\n')
+    with pytest.raises(ValueError, match=f"{path}:2: loss is '2.4', not a number"):
+        read_metrics(path)
+    path.write_text('{"step": true, "loss": 2.5}\n')
+    with pytest.raises(ValueError, match=f"{path}:1: step is True, not a number"):
+        read_metrics(path)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and len(err.splitlines()) == 1, err
+
+
 def test_malformed_terminated_last_line_raises(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo\n')  # terminated, so not a write cut short
