@@ -18,6 +18,7 @@ import torch
 
 SMOOTH_WINDOW = 10  # inner steps averaged for the plotted training loss
 NUMBER_FIELDS = ("step", "loss", "val_loss", "wall_s", "bytes_sent", "bytes_received", "wait_s")  # what reports read
+CUMULATIVE_FIELDS = ("wall_s", "bytes_sent", "bytes_received", "wait_s")  # counted from a run's start, resumes too
 FINAL_LOSS_WINDOW = 10  # last training losses averaged for the summary's final loss
 TENSORBOARD_FLUSH_S = 5  # how stale the TensorBoard files may be (the JSONL is flushed after every record)
 TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 'decentral[tensorboard]'"
@@ -130,6 +131,24 @@ def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]
                 raise ValueError(f"{path}:{number}: {wrong[0]} is {record[wrong[0]]!r}, not a number")
             records.append(record)
     return records
+
+
+def keep_records_until(path: str | Path, step: int) -> list[dict]:
+    """Drop from the metrics file at `path` the records of steps after `step` (a run resumed at `step` writes
+    them again, and a record without a step counts as step 0); the records kept ([] when there is no file)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    return kept
+
+
+def counters_reached(records: Iterable[dict]) -> dict[str, float]:
+    """The largest value each of CUMULATIVE_FIELDS reached in `records` (0 when none has it): where a resumed
+    run counts on from."""
+    records = list(records)
+    return {k: max((r[k] for r in records if r.get(k) is not None), default=0) for k in CUMULATIVE_FIELDS}
 
 
 def plot_report(records: list[dict], out_png: str | Path, title: str = "") -> Path:

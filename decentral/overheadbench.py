@@ -107,7 +107,7 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)
         t3 = t4 = t5 = t6 = time.perf_counter()
         if protocol is not None:
-            record, _ = step_record(self.name, protocol, protocol.transport, loss, t3 - start)
+            record, _ = step_record(self.name, protocol, protocol.transport, loss, t3 - start, {})
             t4 = time.perf_counter()
             self.card.update(record["loss"], record["wall_s"])
             t5 = time.perf_counter()

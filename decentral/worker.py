@@ -39,7 +39,7 @@ from decentral.device import island_backend, pick_device
 from decentral.experts.branch import StartPoint, load_start_point, model_differences
 from decentral.experts.registry import RegistryError
 from decentral.island import IslandError
-from decentral.metrics import MetricsLog, TensorBoardSink
+from decentral.metrics import MetricsLog, TensorBoardSink, counters_reached, keep_records_until
 from decentral.models import GPT_SOURCE, build_model, describe_model
 from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.admission import SwarmKey
@@ -362,15 +362,20 @@ def _check_finite(what: str, value: float, step: int) -> float:
     return value
 
 
-def step_record(name: str, protocol: SyncProtocol, transport: Transport, loss: torch.Tensor, wall_s: float
-                ) -> tuple[dict, SyncReport | None]:
+def counters(protocol: SyncProtocol, transport: Transport, wall_s: float, carried: dict[str, float]) -> dict:
+    """The run's cumulative counters (metrics.CUMULATIVE_FIELDS): bytes, seconds of training and of waiting,
+    each on from what a resumed run's earlier records reached (`carried`; {} for a run that starts)."""
+    now = dict(bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received, wall_s=wall_s,
+               wait_s=protocol.wait_s)
+    return {k: v + carried.get(k, 0) for k, v in now.items()}
+
+
+def step_record(name: str, protocol: SyncProtocol, transport: Transport, loss: torch.Tensor, wall_s: float,
+                carried: dict[str, float]) -> tuple[dict, SyncReport | None]:
     """The metrics record of the inner step just done, and the sync report it popped (None when the step
     did not sync): the worker's per-step bookkeeping (`decentral bench overhead` times it)."""
-    record = dict(
-        worker=name, step=protocol.step, round=protocol.round, loss=loss.item(),
-        bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received, wall_s=wall_s, wait_s=protocol.wait_s,
-        **cpu_record(),
-    )
+    record = dict(worker=name, step=protocol.step, round=protocol.round, loss=loss.item(),
+                  **counters(protocol, transport, wall_s, carried), **cpu_record())
     report = protocol.pop_report()
     if report is not None:
         record.update(group_size=len(report.group), complete=report.complete,
@@ -392,7 +397,7 @@ def _left_alone(protocol: SyncProtocol, previous: SyncReport | None, report: Syn
 
 def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
     line = (f"[{name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
-            f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {protocol.wait_s:.1f}s")
+            f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {record['wait_s']:.1f}s")
     if sync is not None:
         line += f" group {len(sync.group)}{'' if sync.complete else ' (partial)'}"
         if sync.spread is not None:
@@ -410,7 +415,9 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     t = recipe.train
     last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
     model, optimizer = protocol.model, protocol.optimizer
-    log = MetricsLog(opts.out / "metrics.jsonl", sink=TensorBoardSink(opts.tensorboard) if opts.tensorboard else None)
+    path = opts.out / "metrics.jsonl"  # resumed: its records past the checkpoint are redone, its counters go on
+    carried = counters_reached(keep_records_until(path, protocol.step)) if opts.resume else {}
+    log = MetricsLog(path, sink=TensorBoardSink(opts.tensorboard) if opts.tensorboard else None)
     val_loss = None
     last_sync = None
     try:
@@ -427,8 +434,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
             if protocol.donor is None or protocol.step == 0:  # one joining mid-run skips it: the round
                 first["val_loss"] = val_loss = evaluate(model, val)  # under way goes on without waiting
             start = time.perf_counter()  # wall time counts training, not start-up and waiting for peers
-            log.write(**first, bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                      wall_s=0.0, wait_s=protocol.wait_s, **cpu_record(), **children_record())
+            log.write(**first, **counters(protocol, transport, 0.0, carried), **cpu_record(), **children_record())
             copies = protocol.memory_copies()
             opts.print_fn(f"[{opts.name}] peer {transport.peer_id[-8:]} starts at round {protocol.round}, "
                           f"step {protocol.step}, " + (f"val {val_loss:.3f}" if val_loss is not None else
@@ -448,7 +454,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
                 optimizer.step()  # the protocol's hooks run here
                 optimizer.zero_grad(set_to_none=True)
-                record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start)
+                record, report = step_record(opts.name, protocol, transport, loss, time.perf_counter() - start, carried)
                 _check_finite("loss", record["loss"], protocol.step)
                 card.update(record["loss"], record["wall_s"])  # what `decentral status` shows of us
                 if report is not None:
@@ -465,8 +471,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 log.write(**record)
         val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)  # after the protocol finished
         log.write(worker=opts.name, step=protocol.step, round=protocol.round, val_loss=val_loss, final=True,
-                  bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received,
-                  wall_s=time.perf_counter() - start, wait_s=protocol.wait_s, **cpu_record(), **children_record())
+                  **counters(protocol, transport, time.perf_counter() - start, carried), **cpu_record(),
+                  **children_record())
         _save(protocol, opts, recipe, lineage)
     except DivergedError as e:
         checkpoint = opts.out / "checkpoint"
@@ -487,5 +493,4 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     finally:
         log.close()
     return {"worker": opts.name, "step": protocol.step, "round": protocol.round, "val_loss": val_loss,
-            "bytes_sent": transport.bytes_sent, "bytes_received": transport.bytes_received,
-            "wall_s": time.perf_counter() - start, "wait_s": protocol.wait_s, "peak_rss_mib": peak_rss_mib()}
+            **counters(protocol, transport, time.perf_counter() - start, carried), "peak_rss_mib": peak_rss_mib()}

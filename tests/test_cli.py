@@ -294,6 +294,28 @@ def test_resuming_a_run_at_or_past_its_stop_at_or_steps_is_refused_and_leaves_th
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
 
 
+def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_time_on(tmp_path, small_corpus):
+    """The records a run wrote after its last checkpoint (here steps 5 and 6, as a run killed at step 6 leaves
+    them) are trained again on --resume: they were kept twice, and wall_s started again from 0, so the report's
+    curves folded back and its summary's wall time was the last leg's alone."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=8)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", str(tmp_path / "run")]
+    assert main([*run, "--stop-at", "4"]) == 0
+    path = tmp_path / "run" / "metrics.jsonl"
+    first = read_metrics(path)
+    reached = max(r["wall_s"] for r in first)
+    with path.open("a") as f:
+        for step in (5, 6):
+            f.write(json.dumps({"worker": "w", "step": step, "loss": 9.0, "wall_s": reached + step}) + "\n")
+    assert main([*run, "--resume", "--stop-at", "6"]) == 0
+    records = read_metrics(path)
+    assert records[:len(first)] == first
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert all(r.get("loss") != 9.0 for r in records)
+    resumed = [r["wall_s"] for r in records[len(first):]]
+    assert resumed[0] == reached and resumed == sorted(resumed) and resumed[-1] > reached
+
+
 def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_one_line(tmp_path, small_corpus, prefork):
     local = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=20)
     args = ["train", "--data", str(small_corpus), "--out", "run", "--resume"]

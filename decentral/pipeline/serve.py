@@ -40,7 +40,7 @@ import torch
 
 from decentral.checkpoint import sole_writer
 from decentral.data.corpus import load_corpus
-from decentral.metrics import MetricsLog, read_metrics
+from decentral.metrics import MetricsLog, keep_records_until
 from decentral.pipeline.auth import CallKey
 from decentral.pipeline.coordinator import Coordinator, Deposed, ping
 from decentral.pipeline.discovery import Announcer, ServerView, lookup_servers, new_server
@@ -127,7 +127,7 @@ def _run_stage(opts: NodeOptions, entry, index: int) -> int:
         closers.insert(0, announcer.close)
         opts.print_fn(f"[{opts.name}] stage {index} at {address}")
         if index == 0:
-            _keep_records_until(opts.out / "metrics.jsonl", node.iterations_done)
+            keep_records_until(opts.out / "metrics.jsonl", node.iterations_done or -1)  # a new run: none
         return _serve(node, peer, address, opts, closers)
     finally:
         for close in closers:
@@ -259,15 +259,6 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
         if not deposed:
             coordinator.stop_all()
     return 0
-
-
-def _keep_records_until(path: Path, iteration: int) -> None:
-    """Drop the lead's records of iterations after `iteration` (all of them for a new run): a resumed
-    run writes those again."""
-    if not path.exists():
-        return
-    kept = [r for r in read_metrics(path) if iteration and r.get("step", 0) <= iteration]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _progress(name: str, record: dict) -> str:
