@@ -264,6 +264,28 @@ def test_the_best_checkpoint_a_trainer_loads_at_the_end_stays_the_models_weights
     assert sync.adoption.state_dict()["meta"]["round"] == 4  # the average in flight at the end was applied all the same
 
 
+def test_a_callback_added_first_gets_its_sync_metrics_to_the_trainers_tensorboard(tokens, tmp_path):
+    """The Trainer calls its `report_to` integrations before the callbacks passed to it, so TensorBoard logged
+    each record before the callback's on_log added `sync/*` to it; `add_to(trainer)` puts the callback first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CONTEXT))
+    sync = hf_trainer.DecentralCallback("diloco", SoloTransport(), every=2)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=2,
+                             save_strategy="no", report_to="tensorboard", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(tokens, 0), callbacks=[sync])
+    assert sync.add_to(trainer) is sync and trainer.callback_handler.callbacks.count(sync) == 1
+    trainer.train()
+    board = next(tmp_path.rglob("events.out.tfevents*")).parent
+    events = EventAccumulator(str(board))
+    events.Reload()
+    syncs = [tag for tag in events.Tags()["scalars"] if tag.endswith("sync/syncs")]
+    assert len(syncs) == 1, events.Tags()["scalars"]
+    assert dict((e.step, e.value) for e in events.Scalars(syncs[0])) == {2: 1.0, 4: 2.0}  # (4: the run's summary too)
+
+
 # ----- Lightning -----
 class LitGPT(lightning.LightningModule):
     def __init__(self):

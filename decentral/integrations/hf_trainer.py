@@ -1,7 +1,8 @@
 """A `transformers.Trainer` callback that trains under a decentral protocol (extra: pip install 'decentral[hf]').
 
     transport = SwarmTransport("my-run", initial_peers=[...])
-    trainer = Trainer(model, args, train_dataset=data, callbacks=[DecentralCallback("diloco", transport, every=50)])
+    trainer = Trainer(model, args, train_dataset=data)
+    DecentralCallback("diloco", transport, every=50).add_to(trainer)  # first: TensorBoard and W&B get sync/* too
     trainer.train()
 
 At train begin (the Trainer has made and prepared its optimizer by then) the protocol wraps the model and
@@ -39,6 +40,16 @@ class DecentralCallback(TrainerCallback):
     def __init__(self, protocol: str | ProtocolFactory, transport: Transport, *, peers: int = 1,
                  wait_peers_s: float = 300.0, **kwargs):
         self.adoption = Adoption(protocol, transport, peers=peers, wait_peers_s=wait_peers_s, **kwargs)
+
+    def add_to(self, trainer) -> DecentralCallback:
+        """Make this callback `trainer`'s first (taking it out of where it was, if it was there); itself. The
+        Trainer calls its `report_to` integrations (TensorBoard, W&B) before the callbacks passed to it, so only
+        a callback added this way gets its `sync/*` metrics to them."""
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         saved = None
