@@ -93,25 +93,24 @@ class Balance:
         self.q, self.extra = divmod(microbatches * (length - 1), stages - 1)
         self.counts = [0] * stages  # index 0 unused
         self.left = microbatches
+        self._visits = np.zeros((len(sets), stages - 1), dtype=int)  # the stages (1...) each set visits
+        for i, chosen in enumerate(sets):
+            self._visits[i, np.asarray(chosen, dtype=int) - 1] = 1
 
     def open(self) -> list[int]:
-        return [i for i, chosen in enumerate(self.sets) if self._allows(chosen)]
+        """The sets the next microbatch may take (all of them checked at once)."""
+        q, left = self.q, self.left - 1
+        counts = np.asarray(self.counts[1:]) + self._visits  # each set's visits per stage once taken
+        top = (counts == q + 1).sum(axis=1)
+        room = ((counts <= q) & (q + 1 - counts <= left)).sum(axis=1)
+        fits = ((top <= self.extra) & (counts.max(axis=1) <= q + 1) & (q - counts.min(axis=1) <= left)
+                & (self.extra - top <= room))
+        return np.flatnonzero(fits).tolist()
 
     def take(self, index: int) -> None:
         for stage in self.sets[index]:
             self.counts[stage] += 1
         self.left -= 1
-
-    def _allows(self, chosen: tuple[int, ...]) -> bool:
-        q, left = self.q, self.left - 1
-        counts = self.counts[1:]
-        for stage in chosen:
-            counts[stage - 1] += 1
-        top = counts.count(q + 1)
-        if top > self.extra or max(counts) > q + 1 or q - min(counts) > left:
-            return False
-        room = sum(1 for c in counts if c <= q and q + 1 - c <= left)
-        return self.extra - top <= room
 
 
 class Drawn:
