@@ -173,3 +173,12 @@ def test_impossible_requests(stages, skip, nodes, message):
         plan(network)
     with pytest.raises(NetworkError, match=re.escape(message)):
         network_blind(network)
+
+
+def test_plan_tells_its_progress_allocation_by_allocation():
+    """`pipeline plan` draws its bar from it: every allocation the search tries, of how many in all."""
+    told = []
+    found = plan(regions_network(seed=0), effort=0.2, progress=lambda done, total: told.append((done, total)))
+    total = told[-1][1]
+    assert total > 1 and told == [(done, total) for done in range(1, total + 1)]
+    assert found.makespan_ms == plan(regions_network(seed=0), effort=0.2).makespan_ms  # the same search

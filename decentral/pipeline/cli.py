@@ -212,14 +212,15 @@ def cmd_plan(args) -> int:
         check_picture_path(args.plot, "--plot")
     network = load_network(args.network).replace(stages=args.stages, skip=args.skip, microbatches=args.microbatches)
     length = path_length(network.stages, network.skip)
-    with tqdm(total=2, desc="planning", unit="plan", disable=None, leave=False) as bar:  # on a terminal only
+    with tqdm(total=0, desc="planning", unit="allocation", disable=None, leave=False) as bar:  # on a terminal only
+        def tried(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
         start = time.perf_counter()
-        planned = plan(network, seed=args.seed, effort=args.effort)
+        planned = plan(network, seed=args.seed, effort=args.effort, progress=tried)
         planning_s = round(time.perf_counter() - start, 3)  # as the record keeps it: printed from the same value
-        bar.set_description("planning the full pipeline", refresh=False)
-        bar.update()
-        full = full_pipeline(network, seed=args.seed, effort=args.effort)
-        bar.update()
+    full = full_pipeline(network, seed=args.seed, effort=args.effort)
     blind = network_blind(network, seed=args.seed)
     print(f"{args.network}: {len(network)} nodes, {network.stages} stages, skip {network.skip:g} "
           f"({length} stages per path), {network.microbatches} microbatches")

@@ -26,8 +26,9 @@ one task at a time per node are the simulator's semantics, which the scores incl
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,12 +69,13 @@ class Plan:
 
 
 def plan(network: Network, seed: int = 0, effort: float = 1.0, swaps: bool = True,
-         fixed: dict[str, int] | None = None) -> Plan:
+         fixed: dict[str, int] | None = None, progress: Callable[[int, int], None] | None = None) -> Plan:
     """Plan `network.microbatches` paths over `network.stages` stages at `network.skip`.
 
     `fixed` pins nodes (by name) to stages, on top of the nodes the network pins itself; `effort`
     scales the number of simulated candidates (1: about 3.5 s for 20 nodes and 6 stages on one core);
-    `swaps=False` keeps every path in increasing stage order. Raises NetworkError for impossible
+    `swaps=False` keeps every path in increasing stage order. `progress(done, total)` is told of each allocation
+    the search tries (most of the time planning takes). Raises NetworkError for impossible
     requests (more stages than nodes, a skip ratio that leaves fewer than 2 stages).
     """
     problem = _Problem(network, _check_request(network), swaps)
@@ -82,7 +84,9 @@ def plan(network: Network, seed: int = 0, effort: float = 1.0, swaps: bool = Tru
     starts = [_initial_allocation(network, problem.length, pinned, heads)
               for heads in _head_counts(network, problem.length)]
     budget = round(effort * ALLOCATION_EVALS / len(starts))
-    _, stage_of, paths = min((_search_allocation(problem, start, pinned, rng, budget) for start in starts),
+    scored = itertools.count(1)
+    scoring = (lambda: progress(next(scored), budget * len(starts))) if progress else (lambda: None)
+    _, stage_of, paths = min((_search_allocation(problem, start, pinned, rng, budget, scoring) for start in starts),
                              key=lambda found: found[0])
     return _finish(problem, stage_of, paths, rng, round(effort * POLISH_EVALS))
 
@@ -245,13 +249,15 @@ def _fill_empty_stages(stage_of: np.ndarray, pinned: dict[int, int], stages: int
 
 
 def _search_allocation(problem: _Problem, stage_of: np.ndarray, pinned: dict[int, int], rng: np.random.Generator,
-                       evals: int) -> tuple[tuple[float, float], np.ndarray, list[tuple[int, ...]]]:
-    """Local search from `stage_of`: random moves and swaps of free nodes, each kept when the routed
-    plan's simulated iteration is no longer. Returns the score, allocation and paths found."""
+                       evals: int, scored: Callable[[], None]) -> tuple[tuple[float, float], np.ndarray,
+                                                                         list[tuple[int, ...]]]:
+    """Local search from `stage_of`: `evals` random moves and swaps of free nodes, each kept when the routed
+    plan's simulated iteration is no longer (`scored()` as each begins). Returns the score, allocation and paths found."""
     network = problem.network
     free = [n for n in range(len(network)) if n not in pinned]
     best, paths = _route(problem, stage_of)
     for _ in range(evals if free else 0):
+        scored()
         candidate = stage_of.copy()
         node = free[rng.integers(len(free))]
         if rng.random() < 0.5:
