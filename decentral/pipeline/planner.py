@@ -252,7 +252,8 @@ def _search_allocation(problem: _Problem, stage_of: np.ndarray, pinned: dict[int
                        evals: int, scored: Callable[[], None]) -> tuple[tuple[float, float], np.ndarray,
                                                                          list[tuple[int, ...]]]:
     """Local search from `stage_of`: `evals` random moves and swaps of free nodes, each kept when the routed
-    plan's simulated iteration is no longer (`scored()` as each begins). Returns the score, allocation and paths found."""
+    plan's simulated iteration is no longer (`scored()` as each begins). Returns the score, allocation and
+    paths found."""
     network = problem.network
     free = [n for n in range(len(network)) if n not in pinned]
     best, paths = _route(problem, stage_of)
