@@ -182,3 +182,28 @@ def test_plan_tells_its_progress_allocation_by_allocation():
     total = told[-1][1]
     assert total > 1 and told == [(done, total) for done in range(1, total + 1)]
     assert found.makespan_ms == plan(regions_network(seed=0), effort=0.2).makespan_ms  # the same search
+
+
+@pytest.mark.parametrize("stages, skip", [(5, 0.4), (7, 0.3)])
+def test_the_router_finds_the_cheapest_path_that_brute_force_finds(stages, skip):
+    """Its dynamic program (over the stage orders' shared prefixes) against every order, head and choice of
+    replicas tried one by one: a node costs its work, a hop its transfer both ways, the last hop back to the head
+    included."""
+    import itertools
+
+    from decentral.pipeline.constraints import path_length
+    from decentral.pipeline.routing import Router, node_work
+
+    network = regions_network(nodes=3 * stages, regions=3, seed=1, stages=stages, skip=skip, microbatches=1)
+    stage_of = np.array([i % stages for i in range(len(network))])
+    router = Router(network, stage_of, path_length(stages, skip))
+    work, trip = node_work(network, stage_of), network.transfer_ms + network.transfer_ms.T
+
+    def cost(path) -> float:
+        return sum(work[n] for n in path) + sum(trip[a, b] for a, b in zip(path, path[1:] + path[:1]))
+
+    members = [np.flatnonzero(stage_of == s).tolist() for s in range(stages)]
+    cheapest = min(cost(path) for _, order in router.orders
+                   for path in itertools.product(members[0], *(members[s] for s in order)))
+    [path] = router.route(1, load_weight=1.0)
+    assert len(router.orders) > 5 and cost(path) == pytest.approx(cheapest, rel=1e-12)
