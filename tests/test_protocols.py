@@ -2,6 +2,7 @@
 arithmetic done independently here (torch's own SGD for DiLoCo, §3 written out for NoLoCo)."""
 
 import asyncio
+import gc
 import logging
 import math
 import threading
@@ -492,6 +493,27 @@ def test_ddp_leaves_a_parameter_frozen_since_the_protocol_was_made_alone_as_the_
             optimizer.zero_grad()
             loss_step(sync, x)
     assert torch.equal(flat(model), flat(plain))
+
+
+def test_an_optimizer_stepped_outside_the_with_block_of_the_protocol_made_for_it_is_refused():
+    """Without its `with` block a protocol hooks nothing: the loop trained alone and never synced, without a word.
+    A protocol dropped unused, or one that ran its block, leaves the optimizer free."""
+    model, x = tiny_model(0), torch.randn(8, 5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = DiLoCo(model, optimizer, SoloTransport(), every=2)
+    before = flat(model)
+    with pytest.raises(RuntimeError, match="a diloco protocol was made for this optimizer, but its `with` block was "
+                                           "not entered"):
+        loss_step(sync, x)
+    assert torch.equal(flat(model), before)  # refused before the step
+    del sync
+    gc.collect()
+    model(x).pow(2).mean().backward()
+    optimizer.step()  # the dropped protocol guards nothing
+    with DiLoCo(model, optimizer, SoloTransport(), every=2) as sync:
+        loss_step(sync, x)
+    optimizer.step()  # after its block: the plain loop again
+    assert sync.step == 1
 
 
 def test_a_local_protocol_which_syncs_nothing_lets_a_parameter_be_unfrozen():

@@ -139,6 +139,7 @@ class SyncProtocol:
         self._members_ahead: tuple[int, Future[list[str]]] | None = None  # (round, its members' lookup under way)
         self._offered: tuple[dict, dict[str, torch.Tensor]] | None = None  # our snapshot offered last (protocols
         # that `replays_rounds`): a member the others averaged without replays their round on it (`_repair`)
+        self._unentered_guard = optimizer.register_step_pre_hook(_refuse_unentered(weakref.ref(self)))
 
     # ----- the user's loop -----
     def __enter__(self) -> "SyncProtocol":
@@ -150,6 +151,7 @@ class SyncProtocol:
                                "`with` block): one protocol per optimizer")
         self.start()
         self._entered = True
+        self._unentered_guard.remove()
         _HOOKED[self.optimizer] = self.name
         self._hooks = [self.optimizer.register_step_post_hook(lambda *_: self._after_step())]
         if self.hook_before_step:
@@ -906,6 +908,19 @@ class OuterProtocol(SyncProtocol):
         self.load_snapshot(state["meta"], state["tensors"])
         if self.residual is not None and "residual" in state["tensors"]:
             self.residual.copy_(state["tensors"]["residual"])
+
+
+def _refuse_unentered(made: weakref.ref) -> Callable:
+    """An optimizer step pre-hook: RuntimeError while the protocol `made` for the optimizer (until its `with`
+    block is entered) was never entered and no other protocol runs on it, since the loop would train without
+    ever syncing and say nothing. A protocol dropped unused guards nothing."""
+    def hook(optimizer, *_) -> None:
+        protocol = made()
+        if protocol is not None and optimizer not in _HOOKED:
+            raise RuntimeError(f"a {protocol.name} protocol was made for this optimizer, but its `with` block was "
+                               "not entered: without it the optimizer trains alone and never syncs. Train inside "
+                               "`with protocol:` (or drop the protocol if it is not meant to run)")
+    return hook
 
 
 def not_committed(outcome: SyncReport | AverageResult) -> bool:
