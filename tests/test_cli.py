@@ -316,6 +316,23 @@ def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_ti
     assert resumed[0] == reached and resumed == sorted(resumed) and resumed[-1] > reached
 
 
+def test_resuming_a_run_whose_metrics_file_is_malformed_is_one_line_and_leaves_it_as_it_was(tmp_path, small_corpus,
+                                                                                            capsys):
+    """--resume rewrites the metrics file up to the checkpoint: a malformed line in it ended in a traceback."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=8)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", str(tmp_path / "run")]
+    assert main([*run, "--stop-at", "4"]) == 0
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join([lines[0], '{"step": 2, "lo\n', *lines[1:]]))
+    kept = path.read_bytes()
+    capsys.readouterr()
+    assert main([*run, "--resume", "--stop-at", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"decentral: {path}:2: malformed metrics line") and "mend that file" in err, err
+    assert len(err.splitlines()) == 1 and path.read_bytes() == kept
+
+
 def test_resuming_with_another_protocol_or_from_metadata_that_does_not_fit_is_one_line(tmp_path, small_corpus, prefork):
     local = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=20)
     args = ["train", "--data", str(small_corpus), "--out", "run", "--resume"]
