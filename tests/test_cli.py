@@ -370,6 +370,7 @@ def test_the_join_command_swarm_start_prints_works_as_written_on_another_host(la
         entry.terminate()
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"others join with --join /ip4/{lab.hosts[1].address}/" in done.stdout, done.stdout
+        assert "--announce-host" not in done.stderr, done.stderr  # the entry reached it back where it announces
 
 
 def test_a_join_address_whose_peer_id_is_wrong_says_a_process_answers_there(make_swarm):

@@ -17,7 +17,7 @@ from conftest import run_in_threads, wait_until
 from decentral.swarm import SwarmPeer, averaging, state, wire
 from decentral.swarm.averaging import GroupAverager, chunk_digest
 from decentral.swarm.mailbox import Mailbox, Message
-from decentral.swarm.peer import plain_dial
+from decentral.swarm.reach import plain_dial
 from decentral.swarm.wire import LinkShaper, read_frame, write_frame, write_message
 from decentral.transport import StateUnavailable
 

@@ -33,11 +33,11 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from decentral.cpu import descendants
 from decentral.swarm.admission import TOKEN_BYTES, SignedRecords, SwarmKey, ensure_identity
+from decentral.swarm.reach import ip_and_port, plain_dial, serve_reach_checks
 from decentral.swarm.wire import TrafficStats, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
-StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class SwarmError(RuntimeError):
@@ -57,12 +57,6 @@ def check_multiaddrs(maddrs: Sequence[str]) -> None:
                              "prints it")
 
 
-def _ip_and_port(maddr: str) -> tuple[str | None, str | None]:
-    """The IP address and TCP port of a multiaddr, None for either it does not have (/dns4/..., /udp/...)."""
-    found = {proto.name: value for proto, value in Multiaddr(str(maddr)).items()}
-    return found.get("ip4", found.get("ip6")), found.get("tcp")
-
-
 def check_reachable_back(maddrs: Sequence[str], host: str, announce_host: str | None) -> None:
     """SwarmError when we would listen on loopback only (`host`, no `announce_host`) but one of `maddrs` is on
     another machine: its peers could not reach us (they would dial 127.0.0.1, their own machine)."""
@@ -72,7 +66,7 @@ def check_reachable_back(maddrs: Sequence[str], host: str, announce_host: str | 
     except ValueError:  # not an IP address: starting the peer says so
         return
     for maddr in maddrs:
-        ip, _ = _ip_and_port(maddr)
+        ip, _ = ip_and_port(maddr)
         if ip is None or ipaddress.ip_address(ip).is_loopback:
             continue
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
@@ -106,7 +100,7 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
     if "cannot assign requested address" in text.lower():
         return f"cannot listen on {host}: it is not an address of this machine (--host)"
     if "failed to connect to bootstrap peers" in text or "bootstrap failed" in text:
-        addresses = [(ip, port) for ip, port in map(_ip_and_port, initial_peers) if ip and port]
+        addresses = [(ip, port) for ip, port in map(ip_and_port, initial_peers) if ip and port]
         if asyncio.run(plain_dial(addresses)) == "accepted":
             return (f"could not join through {', '.join(map(str, initial_peers))}: a process answers there, but not "
                     "as that peer (is the peer id right? copy the whole address a member prints; a peer restarted "
@@ -132,26 +126,6 @@ class DialHeldBack(Exception):
 
 
 _BACKOFF_ADDRESS = re.compile(r"\[/ip[46]/([^/\]]+)/tcp/(\d+)\] dial backoff")  # a direct address, not a relay
-PLAIN_DIAL_TIMEOUT_S = 1.0  # a plain TCP dial that tells a live address from a dead one
-
-
-async def plain_dial(addresses: Sequence[tuple[str, str]]) -> str:
-    """What a plain TCP connection to the (host, port)s of `addresses` finds: "accepted" when one accepts,
-    "refused" when every one refuses (nothing listens there any more), "silent" when one does not answer
-    within PLAIN_DIAL_TIMEOUT_S or there is none to try (which proves nothing)."""
-    for host, port in addresses:
-        try:
-            async with asyncio.timeout(PLAIN_DIAL_TIMEOUT_S):
-                _, writer = await asyncio.open_connection(host, int(port))
-        except ConnectionRefusedError:
-            continue
-        except (OSError, TimeoutError):
-            return "silent"
-        writer.close()
-        return "accepted"
-    return "refused" if addresses else "silent"
-
-
 class NotServing(Exception):
     """The peer is up but serves no such stream: a process still starting (its handlers not yet
     registered), or one of another run."""
@@ -289,6 +263,7 @@ class SwarmPeer:
         self._thread.start()
         self._p2p = self.call(self.dht.replicate_p2p()).result(timeout=startup_timeout)
         self._closed = False
+        serve_reach_checks(self)  # a peer joining through us asks whether we can reach it
 
     # ----- event loop -----
     def call(self, coro: Awaitable[Any]) -> Future:
@@ -337,14 +312,17 @@ class SwarmPeer:
     def _proto(self, name: str) -> str:
         return f"/decentral/{self.run}/{name}"
 
-    def add_handler(self, name: str, handler: StreamHandler) -> None:
-        """Serve stream `name`: `handler(sender_peer_id, reader, writer)` runs on the loop per incoming stream."""
+    def add_handler(self, name: str, handler: Callable[..., Awaitable[None]], *, with_address: bool = False) -> None:
+        """Serve stream `name`: `handler(sender_peer_id, reader, writer)` runs on the loop per incoming stream;
+        `with_address`: `handler(sender_peer_id, address, reader, writer)`, where `address` is the multiaddr the
+        stream's connection comes from."""
 
         async def serve(info, reader, writer):
             try:
                 if not await self._admit(str(info.peer_id), self._proto(name), reader):
                     return
-                await handler(str(info.peer_id), reader, writer)
+                where = (str(info.addr),) if with_address else ()
+                await handler(str(info.peer_id), *where, reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("stream %s from %s ended early: %s", name, info.peer_id, e)
             except asyncio.CancelledError:  # we are shutting down. Ended quietly: Python 3.11's stream callback
