@@ -476,6 +476,32 @@ def test_a_parameter_unfrozen_after_the_protocol_was_made_is_refused_at_the_next
     assert sync.step == 2
 
 
+@pytest.mark.parametrize("cls, settings", [(DiLoCo, {}), (CO2, {}), (StreamingDiLoCo, {"every": 6, "fragments": 3}),
+                                           (NoLoCo, {})])
+def test_a_parameter_frozen_mid_run_takes_no_outer_momentum(make_loopback, cls, settings):
+    """Frozen at a round's end, a parameter has no progress to sync from then on; the outer momentum kept moving
+    it, round after round (Streaming's mixing too, towards φ). Now it holds still once the steps under way landed
+    (CO2's lands a round late); NoLoCo's pair still pulls its two copies together, about their mean."""
+    protocols = make_protocols(make_loopback(2), cls, **{"every": 4, **settings})
+    x = torch.randn(8, 5)
+
+    def train(rounds):
+        run_in_threads([lambda p=p: [loss_step(p, x) for _ in range(rounds * p.every)] for p in protocols])
+
+    with protocols[0], protocols[1]:
+        train(3)
+        for p in protocols:
+            p.model[0].weight.requires_grad_(False)
+        train(2)
+        held = [p.model[0].weight.detach().clone() for p in protocols]
+        train(3)
+    now = [p.model[0].weight.detach() for p in protocols]
+    if cls is NoLoCo:
+        torch.testing.assert_close(now[0] + now[1], held[0] + held[1], rtol=0, atol=1e-6)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(now, held))
+
+
 def test_ddp_leaves_a_parameter_frozen_since_the_protocol_was_made_alone_as_the_plain_loop_does():
     """A frozen parameter has no gradient, so AdamW skips it. DDP gave it a zero gradient to average, and AdamW's
     weight decay (and its moments) moved the frozen weights at every step."""

@@ -177,7 +177,7 @@ class SyncProtocol:
     def _check_none_unsynced(self) -> None:
         """RuntimeError when a parameter of the model requires grad that did not when the protocol was made
         (unfrozen since): it trains, but is not synced, so each replica's copy of it would drift apart unseen.
-        One frozen since is no error: it stays synced."""
+        One frozen since is no error: it stays synced (and takes no outer momentum: `_drop_frozen_momentum`)."""
         if not self.syncs_parameters:
             return
         unsynced = [name for name, p in self.model.named_parameters()
@@ -741,6 +741,23 @@ class OuterProtocol(SyncProtocol):
         """Outer state besides φ (momentum and the like), flat fp32, each under the name of the attribute
         that holds it."""
         return {}
+
+    def _drop_frozen_momentum(self, momentum: torch.Tensor, part: slice = slice(None)) -> None:
+        """Zero, in place, the values of θ[part]'s outer `momentum` whose parameter was frozen since the protocol
+        was made (requires_grad False now), before an outer step: a frozen parameter takes no momentum, as
+        torch's optimizers skip one without a gradient, so the step moves it by the averaged progress it made
+        before it froze and then never again (the momentum kept moving it, round after round). Replicas that
+        freeze it at the same step stay identical."""
+        frozen = self._frozen(part)
+        if frozen is not None:
+            momentum.masked_fill_(frozen.to(momentum.device), 0.0)
+
+    def _frozen(self, part: slice = slice(None)) -> torch.Tensor | None:
+        """A mask over θ[part]'s flat values, True where the parameter was frozen since the protocol was made
+        (requires_grad False now); None when none is."""
+        if all(p.requires_grad for p in self.params):
+            return None
+        return torch.cat([torch.full((stop - start,), not p.requires_grad) for p, start, stop in self._pieces(part)])
 
     def _own(self, *names: str) -> None:
         """Before φ (`slow`) or outer tensors, by attribute name, are changed in place: each that `snapshot`

@@ -156,6 +156,7 @@ class CO2(OuterProtocol):
             self._keep_residual(stale.sent, result.sent)
             gap = None if stale.anchor is None else self.slow - stale.anchor
             self._own("slow", "momentum")
+            self._drop_frozen_momentum(self.momentum)
             co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
                            staleness_penalty(self.penalty, result.tensor, gap), self.clip)
             self._led_by = result.encoded if result.complete else None  # a newcomer may replay it (base.py)
@@ -164,6 +165,7 @@ class CO2(OuterProtocol):
     def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
         """φ, m ← the outer step on a round's stale `average` with the constant penalty, in place on a
         snapshot's tensors."""
+        self._drop_frozen_momentum(tensors["momentum"])
         co2_outer_step(tensors["slow"], average, tensors["momentum"], self.outer_lr, self.outer_momentum,
                        self.penalty, self.clip)
 

@@ -56,6 +56,7 @@ class DiLoCo(OuterProtocol):
 
     def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
         """φ, m ← the outer Nesterov step on `average` (g), in place on a snapshot's tensors."""
+        self._drop_frozen_momentum(tensors["momentum"])
         nesterov_sgd_step(tensors["slow"], average, tensors["momentum"], self.outer_lr, self.outer_momentum,
                           self.nesterov)
 

@@ -67,6 +67,7 @@ class NoLoCo(OuterProtocol):
             mean, sent, waited, complete, contributors, rejected = both, both, 0.0, True, 1, {}
         spread = replica_spread(sent[:n], mean[:n]) if complete and len(group) > 1 else None
         self._own("delta")
+        self._drop_frozen_momentum(self.delta)
         self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n] - sent[:n], self.alpha, self.beta,
                                   self.gamma, self.nesterov)
         return SyncReport(self.round, group, complete, contributors, waited, rejected, spread)

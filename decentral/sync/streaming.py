@@ -144,9 +144,14 @@ class StreamingDiLoCo(DiLoCo):
         else:
             self._keep_residual(flight.sent, result.sent, part)
             self._own("slow", "momentum")
+            self._drop_frozen_momentum(self.momentum[part], part)
             nesterov_sgd_step(self.slow[part], result.tensor, self.momentum[part], self.outer_lr, self.outer_momentum,
                               self.nesterov)
-            merged = torch.lerp(self.round_start_weights()[part], self._fast_vector(part), self.mix)
+            fast = self._fast_vector(part)
+            merged = torch.lerp(self.round_start_weights()[part], fast, self.mix)
+            frozen = self._frozen(part)
+            if frozen is not None:  # a frozen parameter keeps its value (mixing moved it towards φ, round by round)
+                merged = torch.where(frozen.to(merged.device), fast, merged)
             self._load_fast(merged, part)
         return result, waited, rolled_back
 
