@@ -139,7 +139,7 @@ def keep_records_until(path: str | Path, step: int) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step] if step >= 0 else []  # < 0: none to read
     path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     return kept
 

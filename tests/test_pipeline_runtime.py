@@ -295,6 +295,23 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
         tensors, meta = load_checkpoint(out / name / "stage")
         assert meta["iteration"] == 12 and any(k.startswith("inner.") for k in tensors)
 
+    # a lead whose metrics file is malformed cannot keep its records up to its checkpoint: said before any node
+    # starts, naming the line, the file left as it was (the run's progress ended in a traceback; the lead, run by
+    # hand, ended in one too)
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines[:3] + ["{not json"] + lines[3:]) + "\n")
+    malformed = metrics.read_text()
+    done = prefork.run(["pipeline", "train", "--recipe", str(recipe_path), "--out", str(out), "--data", str(small_corpus),
+                        "--steps", "14", "--resume"], tmp_path, timeout=120)
+    assert done.returncode == 2 and f"{metrics}:4: malformed metrics line" in done.stderr, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and "pipeline train: starting" not in done.stdout
+    with local_pipeline(recipe_path, network, out, steps=14, node_args=["--data", str(small_corpus), "--resume"]) as run:
+        run.start()
+        with pytest.raises(PipelineError, match=f"node h could not run as asked .*{metrics}:4: malformed metrics line"):
+            run.wait(60)
+    assert "Traceback" not in run.log(run.lead) and metrics.read_text() == malformed
+    metrics.write_text("\n".join(lines) + "\n")
+
     # a node whose checkpoint is corrupt cannot go on: the run ends at once, saying why (not after the lead's --wait)
     stage_file = next((out / "a" / "stage").glob("*.safetensors"))
     stage_file.write_bytes(stage_file.read_bytes()[:1000])

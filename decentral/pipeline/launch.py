@@ -274,6 +274,11 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         if missing:
             raise PipelineError(f"--resume: no stage checkpoint of node(s) {', '.join(missing)} in {out} (nodes "
                                 "checkpoint every train.eval_every iterations): start over without --resume")
+        try:
+            run_metrics(out)  # what the progress reads while the nodes train, and the lead keeps up to its checkpoint
+        except ValueError as e:  # (read_metrics names the file and line)
+            raise PipelineError(f"--resume: {e}: the lead keeps the run's records up to its checkpoint; mend that "
+                                "file, or move it aside") from None
         done, target = min((i for i in saved.values() if i is not None), default=0), steps or recipe.recipe.train.steps
         if done >= target:
             raise PipelineError(f"--resume: the nodes' checkpoints in {out} are at iteration {done}, {target} were "

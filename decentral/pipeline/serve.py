@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from decentral.checkpoint import sole_writer
+from decentral.checkpoint import CheckpointError, sole_writer
 from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, keep_records_until
 from decentral.pipeline.auth import CallKey
@@ -121,13 +121,17 @@ def _run_stage(opts: NodeOptions, entry, index: int) -> int:
             source = node.copy_replica(lookup_servers(peer).values())
             if source:
                 opts.print_fn(f"[{opts.name}] copied stage {index}'s weights from {source}")
+        if index == 0:  # the lead's records past its checkpoint are redone (a new run: none is kept)
+            try:
+                keep_records_until(opts.out / "metrics.jsonl", node.iterations_done or -1)
+            except ValueError as e:  # (read_metrics names the file and line)
+                raise CheckpointError(f"{e}: a resumed lead keeps the run's records up to its checkpoint; mend that "
+                                      "file, or move it aside") from None
         node.start()
         address = f"{opts.announce_host or opts.host}:{node.address.rsplit(':', 1)[1]}"
         announcer = Announcer(peer, new_server(opts.name, address, index))
         closers.insert(0, announcer.close)
         opts.print_fn(f"[{opts.name}] stage {index} at {address}")
-        if index == 0:
-            keep_records_until(opts.out / "metrics.jsonl", node.iterations_done or -1)  # a new run: none
         return _serve(node, peer, address, opts, closers)
     finally:
         for close in closers:
