@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shlex
@@ -24,7 +25,7 @@ from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
 from decentral.metrics import read_metrics
 from decentral.netlab import NetLab
-from decentral.swarm.admission import AdmissionError, SwarmKey
+from decentral.swarm.admission import AdmissionError, SwarmKey, ensure_identity
 
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed id nobody runs
 
@@ -371,6 +372,24 @@ def test_the_join_command_swarm_start_prints_works_as_written_on_another_host(la
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"others join with --join /ip4/{lab.hosts[1].address}/" in done.stdout, done.stdout
         assert "--announce-host" not in done.stderr, done.stderr  # the entry reached it back where it announces
+
+
+def test_a_port_held_by_another_program_is_waited_for_with_one_warning_then_refused(tmp_path, monkeypatch, caplog):
+    """A peer whose --out holds an identity (an earlier run) waits for the port that run's daemon may still hold; a
+    port another program holds cost that whole wait without a word (the retries were logged at --verbose only)."""
+    from decentral.swarm import SwarmError, SwarmPeer, peer
+
+    monkeypatch.setattr(peer, "IDENTITY_RELEASE_S", 2.0)
+    ensure_identity(tmp_path / "identity.key")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SwarmError, match="the port is in use"):
+            SwarmPeer("x", port=port, identity_path=tmp_path / "identity.key")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [f"port {port} is still in use (an earlier run of this --out shutting down?): "
+                    "waiting up to 2 s for it"]
 
 
 def test_a_join_address_whose_peer_id_is_wrong_says_a_process_answers_there(make_swarm):

@@ -229,7 +229,7 @@ class SwarmPeer:
         earlier_life = identity_path.exists()
         ensure_identity(identity_path)
         self._refused: set[str] = set()  # peers whose keyless stream we logged already
-        deadline = time.monotonic() + IDENTITY_RELEASE_S
+        deadline, told = time.monotonic() + IDENTITY_RELEASE_S, False
         while True:
             try:
                 check_listenable(host, port)
@@ -249,8 +249,11 @@ class SwarmPeer:
             except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
                 port_held = earlier_life and getattr(e, "errno", None) == errno.EADDRINUSE
                 if ("already taken" in str(e) or port_held) and time.monotonic() < deadline:
-                    log.info("identity %s or port %d is still in use (a killed life's daemon shutting down?); retrying",
-                             identity_path, port)
+                    if not told:  # said once, and not only at --verbose: a port another program holds costs the wait
+                        log.warning("%s is still in use (an earlier run of this --out shutting down?): waiting up to "
+                                    "%.0f s for it", f"port {port}" if port_held else f"identity {identity_path}",
+                                    IDENTITY_RELEASE_S)
+                        told = True
                     time.sleep(1.0)  # the killed process's DHT child notices its parent is gone within ORPHAN_CHECK_S
                     continue
                 if self._identity_dir:
