@@ -39,7 +39,6 @@ from decentral.swarm.wire import TrafficStats, read_frame, write_frame
 log = logging.getLogger(__name__)
 
 
-
 class SwarmError(RuntimeError):
     """The swarm could not be started or reached."""
 

@@ -1,8 +1,8 @@
 """Whether an address can be reached, and whether the swarm can reach us.
 
 A peer that joins from another machine reaches its members on connections it opens itself, so it can
-look healthy while nobody can open one to it: a wrong `--announce-host`, a closed firewall port, a NAT
-that forwards nothing. Its averages then stall or roll back without a word about why. So a joining peer
+look healthy while nobody can open one to it (a wrong `--announce-host`, a closed firewall port, a NAT
+that forwards nothing), and members that must open one cannot, without a word about why. So a joining peer
 asks a member to dial it back (`reach_warning`): the member makes a plain TCP connection to each address
 we announce and says what it found, and the peer warns before it trains.
 
@@ -130,9 +130,9 @@ def reach_warning(peer: SwarmPeer, via: Sequence[str]) -> str | None:
         if failed:
             ip, port, verdict = failed[0]
             why = "the connection was refused" if verdict == "refused" else "nothing answered"
-            return (f"the member at {maddr} could not reach this peer at {ip}:{port} ({why}): other members will "
-                    f"fail to average with it. Open TCP port {port} to this machine (its firewall; forward it on a "
-                    "NAT), or give --announce-host the address other machines reach it at, with --port")
+            return (f"the member at {maddr} could not reach this peer at {ip}:{port} ({why}): members that must "
+                    f"open a connection to it cannot. Open TCP port {port} to this machine (its firewall; forward it "
+                    "on a NAT), or give --announce-host the address other machines reach it at, with --port")
         announced = ", ".join(sorted({ip for ip, _, _ in found}))
         return (f"the member at {maddr} sees this peer's connections come from {answer.get('from')}, but it "
                 f"announces {announced} (a private address the member did not try): if other machines reach this "
