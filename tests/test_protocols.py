@@ -31,13 +31,14 @@ def set_flat(model, vector) -> None:
     torch.nn.utils.vector_to_parameters(vector.clone(), model.parameters())
 
 
-def make_protocols(transports, cls, seeds=None, model=tiny_model, **kwargs):
+def make_protocols(transports, cls, seeds=None, model=tiny_model, optimizer=None, **kwargs):
     """Started protocols over `transports`, every one seeing all of them announced for their round; each
-    protocol's model is `model(seed)`."""
+    protocol's model is `model(seed)`, its optimizer `optimizer(parameters)` (SGD, lr 0.1, by default)."""
     protocols = []
     for i, t in enumerate(transports):
         model_i = model(seeds[i] if seeds else 0)
-        p = cls(model_i, torch.optim.SGD(model_i.parameters(), lr=0.1), t, **kwargs)
+        made = optimizer(model_i.parameters()) if optimizer else torch.optim.SGD(model_i.parameters(), lr=0.1)
+        p = cls(model_i, made, t, **kwargs)
         p.start()  # one after the other: later ones download the first one's state
         protocols.append(p)
     ids = sorted(t.peer_id for t in transports)
@@ -519,6 +520,38 @@ def test_ddp_leaves_a_parameter_frozen_since_the_protocol_was_made_alone_as_the_
             optimizer.zero_grad()
             loss_step(sync, x)
     assert torch.equal(flat(model), flat(plain))
+
+
+def test_ddp_under_fp16_loss_scaling_averages_a_skipped_step_with_the_replicas_next_one_and_stays_identical(
+        make_loopback):
+    """fp16's loss scaler checks each replica's gradients before the optimizer step, where DDP averages them: a
+    replica whose gradients overflow skips the step (and its protocol step) alone. The others' average of that
+    step waits for its next one, and every replica applies the same gradients: identical weights and AdamW state,
+    each at the protocol's step 6, the one that skipped after one more iteration."""
+    protocols = make_protocols(make_loopback(2), DDP,
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
+    xs = [torch.randn(8, 5, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in protocols]
+
+    def train(p, scaler, overflow_at):
+        iterations = 0
+        with p:
+            while p.step < 6:
+                x = xs[iterations] * (1e6 if iterations == overflow_at else 1.0)  # inf in float16
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = p.model(x).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(p.optimizer)
+                scaler.update()
+                p.optimizer.zero_grad()
+                iterations += 1
+        return iterations
+
+    done = run_in_threads([lambda: train(protocols[0], scalers[0], 3), lambda: train(protocols[1], scalers[1], None)])
+    assert done == [7, 6] and scalers[0].get_scale() < scalers[1].get_scale()  # replica 0 skipped one
+    assert torch.equal(flat(protocols[0].model), flat(protocols[1].model))
+    states = [p.optimizer.state_dict()["state"] for p in protocols]
+    assert all(torch.equal(states[0][k]["exp_avg"], states[1][k]["exp_avg"]) for k in states[0])
 
 
 def test_an_optimizer_stepped_outside_the_with_block_of_the_protocol_made_for_it_is_refused():
