@@ -25,7 +25,6 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # before grpc: a port it cannot
 from decentral.config import RecipeError, load_recipe, parse_settings, recipe_path
 from decentral.models import GPT_SOURCE, ModelError, absolute_source, check_source
 
-log = logging.getLogger(__name__)
 
 DOMAIN_HELP = ("a text domain, repeatable: batches are balanced over the domains and validation uses each "
                "one's dev split. Built in: code, legal, manuals, headers, changelogs; your own: NAME=PATH[,PATH]")
@@ -237,13 +236,12 @@ def cmd_train(args) -> int:
 def cmd_swarm_start(args) -> int:
     from decentral.swarm import SwarmPeer
     from decentral.swarm.membership import EntryBeacon
-    from decentral.swarm.reach import reach_warning
+    from decentral.swarm.reach import warn_if_unreachable
 
     key_path = swarm_key_path(args)
     peer = SwarmPeer(args.run, args.join or (), host=args.host, port=args.port, announce_host=args.announce_host,
                      swarm_key=swarm_key(key_path), identity_path=args.identity)
-    if args.join and (unreachable := reach_warning(peer, args.join)):
-        log.warning("%s", unreachable)
+    warn_if_unreachable(peer, args.join)
     beacon = EntryBeacon(peer)  # a peer joining through us alone learns whether its key opens the swarm
     keyed = f" --swarm-key {key_path}" if key_path else ""
     # listening beyond loopback, we are joined from other machines: they must listen beyond it too

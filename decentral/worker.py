@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import logging
 import math
 import threading
 import time
@@ -45,11 +44,9 @@ from decentral.models import GPT_SOURCE, build_model, describe_model
 from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.monitor import StatusCard
-from decentral.swarm.reach import reach_warning
+from decentral.swarm.reach import warn_if_unreachable
 from decentral.sync import PROTOCOLS, DivergedError, SyncProtocol, SyncReport
 from decentral.transport import SoloTransport, Transport
-
-log = logging.getLogger(__name__)
 
 
 IDENTITY_FILE = "identity.key"  # in OUT: a restarted worker keeps its peer id
@@ -218,8 +215,7 @@ def _swarm_connection(recipe: Recipe, opts: WorkerOptions, run: str, join: Seque
         except BaseException:
             transport.close()
             raise
-    if join and (unreachable := reach_warning(transport.peer, join)):
-        log.warning("%s", unreachable)
+    warn_if_unreachable(transport.peer, join)
     return transport
 
 

@@ -210,6 +210,7 @@ def cmd_list(args) -> int:
 
 def cmd_publish(args) -> int:
     from decentral.experts.sharing import ExpertSharing
+    from decentral.swarm.reach import warn_if_unreachable
 
     registry = Registry(args.registry)
     names = args.names or registry.names()
@@ -218,6 +219,7 @@ def cmd_publish(args) -> int:
     for name in names:  # a name that is not there is refused before the swarm starts
         registry.get(name)
     peer = _peer(args)
+    warn_if_unreachable(peer, args.join)  # fetchers must be able to reach us
     sharing = ExpertSharing(peer, registry)
     try:
         for expert in sharing.publish(names):

@@ -50,6 +50,7 @@ from decentral.pipeline.recipe import PipelineRecipe
 from decentral.pipeline.stages import make_stage
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.peer import SwarmPeer
+from decentral.swarm.reach import warn_if_unreachable
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def _run_stage(opts: NodeOptions, entry, index: int) -> int:
                      identity_path=opts.out / "identity.key", swarm_key=opts.swarm_key)
     closers: list[Callable[[], None]] = [peer.shutdown]
     try:
+        warn_if_unreachable(peer, opts.join)
         if opts.maddr_file:
             opts.maddr_file.write_text("\n".join(peer.multiaddrs()) + "\n")
         stage = make_stage(recipe.recipe.model, recipe.pipeline.stages, index, recipe.recipe.train.seed,

@@ -3,7 +3,7 @@
 A peer that joins from another machine reaches its members on connections it opens itself, so it can
 look healthy while nobody can open one to it (a wrong `--announce-host`, a closed firewall port, a NAT
 that forwards nothing), and members that must open one cannot, without a word about why. So a joining peer
-asks a member to dial it back (`reach_warning`): the member makes a plain TCP connection to each address
+asks a member to dial it back (`warn_if_unreachable`): the member makes a plain TCP connection to each address
 we announce and says what it found, and the peer warns before it trains.
 
 A member dials an address only where it is the address our connection to it comes from, or a public
@@ -139,3 +139,9 @@ def reach_warning(peer: SwarmPeer, via: Sequence[str]) -> str | None:
                 f"one at {answer.get('from')}, give --announce-host {answer.get('from')}; if they reach it at "
                 f"{announced} on another network, ignore this")
     return None
+
+
+def warn_if_unreachable(peer: SwarmPeer, via: Sequence[str]) -> None:
+    """Log what `reach_warning` finds, as a warning (nothing to ask without `via`: a peer that starts a swarm)."""
+    if via and (found := reach_warning(peer, via)):
+        log.warning("%s", found)
