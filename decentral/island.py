@@ -165,27 +165,18 @@ class IslandTransport:
         try:
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
         except RuntimeError as e:  # gloo's "Connection closed by peer", NCCL's watchdog, a collective's timeout
-            raise self._failed(e) from e
-        return self._mean(values, buffer, tag)
-
-    def _failed(self, error: Exception) -> IslandError:
-        return IslandError(f"rank {self.rank}: the all-reduce with the other ranks failed, a rank is gone or hung "
-                           f"({str(error).splitlines()[0] if str(error) else type(error).__name__})")
+            raise _failed(self.rank, e) from e
+        return _mean(values, buffer, self._ids, tag)
 
     def _prepare(self, tensor: torch.Tensor, group: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(our values as float32 on the collective's device, the buffer the all-reduce sums into)."""
+        """(our values as float32 on the collective's device, the buffer the all-reduce sums into); the byte
+        counters count the all-reduce about to run."""
         if set(group) != set(self._ids):
             raise ValueError(f"islands average over all ranks {self._ids}; got group {sorted(group)}")
         values = tensor.detach().reshape(-1).to(device=self._device or "cpu", dtype=torch.float32)
-        return values, values.clone()
-
-    def _mean(self, values: torch.Tensor, summed: torch.Tensor, tag: str) -> AverageResult:
         k = self.world_size
-        self._bytes += int(2 * (k - 1) / k * summed.numel() * summed.element_size())
-        mean = (summed / k).cpu()
-        if not all_finite(mean):
-            raise RuntimeError(f"island average {tag!r} is not finite")
-        return AverageResult(tensor=mean, sent=values.cpu(), group=list(self._ids), complete=True, contributors=k)
+        self._bytes += int(2 * (k - 1) / k * values.numel() * values.element_size())
+        return values, values.clone()
 
     def average_async(self, tensor: torch.Tensor, group: list[str] | None, tag: str, round: int | None = None,
                       note: dict | None = None) -> Future[AverageResult]:
@@ -197,17 +188,20 @@ class IslandTransport:
         try:
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         except RuntimeError as e:
-            future.set_exception(self._failed(e))
+            future.set_exception(_failed(self.rank, e))
             return future
+        rank, ids = self.rank, list(self._ids)
 
-        def done(collective) -> None:
+        def done(collective) -> None:  # on a thread of the process group's, which lets go of this function after
+            # it returns: holding nothing of the transport, it never holds the last reference to the process group,
+            # whose destructor joins that very thread (a rank that closed its island at once ended in terminate)
             try:
                 collective.wait()  # raises what failed the collective: its buffer is then not a sum
             except RuntimeError as e:
-                future.set_exception(self._failed(e))
+                future.set_exception(_failed(rank, e))
                 return
             try:
-                future.set_result(self._mean(values, buffer, tag))
+                future.set_result(_mean(values, buffer, ids, tag))
             except Exception as e:  # a non-finite mean
                 future.set_exception(e)
 
@@ -262,3 +256,17 @@ class IslandTransport:
         if not self._closed and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._closed = True
+
+
+def _failed(rank: int, error: Exception) -> IslandError:
+    return IslandError(f"rank {rank}: the all-reduce with the other ranks failed, a rank is gone or hung "
+                       f"({str(error).splitlines()[0] if str(error) else type(error).__name__})")
+
+
+def _mean(values: torch.Tensor, summed: torch.Tensor, ids: list[str], tag: str) -> AverageResult:
+    """The result of an all-reduce of `values` over the ranks `ids` that summed into `summed`."""
+    k = len(ids)
+    mean = (summed / k).cpu()
+    if not all_finite(mean):
+        raise RuntimeError(f"island average {tag!r} is not finite")
+    return AverageResult(tensor=mean, sent=values.cpu(), group=list(ids), complete=True, contributors=k)
