@@ -25,7 +25,8 @@ TENSORBOARD_MISSING = "--tensorboard needs the tensorboard package: pip install 
 
 
 class MetricsError(Exception):
-    """A metrics output cannot be written (its package is not installed); the message says what to do."""
+    """A metrics output cannot be written (its package is not installed), or a resumed run's metrics file cannot
+    be read; the message says what to do."""
 
 
 class MetricsSink(Protocol):
@@ -135,11 +136,16 @@ def read_metrics(path_or_paths: str | Path | Iterable[str | Path]) -> list[dict]
 
 def keep_records_until(path: str | Path, step: int) -> list[dict]:
     """Drop from the metrics file at `path` the records of steps after `step` (a run resumed at `step` writes
-    them again, and a record without a step counts as step 0); the records kept ([] when there is no file)."""
+    them again, and a record without a step counts as step 0); the records kept ([] when there is no file).
+    MetricsError naming the file and line when a record cannot be read (the file is left as it was)."""
     path = Path(path)
     if not path.exists():
         return []
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step] if step >= 0 else []  # < 0: none to read
+    try:
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step] if step >= 0 else []  # < 0: none to read
+    except ValueError as e:  # (read_metrics names the file and line)
+        raise MetricsError(f"{e}: a resumed run keeps its records up to its checkpoint and counts on from them; "
+                           "mend that file, or move it aside to start a new one") from None
     path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     return kept
 

@@ -418,11 +418,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
     model, optimizer = protocol.model, protocol.optimizer
     path = opts.out / "metrics.jsonl"  # resumed: its records past the checkpoint are redone, its counters go on
-    try:
-        carried = counters_reached(keep_records_until(path, protocol.step)) if opts.resume else {}
-    except ValueError as e:  # (read_metrics names the file and line)
-        raise CheckpointError(f"{e}: --resume keeps the run's records up to its checkpoint and counts on from them; "
-                              "mend that file, or move it aside to start a new one") from None
+    carried = counters_reached(keep_records_until(path, protocol.step)) if opts.resume else {}
     log = MetricsLog(path, sink=TensorBoardSink(opts.tensorboard) if opts.tensorboard else None)
     val_loss = None
     last_sync = None

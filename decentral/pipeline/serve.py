@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from decentral.checkpoint import CheckpointError, sole_writer
+from decentral.checkpoint import sole_writer
 from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, keep_records_until
 from decentral.pipeline.auth import CallKey
@@ -124,11 +124,7 @@ def _run_stage(opts: NodeOptions, entry, index: int) -> int:
             if source:
                 opts.print_fn(f"[{opts.name}] copied stage {index}'s weights from {source}")
         if index == 0:  # the lead's records past its checkpoint are redone (a new run: none is kept)
-            try:
-                keep_records_until(opts.out / "metrics.jsonl", node.iterations_done or -1)
-            except ValueError as e:  # (read_metrics names the file and line)
-                raise CheckpointError(f"{e}: a resumed lead keeps the run's records up to its checkpoint; mend that "
-                                      "file, or move it aside") from None
+            keep_records_until(opts.out / "metrics.jsonl", node.iterations_done or -1)
         node.start()
         address = f"{opts.announce_host or opts.host}:{node.address.rsplit(':', 1)[1]}"
         announcer = Announcer(peer, new_server(opts.name, address, index))
