@@ -84,6 +84,14 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
         time.sleep(0.01)  # polling another peer's state
 
 
+def wait_until_senders_counted(senders, sent_before, receiver, received_before) -> None:
+    """Wait until `senders`' byte counters (from `sent_before`) hold every byte `receiver` read since
+    `received_before`: a sender counts a frame once its last piece has drained, which can be after the
+    reader has it, so a test that compares senders' counts right after a download waits for this first."""
+    wait_until(lambda: sum(s.bytes_sent for s in senders) - sum(sent_before)
+               >= receiver.bytes_received - received_before, 10, "the senders counting every byte received")
+
+
 def kill_leftovers(pids) -> None:
     """SIGKILL each of `pids` still there (a test's cleanup after processes it expected to end)."""
     for pid in pids:

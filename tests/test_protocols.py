@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import loss_step, run_in_threads, wait_until
+from conftest import loss_step, run_in_threads, wait_until, wait_until_senders_counted
 from decentral.loopback import EXACT
 from decentral.swarm import state, wire
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, Local, NoLoCo, StreamingDiLoCo
@@ -358,9 +358,10 @@ def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_ins
     wait_until(lambda: all(t.state.rounds.wanted() for t in transports[:2]), 30,
                "both members keeping the rounds after the state being downloaded")
     two_random_rounds(protocols, gen)  # rounds 2 and 3, while round 2's state is on its way
-    sent = [t.bytes_sent for t in transports[:2]]
+    sent, received_before_gate = [t.bytes_sent for t in transports[:2]], transports[2].bytes_received
     gate.set()
     joining.join(timeout=60)
+    wait_until_senders_counted(transports[:2], sent, transports[2], received_before_gate)
     (late,) = late
     assert late.round == protocols[0].round == 4
     assert torch.equal(late.slow, protocols[0].slow) and torch.equal(late.momentum, protocols[0].momentum)

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from conftest import wait_until
+from conftest import wait_until, wait_until_senders_counted
 from decentral.swarm import wire
 from decentral.transport import EncodedAverage, state_digest
 
@@ -49,9 +49,7 @@ def test_the_rounds_since_a_state_come_in_shares_as_far_as_other_holders_kept_th
         sent, received = [a.bytes_sent, b.bytes_sent], newcomer.bytes_received
         rounds, _ = newcomer.state.fetch_rounds([a.peer_id, b.peer_id], digests[since], n, codec, timeout=15)
         assert all(torch.equal(r.average.decode(), averages[r.meta["round"] - 1]) for r in rounds)
-        # a holder counts a frame once its last piece has drained, which can be after the newcomer read it
-        wait_until(lambda: a.bytes_sent + b.bytes_sent - sum(sent) >= newcomer.bytes_received - received, 10,
-                   "the holders counting every byte the newcomer received")
+        wait_until_senders_counted((a, b), sent, newcomer, received)
         return [r.meta["round"] for r in rounds], [(peer.bytes_sent - s) / (4 * n) for peer, s in zip((a, b), sent)]
 
     for holder, rounds in ((a, 3), (b, 2)):
@@ -104,7 +102,7 @@ def test_a_share_waits_for_a_member_a_round_behind_while_the_donor_sends_its_own
     b.set_progress(29, 2)
     wait_until(lambda: newcomer.progress().get(b.peer_id, {}).get("round") == 2
                and newcomer.progress().get(a.peer_id, {}).get("round") == 3, 30, "the newcomer seeing a at 3, b at 2")
-    sent, got = [a.bytes_sent, b.bytes_sent], []
+    sent, received, got = [a.bytes_sent, b.bytes_sent], newcomer.bytes_received, []
     download = threading.Thread(target=lambda: got.append(newcomer.fetch_state(have={k: torch.zeros_like(t) for k, t
                                                                                       in state.items()})))
     download.start()
@@ -112,6 +110,7 @@ def test_a_share_waits_for_a_member_a_round_behind_while_the_donor_sends_its_own
     b.offer_state({"protocol": "diloco", "round": 3, "step": 30}, state, digest)  # b ends its round: the same state
     b.set_progress(30, 3, digest)
     download.join(timeout=60)
+    wait_until_senders_counted((a, b), sent, newcomer, received)
     donor, (meta, tensors) = got[0]
     assert donor == a.peer_id and meta["round"] == 3 and all(torch.equal(tensors[k], state[k]) for k in state)
     half = 4 * 500_000
