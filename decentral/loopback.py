@@ -5,7 +5,8 @@ integration tests: decentral.swarm).
 Every transport of a hub sees the others' announcements, progress and offers at once. An average is
 done when every member of its group has started the same tag with the same group: each then holds
 the exact mean. When a member has closed, takes no part in the average's round (its first round is
-later: a newcomer, or a replica that rejoined further on), or has not started it within the hub's
+later: a newcomer, or a replica that rejoined further on; or it began no average of the `ROUNDS_AHEAD`
+rounds before: it fell behind), or has not started it within the hub's
 `timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who
 was missing), as a swarm average that cannot commit does.
 """
@@ -22,8 +23,8 @@ import torch
 from decentral.codec import Dense
 from decentral.rounds import RoundLog
 from decentral.transport import (
-    AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, finished, own_note, present_for,
-    state_digest, trained_past, with_digest, with_us,
+    ROUNDS_AHEAD, AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, finished, own_note,
+    present_for, state_digest, trained_past, with_digest, with_us,
 )
 
 EXACT = Dense("float32")  # how the hub's averages "travel": exactly
@@ -45,6 +46,7 @@ class LoopbackHub:
         self._timers: dict[tuple[str, tuple[str, ...]], threading.Timer] = {}
         self._rounds: dict[tuple[str, tuple[str, ...]], int | None] = {}  # the round of each pending average
         self._first: dict[str, int] = {}  # peer -> the first round it takes part in (join_rounds(first=True))
+        self._begun: dict[str, int] = {}  # peer -> the latest round it began an average of (or the one before its first)
         self._rounds_since: dict[str, RoundLog] = defaultdict(RoundLog)  # each donor's, as a swarm peer keeps
         self._joins: dict[str, list[JoinRequest]] = {}  # donor -> newcomers' requests it has not taken yet
         # (only donors that take requests: they called `join_requests`)
@@ -69,6 +71,8 @@ class LoopbackHub:
         key = (tag, members)
         future: Future[AverageResult] = Future()
         with self._cond:
+            if round is not None:
+                self._begun[peer] = max(round, self._begun.get(peer, round))
             if self._not_in(peer, round):  # as the swarm's averager: the others average a round we take no part in
                 others = [m for m in members if m != peer]  # without us
                 return finished(AverageResult(flat, flat.clone(), list(members), False, 1, absent=others, left_out=others))
@@ -106,12 +110,16 @@ class LoopbackHub:
         self._timers.pop(key).cancel()
 
     def _not_in(self, peer: str, round: int | None) -> bool:
-        return round is not None and round < self._first.get(peer, round)
+        """Whether `peer` takes no part in `round`: one before its first, or more than `ROUNDS_AHEAD` past the
+        latest it began an average of (as the swarm's averager says)."""
+        return round is not None and (round < self._first.get(peer, round)
+                                      or round > self._begun.get(peer, round) + ROUNDS_AHEAD)
 
     def take_part_from(self, peer: str, round: int) -> None:
         """`peer` takes part in no round before `round`: averages of earlier rounds that wait for it roll back."""
         with self._cond:
             self._first[peer] = round
+            self._begun[peer] = max(round - 1, self._begun.get(peer, round - 1))
             for key in [k for k in self._pending if peer in k[1]]:
                 self._settle(key)
 

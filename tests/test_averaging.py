@@ -14,7 +14,7 @@ from decentral.swarm.wire import LinkShaper
 from decentral.codec import make_codec
 from decentral.swarm.averaging import aggregate, check_owner_result, clip, encode_chunks, norm_bound
 from decentral.swarm.peer import DialHeldBack
-from decentral.transport import FINITE_CHECK_NUMEL, all_finite
+from decentral.transport import FINITE_CHECK_NUMEL, ROUNDS_AHEAD, all_finite
 
 
 def test_mean_of_three_peers_equals_independent_mean(make_swarm):
@@ -154,6 +154,45 @@ def test_a_peer_that_finished_an_average_without_us_says_it_left_us_out(make_swa
     assert time.monotonic() - start < timeout / 2
     assert not ra.complete and torch.equal(ra.tensor, xs[0])
     assert ra.left_out == sorted([b.peer_id, c.peer_id])
+
+
+def test_a_member_the_others_redo_left_out_is_told_it_was_left_out_not_that_they_are_done(make_swarm):
+    """B and C wait out A (alive, answering probes, but sending nothing: it trains a round behind) and
+    commit their redo without it; A's late part is answered "left out" by both (its protocol then takes
+    their state at once), not "done" (which said nothing of whether they committed, or with whom)."""
+    timeout = 3.0
+    a, b, c = make_swarm(3, timeout=timeout)
+    group = sorted([a.peer_id, b.peer_id, c.peer_id])
+    xs = [torch.randn(64) for _ in range(3)]
+    rb, rc = run_in_threads([lambda: b.average(xs[1], group, "redone"), lambda: c.average(xs[2], group, "redone")])
+    assert rb.complete and rc.complete and rb.contributors == 2 and a.peer_id in rb.absent
+    ra = a.average(xs[0], group, "redone")
+    assert not ra.complete and torch.equal(ra.tensor, xs[0])
+    assert ra.left_out == sorted([b.peer_id, c.peer_id])
+
+
+def test_a_member_that_began_no_average_of_the_rounds_before_is_not_waited_for(make_swarm):
+    """A averaged round 1 with B and C, then froze; B and C went on without it. Woken, A trains toward round
+    2 while B and C reach round 1 + ROUNDS_AHEAD + 1: A answers their pushes and probes that it takes no
+    part in it, so they commit without it at once (before, A answered "here" and they waited out the
+    timeout, or until A had trained through its stale rounds), and A, asked later to take part from that
+    round, takes part from the one after it (they averaged it without A)."""
+    timeout = 30.0
+    a, b, c = make_swarm(3, timeout=timeout)
+    group = sorted([a.peer_id, b.peer_id, c.peer_id])
+    for t in (a, b, c):
+        t.join_rounds(0, first=True)
+    xs = [torch.randn(64) for _ in range(3)]
+    assert all(r.complete for r in run_in_threads([lambda t=t, x=x: t.average(x, group, "r1", round=1)
+                                                   for t, x in zip((a, b, c), xs)]))
+    ahead, finished = 2 + ROUNDS_AHEAD, {}
+    start = time.monotonic()
+    rb, rc = run_in_threads([lambda t=t, x=x, n=n: timed_average(finished, n, t, x, group, "ahead", round=ahead)
+                             for t, x, n in ((b, xs[1], "b"), (c, xs[2], "c"))])
+    assert max(finished.values()) - start < timeout / 3
+    assert rb.complete and rc.complete and rb.contributors == 2 and a.peer_id in rb.absent
+    torch.testing.assert_close(rb.tensor, (xs[1] + xs[2]) / 2, rtol=0, atol=1e-6)
+    assert a.averager.take_part_from(ahead) == ahead + 1
 
 
 def test_a_member_done_with_an_average_whose_part_to_us_was_lost_is_not_waited_for(make_swarm):

@@ -5,8 +5,9 @@ import threading
 import pytest
 import torch
 
+from conftest import run_in_threads
 from decentral.loopback import LoopbackHub
-from decentral.transport import SoloTransport
+from decentral.transport import ROUNDS_AHEAD, SoloTransport
 
 
 def test_an_average_is_the_exact_mean_and_runs_in_the_background_until_the_last_member_starts():
@@ -53,6 +54,22 @@ def test_a_member_whose_first_round_is_later_rolls_an_earlier_average_back_at_on
     assert not alone.complete and alone.left_out == [a.peer_id]  # a averages it without b
     done = b.average(torch.full((4,), 3.0), group, "r2", round=2)
     assert done.complete and torch.equal(done.tensor, torch.full((4,), 2.0))
+
+
+def test_an_average_more_than_rounds_ahead_past_a_members_latest_rolls_back_at_once_one_within_waits_for_it():
+    """As the swarm's averager does for a member woken from a freeze: it began round 1, the others went on
+    without it, and round 1 + ROUNDS_AHEAD + 1 does not wait for it; round 1 + ROUNDS_AHEAD does (CO2's
+    members launch it while a member in step trains toward round 2)."""
+    hub = LoopbackHub(timeout_s=60.0)
+    a, b = hub.transport(), hub.transport()
+    group = sorted([a.peer_id, b.peer_id])
+    run_in_threads([lambda p=p: p.average(torch.ones(4), group, "r1", round=1) for p in (a, b)])
+    within = a.average_async(torch.ones(4), group, "within", round=1 + ROUNDS_AHEAD)
+    past = a.average_async(torch.ones(4), group, "past", round=2 + ROUNDS_AHEAD)
+    assert past.done() and not past.result().complete and past.result().absent == [b.peer_id]
+    assert not within.done()  # b may still reach it
+    done = b.average(torch.full((4,), 3.0), group, "within", round=1 + ROUNDS_AHEAD)
+    assert done.complete and torch.equal(within.result(timeout=1).tensor, torch.full((4,), 2.0))
 
 
 def test_members_progress_and_state_are_what_the_peers_announced():

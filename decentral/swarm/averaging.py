@@ -46,8 +46,10 @@ land on one that is closing; and under load a single stream between two live pro
 unanswered while their connection stays up: one or two of some 3,000 pushes among six workers on two
 cores, p2pd's debug log showing no connection closed or dialled; the fresh dial to a dead one is
 refused), and only a third closed stream counts. The same for a member that says it takes no part in
-the average: a restarted process whose first round is later, one that serves no averaging yet, one that
-has finished this average already, or one that averages it over a member list without us ("left out").
+the average: a restarted process whose first round is later, one that serves no averaging yet, one more
+than `ROUNDS_AHEAD` rounds behind (woken from a freeze, it trains a round the others finished without it:
+they do not wait for it to train through it), one that has finished this average already, or one that
+averages it over a member list without us ("left out").
 A probe that merely times out proves nothing on a congested link, but a member that shows no sign of
 life at all for `hang_s` (no answer to our probes, no probe of its own, no byte of a part: a frozen
 process, a host powered down or cut off) is taken for gone too (a member whose new dials libp2p holds back
@@ -70,7 +72,8 @@ for the others' parts, and our parts still on their way are no longer sent: ever
 the same way, and they meet in the redo (a killed member used to cost each survivor the first attempt's
 exchange after the slowest member arrived, then the redo's). A push that reaches a member done with the
 attempt is answered so (`_DONE`, as a probe is): its sender does not take it for absent, and they redo
-together.
+together; a member the redo left out (it was absent, or late) is answered "left out" (a protocol that keeps
+replicas identical then takes the others' state at once, not a round later).
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -99,7 +102,7 @@ from decentral.swarm.wire import (
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.config import HANG_S
-from decentral.transport import AverageResult, EncodedAverage, all_finite
+from decentral.transport import ROUNDS_AHEAD, AverageResult, EncodedAverage, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +242,7 @@ class GroupAverager:
         self.member_refresh_s = member_refresh_s
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self.first_round: int | None = None  # the first round this process takes part in (see `take_part_from`)
+        self.begun: int | None = None  # the latest round we began an average of (or the one before our first)
         self._turned_away: int | None = None  # the latest round whose pushes or probes we answered "not in it"
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
@@ -273,9 +277,14 @@ class GroupAverager:
 
     def _not_in(self, round: object) -> bool:
         """Whether this process takes no part in `round`: one before the first it takes part in (or any, before
-        it joined one). An earlier process under our peer id may have announced it; nobody should wait for us.
+        it joined one): an earlier process under our peer id may have announced it; or one more than
+        `ROUNDS_AHEAD` past the latest we began an average of: the members went on without us (we were frozen,
+        or fell behind), and we will not reach it before we take their state. Nobody should wait for us.
         A round we say so of is remembered (`take_part_from`)."""
-        if not isinstance(round, int) or (self.first_round is not None and round >= self.first_round):
+        if not isinstance(round, int):
+            return False
+        behind = self.begun is not None and round > self.begun + ROUNDS_AHEAD
+        if not behind and self.first_round is not None and round >= self.first_round:
             return False
         self._turned_away = round if self._turned_away is None else max(self._turned_away, round)
         return True
@@ -290,6 +299,7 @@ class GroupAverager:
                      "take part from round %d on", round, self._turned_away + 1)
             round = self._turned_away + 1
         self.first_round = round
+        self.begun = round - 1 if self.begun is None else max(self.begun, round - 1)
         return round
 
     async def _on_push(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -330,7 +340,8 @@ class GroupAverager:
             log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
             return
         average = tag.rpartition("/")[0]
-        if average in self._groups and sender not in self._groups[average][0]:
+        latest = f"{average}/again" if f"{average}/again" in self._groups else average  # a redo's group counts
+        if latest in self._groups and sender not in self._groups[latest][0]:
             await write_frame(writer, _LEFT_OUT, self.peer.stats)
             return
         if self._not_in(header.get("round")):
@@ -551,6 +562,8 @@ class GroupAverager:
         if self.peer.peer_id not in group:
             raise ValueError("this peer is not in the group it was asked to average with")
         flat = flat.detach().float().reshape(-1).cpu()
+        if round is not None:
+            self.begun = round if self.begun is None else max(self.begun, round)
         if self._not_in(round):  # see `take_part_from`: the members average it without us
             log.info("%s: we take no part in round %d; not averaging", tag, round)
             self._finish(tag)
