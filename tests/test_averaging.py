@@ -171,6 +171,26 @@ def test_a_member_the_others_redo_left_out_is_told_it_was_left_out_not_that_they
     assert ra.left_out == sorted([b.peer_id, c.peer_id])
 
 
+def test_a_member_that_still_waits_for_one_the_others_gave_up_on_meets_them_in_the_redo(make_swarm):
+    """C answers probes but sends nothing (it trains a round behind). A gives up on it after its own short
+    timeout and redoes the average with B; B, whose timeout is long, would still wait for C. A's part of the
+    redo tells B that A gave the first attempt up (it cannot commit): B stops waiting at once and meets A in
+    the redo without C, and both commit the mean of their two parts (before, B waited out its timeout while
+    A's redo waited out B: both rolled back)."""
+    a, b, c = make_swarm(3, timeout=30.0)
+    a.timeout = 2.0  # as if A's probes had taken C for hung at a wake, and B's had not
+    group = sorted([a.peer_id, b.peer_id, c.peer_id])
+    xs = [torch.randn(64) for _ in range(2)]
+    finished = {}
+    start = time.monotonic()
+    ra, rb = run_in_threads([lambda: timed_average(finished, "a", a, xs[0], group, "split"),
+                             lambda: timed_average(finished, "b", b, xs[1], group, "split")])
+    assert finished["b"] - start < 15.0  # not B's timeout
+    for r in (ra, rb):
+        assert r.complete and r.contributors == 2 and r.absent == [c.peer_id], r
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+
+
 def test_a_member_that_began_no_average_of_the_rounds_before_is_not_waited_for(make_swarm):
     """A averaged round 1 with B and C, then froze; B and C went on without it. Woken, A trains toward round
     2 while B and C reach round 1 + ROUNDS_AHEAD + 1: A answers their pushes and probes that it takes no

@@ -73,7 +73,11 @@ the same way, and they meet in the redo (a killed member used to cost each survi
 exchange after the slowest member arrived, then the redo's). A push that reaches a member done with the
 attempt is answered so (`_DONE`, as a probe is): its sender does not take it for absent, and they redo
 together; a member the redo left out (it was absent, or late) is answered "left out" (a protocol that keeps
-replicas identical then takes the others' state at once, not a round later).
+replicas identical then takes the others' state at once, not a round later). A member still waiting in the
+first attempt when another's part of the redo reaches it stops waiting (the attempt cannot commit) and
+redoes it too, without the members silent to it: two members' views of a peer that woke as one's probe gave
+up on it can differ, and the one still waiting would otherwise wait out its timeout while the other's redo
+waited out it.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -643,6 +647,12 @@ class GroupAverager:
         self._notice_outsiders(tag)
         probe = asyncio.ensure_future(self._probe(others, tag, round))
 
+        def redoing() -> set[str]:
+            """Members whose part of this average's redo reached us: they gave this attempt up (it cannot commit),
+            having waited out members we may still wait for (our view of a member that woke as their probe gave up
+            can differ); we stop waiting and meet them in the redo, without the members silent to us."""
+            return self.mailbox.senders(f"{tag}/again/r")
+
         def other_views(messages: dict[str, Message]) -> set[str]:
             """Senders that split by another member list: their parts are rejected, and they will not send
             us the parts we expect either, so we do not wait for them."""
@@ -663,10 +673,10 @@ class GroupAverager:
                                                       {"note": note} if note else None, round))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
-                                                  stop=lambda: bool(gone()))
+                                                  stop=lambda: bool(gone() or redoing()))
             found_gone = bool(gone())
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
-                note_silent(set(others), received)
+                note_silent(set(others) - redoing(), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             checked = await asyncio.to_thread(lambda: {s: check_part(m.tensor, own[mine]) for s, m in received.items()
                                                        if s not in elsewhere})
