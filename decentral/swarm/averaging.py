@@ -674,7 +674,7 @@ class GroupAverager:
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
                                                   stop=lambda: bool(gone() or redoing()))
-            found_gone = bool(gone())
+            found_gone, redone = bool(gone()), bool(redoing())
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
                 note_silent(set(others) - redoing(), received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
@@ -713,11 +713,12 @@ class GroupAverager:
             if part_missing:  # a member's part is missing (silent, gone, elsewhere or rejected): no
                 # member can hold the group's whole mean of our chunk, so the average cannot commit; we skip phases
                 # 2 and 3 (their bytes and round trips) and it is redone without that member. When a member is
-                # gone, our parts still on their way are of no use to anyone either: we stop sending them (their
-                # receivers find it gone as we did, and a probe finds us done with the attempt), so the redo's
-                # parts get the link at once. Not for data we rejected: a receiver learns what is wrong with the
+                # gone, or another redoes the average already, our parts still on their way are of no use to anyone
+                # either: we stop sending them (their receivers find it gone as we did, and a probe finds us done
+                # with the attempt), so the redo's parts get the link at once (and a part to a frozen member does
+                # not hold us until it wakes). Not for data we rejected: a receiver learns what is wrong with the
                 # sender's data from its own part of it, which may reach it only after ours
-                if found_gone:
+                if found_gone or redone:
                     for send in sends:
                         send.cancel()
                 result, counts, disagree = list(own), [1] * len(group), []
