@@ -595,18 +595,26 @@ class GroupAverager:
         in the last `2 * probe_s`, or cut off on the way) when the attempt's time ran out, so the link is too
         slow for the swarm's timeout at this model's size (every average rolls back, and the members look
         absent). A member that froze mid-part stopped sending long before: not counted."""
-        now, slow = asyncio.get_running_loop().time(), {}
+        slow = {}
         for phase in "rg":
-            for peer in sorted(silent):
-                part = self._partial.get((f"{tag}/{phase}", peer))
-                if part and now - part[2] <= 2 * self.probe_s:
-                    slow.setdefault(peer, part)
+            for peer, part in self._arriving(f"{tag}/{phase}", sorted(silent)).items():
+                slow.setdefault(peer, part)
         if slow:
             peer, (got, size, _) = next(iter(slow.items()))
             log.warning("%s: %d member(s)' parts were still arriving when the average ran out of time (from %s: %.1f "
                         "of %.1f MiB in %.0fs): the link is too slow for swarm.timeout = %gs at this size; raise "
                         "swarm.timeout, or send fewer bytes (swarm.codec)", tag, len(slow), peer[-8:], got / 2**20,
                         size / 2**20, took, timeout)
+
+    def _arriving(self, tag: str, peers: list[str]) -> dict[str, list[float]]:
+        """Those of `peers` whose part under `tag` is on its way (a piece of it in the last `2 * probe_s`, or cut
+        off on the way): {peer: [bytes in, bytes, loop time of the last piece]}."""
+        now, parts = asyncio.get_running_loop().time(), {}
+        for peer in peers:
+            part = self._partial.get((tag, peer))
+            if part and now - part[2] <= 2 * self.probe_s:
+                parts[peer] = part
+        return parts
 
     def _finish(self, *tags: str) -> None:
         """We take no more part in these averages: pushes and probes for them are answered so."""
@@ -650,7 +658,8 @@ class GroupAverager:
         def redoing() -> set[str]:
             """Members whose part of this average's redo reached us: they gave this attempt up (it cannot commit),
             having waited out members we may still wait for (our view of a member that woke as their probe gave up
-            can differ); we stop waiting and meet them in the redo, without the members silent to us."""
+            can differ); we stop waiting and meet them in the redo, without the members silent to us (not those
+            whose part is still on its way)."""
             return self.mailbox.senders(f"{tag}/again/r")
 
         def other_views(messages: dict[str, Message]) -> set[str]:
@@ -676,7 +685,8 @@ class GroupAverager:
                                                   stop=lambda: bool(gone() or redoing()))
             found_gone, redone = bool(gone()), bool(redoing())
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
-                note_silent(set(others) - redoing(), received)
+                arriving = set(self._arriving(f"{tag}/r", others)) if redone else set()  # (on a slow link)
+                note_silent(set(others) - redoing() - arriving, received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             checked = await asyncio.to_thread(lambda: {s: check_part(m.tensor, own[mine]) for s, m in received.items()
                                                        if s not in elsewhere})
