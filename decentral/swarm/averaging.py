@@ -98,6 +98,7 @@ from dataclasses import replace
 from typing import Awaitable, Callable
 
 import torch
+from hivemind.p2p import P2PDaemonError
 
 from decentral.swarm.mailbox import Mailbox, Message
 from decentral.swarm.peer import DialHeldBack, NotServing, SwarmError, SwarmPeer
@@ -437,8 +438,8 @@ class GroupAverager:
     async def _ask(self, target: str, name: str, send: Callable[[asyncio.StreamWriter], Awaitable[None]],
                    answers: tuple[bytes, ...]) -> bytes:
         """Open a stream to `target`'s handler `name`, `send` our message on it and return its one-byte
-        answer (one of `answers`). A stream that closes unanswered (or answers something else) is asked
-        again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a connection between two live
+        answer (one of `answers`). A stream that closes unanswered (or answers something else), or that
+        libp2p fails to open, is asked again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a connection between two live
         processes can reset, and a fresh dial to a dead one is refused. While libp2p holds back dials to
         a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout;
         while its address accepts a plain connection that counts as a sign of life (`_hear`): libp2p's
@@ -459,16 +460,19 @@ class GroupAverager:
                 log.info("%s to %s: %s; asking again in %.1fs", name, target[-8:], e, ASK_AGAIN_AFTER_S)
                 await asyncio.sleep(ASK_AGAIN_AFTER_S)
                 continue
-            try:
-                await send(writer)
-                answer = await read_frame(reader, self.peer.stats, 1)
-                if answer in answers:
-                    return answer
-                lost = _StreamLost(f"an unknown answer {answer!r}")
-            except (asyncio.IncompleteReadError, ConnectionError) as e:
-                lost = _StreamLost(repr(e))
-            finally:
-                writer.close()
+            except P2PDaemonError as e:  # libp2p failed to open it ("connect failed": seen right after a reset
+                lost = _StreamLost(repr(e))  # between live members): as a stream closed unanswered
+            else:
+                try:
+                    await send(writer)
+                    answer = await read_frame(reader, self.peer.stats, 1)
+                    if answer in answers:
+                        return answer
+                    lost = _StreamLost(f"an unknown answer {answer!r}")
+                except (asyncio.IncompleteReadError, ConnectionError) as e:
+                    lost = _StreamLost(repr(e))
+                finally:
+                    writer.close()
             if not pauses:
                 raise lost
             log.info("%s to %s: the stream closed unanswered (%s); asking on a fresh one", name, target[-8:], lost)
