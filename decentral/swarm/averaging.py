@@ -439,8 +439,8 @@ class GroupAverager:
                    answers: tuple[bytes, ...]) -> bytes:
         """Open a stream to `target`'s handler `name`, `send` our message on it and return its one-byte
         answer (one of `answers`). A stream that closes unanswered (or answers something else), or that
-        libp2p fails to open, is asked again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a connection between two live
-        processes can reset, and a fresh dial to a dead one is refused. While libp2p holds back dials to
+        libp2p fails to open, is asked again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a
+        connection between two live processes can reset, and a fresh dial to a dead one is refused. While libp2p holds back dials to
         a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout;
         while its address accepts a plain connection that counts as a sign of life (`_hear`): libp2p's
         backoff (5 s and more) outlasts `hang_s`, and two live members whose connection reset would
@@ -687,10 +687,10 @@ class GroupAverager:
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
                                                   stop=lambda: bool(gone() or redoing()))
-            found_gone, redone = bool(gone()), bool(redoing())
+            found_gone, redoers = bool(gone()), redoing()
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
-                arriving = set(self._arriving(f"{tag}/r", others)) if redone else set()  # (on a slow link)
-                note_silent(set(others) - redoing() - arriving, received)
+                arriving = set(self._arriving(f"{tag}/r", others)) if redoers else set()  # (on a slow link)
+                note_silent(set(others) - redoers - arriving, received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             checked = await asyncio.to_thread(lambda: {s: check_part(m.tensor, own[mine]) for s, m in received.items()
                                                        if s not in elsewhere})
@@ -732,7 +732,7 @@ class GroupAverager:
                 # with the attempt), so the redo's parts get the link at once (and a part to a frozen member does
                 # not hold us until it wakes). Not for data we rejected: a receiver learns what is wrong with the
                 # sender's data from its own part of it, which may reach it only after ours
-                if found_gone or redone:
+                if found_gone or redoers:
                     for send in sends:
                         send.cancel()
                 result, counts, disagree = list(own), [1] * len(group), []
