@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from decentral.island import IslandError, IslandTransport
-from decentral.transport import AverageResult, EncodedAverage, MissedRound, Transport, check_group, with_us
+from decentral.transport import (
+    ROUNDS_AHEAD, AverageResult, EncodedAverage, MissedRound, Transport, check_group, with_us,
+)
 
 MODES = ("leader", "sharded")
 
@@ -155,9 +157,9 @@ class HierarchicalTransport:
     def bytes_received(self) -> int:
         return self.swarm.bytes_received if self.swarm else 0
 
-    def join_rounds(self, round: int, *, first: bool = False) -> None:
+    def join_rounds(self, round: int, *, first: bool = False, ahead: int = ROUNDS_AHEAD) -> None:
         if self.swarm:
-            self.swarm.join_rounds(round, first=first)
+            self.swarm.join_rounds(round, first=first, ahead=ahead)
 
     def members(self, round: int) -> list[str]:
         return self._from_leader(lambda: self.swarm.members(round))

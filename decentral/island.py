@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from decentral.transport import AverageResult, EncodedAverage, all_finite, finished
+from decentral.transport import ROUNDS_AHEAD, AverageResult, EncodedAverage, all_finite, finished
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -133,7 +133,7 @@ class IslandTransport:
         """Estimated bytes this rank received in averages; equal to bytes_sent for a ring all-reduce."""
         return self._bytes
 
-    def join_rounds(self, round: int, *, first: bool = False) -> None:
+    def join_rounds(self, round: int, *, first: bool = False, ahead: int = ROUNDS_AHEAD) -> None:
         """Nothing to announce: every rank takes part in every round."""
 
     def members(self, round: int) -> list[str]:

@@ -5,8 +5,8 @@ integration tests: decentral.swarm).
 Every transport of a hub sees the others' announcements, progress and offers at once. An average is
 done when every member of its group has started the same tag with the same group: each then holds
 the exact mean. When a member has closed, takes no part in the average's round (its first round is
-later: a newcomer, or a replica that rejoined further on; or it began no average of the `ROUNDS_AHEAD`
-rounds before: it fell behind), or has not started it within the hub's
+later: a newcomer, or a replica that rejoined further on; or it began no average of the rounds its
+protocol may lead by before it, `join_rounds`' `ahead`: it fell behind), or has not started it within the hub's
 `timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who
 was missing), as a swarm average that cannot commit does.
 """
@@ -47,6 +47,7 @@ class LoopbackHub:
         self._rounds: dict[tuple[str, tuple[str, ...]], int | None] = {}  # the round of each pending average
         self._first: dict[str, int] = {}  # peer -> the first round it takes part in (join_rounds(first=True))
         self._begun: dict[str, int] = {}  # peer -> the latest round it began an average of (or the one before its first)
+        self._ahead: dict[str, int] = {}  # peer -> the most rounds past `_begun` it takes part in (join_rounds' ahead)
         self._rounds_since: dict[str, RoundLog] = defaultdict(RoundLog)  # each donor's, as a swarm peer keeps
         self._joins: dict[str, list[JoinRequest]] = {}  # donor -> newcomers' requests it has not taken yet
         # (only donors that take requests: they called `join_requests`)
@@ -110,10 +111,10 @@ class LoopbackHub:
         self._timers.pop(key).cancel()
 
     def _not_in(self, peer: str, round: int | None) -> bool:
-        """Whether `peer` takes no part in `round`: one before its first, or more than `ROUNDS_AHEAD` past the
-        latest it began an average of (as the swarm's averager says)."""
+        """Whether `peer` takes no part in `round`: one before its first, or more than its protocol's lead
+        (`join_rounds`' `ahead`) past the latest it began an average of (as the swarm's averager says)."""
         return round is not None and (round < self._first.get(peer, round)
-                                      or round > self._begun.get(peer, round) + ROUNDS_AHEAD)
+                                      or round > self._begun.get(peer, round) + self._ahead.get(peer, ROUNDS_AHEAD))
 
     def take_part_from(self, peer: str, round: int) -> None:
         """`peer` takes part in no round before `round`: averages of earlier rounds that wait for it roll back."""
@@ -147,9 +148,11 @@ class LoopbackTransport:
         self.hub, self.peer_id = hub, peer_id
         self.bytes_sent = self.bytes_received = 0
 
-    def join_rounds(self, round: int, *, first: bool = False) -> None:
+    def join_rounds(self, round: int, *, first: bool = False, ahead: int = ROUNDS_AHEAD) -> None:
+        """As the swarm's: the first call, or one with `first`, fixes the first round we take part in."""
         with self.hub._cond:
-            if first:
+            self.hub._ahead[self.peer_id] = ahead
+            if first or self.peer_id not in self.hub._first:
                 for r, peers in self.hub._announced.items():
                     if r < round:
                         peers.discard(self.peer_id)

@@ -40,9 +40,11 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 KEPT_DIGESTS = 3  # rounds whose state digest a peer's progress carries
-ROUNDS_AHEAD = 2  # averages up to this many rounds past the latest one a member began may wait for it: CO2's
-# member launches round r + 1 before it waits for round r, which needs the part of one that began r - 1; a later
-# round went on without it (it was frozen, or fell behind), and it takes no part in it (`Transport.average`)
+ROUNDS_AHEAD = 2  # averages up to this many rounds past the latest one a member began may wait for it (a
+# later round went on without it: it was frozen, or fell behind, and takes no part in it, `Transport.average`),
+# unless its protocol says fewer (`join_rounds`' `ahead`): CO2's member launches round r + 1 before it waits for
+# round r, which needs the part of one that began r - 1; in the other protocols a member in step began round r
+# before any member begins r + 1, so they say 1
 
 
 def check_group(group: list[str] | None, round: int | None) -> None:
@@ -189,10 +191,11 @@ class Transport(Protocol):
     @property
     def bytes_received(self) -> int: ...
 
-    def join_rounds(self, round: int, *, first: bool = False) -> None:
+    def join_rounds(self, round: int, *, first: bool = False, ahead: int = ROUNDS_AHEAD) -> None:
         """Announce that we take part in outer rounds from `round` on (a few rounds ahead). `first`: we
         take part in none before it, even where we announced them (a newcomer that missed the round it
-        meant to join)."""
+        meant to join). `ahead`: we take no part in a round more than this many past the latest we began an
+        average of (`ROUNDS_AHEAD`)."""
 
     def members(self, round: int) -> list[str]:
         """Sorted ids of the peers taking part in `round`; every peer derives the same list."""
@@ -220,7 +223,7 @@ class Transport(Protocol):
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
         Weights are the protocol's to fix, never a member's to claim: in every round each member has done
         the same number of inner steps. `round`: the outer round the average belongs to (a member that
-        does not take part in it, or that began no average of the `ROUNDS_AHEAD` rounds before it, is left
+        does not take part in it, or that began no average of the rounds its protocol may lead by before it (`join_rounds`' `ahead`), is left
         out at once rather than waited for). `note`: a small JSON object
         that travels with our input; a committed average hands every member the notes of all the members
         it counted (`AverageResult.notes`), so what they say is known to each member that committed."""
@@ -286,7 +289,7 @@ class SoloTransport:
     bytes_sent = 0
     bytes_received = 0
 
-    def join_rounds(self, round: int, *, first: bool = False) -> None:
+    def join_rounds(self, round: int, *, first: bool = False, ahead: int = ROUNDS_AHEAD) -> None:
         pass
 
     def members(self, round: int) -> list[str]:

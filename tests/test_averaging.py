@@ -194,19 +194,20 @@ def test_a_member_that_still_waits_for_one_the_others_gave_up_on_meets_them_in_t
 
 def test_a_member_that_began_no_average_of_the_rounds_before_is_not_waited_for(make_swarm):
     """A averaged round 1 with B and C, then froze; B and C went on without it. Woken, A trains toward round
-    2 while B and C reach round 1 + ROUNDS_AHEAD + 1: A answers their pushes and probes that it takes no
-    part in it, so they commit without it at once (before, A answered "here" and they waited out the
-    timeout, or until A had trained through its stale rounds), and A, asked later to take part from that
-    round, takes part from the one after it (they averaged it without A)."""
-    timeout = 30.0
+    2 while B and C reach round 1 + lead + 1, its protocol's lead being one round (DiLoCo's): A answers their
+    pushes and probes that it takes no part in it, so they commit without it at once (before, A answered
+    "here" and they waited out the timeout, or until A had trained through its stale rounds), and A, asked
+    later to take part from that round, takes part from the one after it (they averaged it without A)."""
+    timeout, lead = 30.0, 1
+    assert lead < ROUNDS_AHEAD  # the lead A's join_rounds says, not the transports' default, decides
     a, b, c = make_swarm(3, timeout=timeout)
     group = sorted([a.peer_id, b.peer_id, c.peer_id])
     for t in (a, b, c):
-        t.join_rounds(0, first=True)
+        t.join_rounds(0, first=True, ahead=lead)
     xs = [torch.randn(64) for _ in range(3)]
     assert all(r.complete for r in run_in_threads([lambda t=t, x=x: t.average(x, group, "r1", round=1)
                                                    for t, x in zip((a, b, c), xs)]))
-    ahead, finished = 2 + ROUNDS_AHEAD, {}
+    ahead, finished = 2 + lead, {}
     start = time.monotonic()
     rb, rc = run_in_threads([lambda t=t, x=x, n=n: timed_average(finished, n, t, x, group, "ahead", round=ahead)
                              for t, x, n in ((b, xs[1], "b"), (c, xs[2], "c"))])

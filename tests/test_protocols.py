@@ -792,6 +792,26 @@ def fall_a_round_behind(protocols, gen) -> None:
     assert [p.round for p in protocols] == [2, 2, 1]
 
 
+@pytest.mark.parametrize("cls, lead", [(DiLoCo, 1), (StreamingDiLoCo, 1), (DDP, 1), (CO2, 2), (NoLoCo, 2)])
+def test_an_average_of_a_round_further_ahead_than_a_protocols_lead_goes_on_without_the_member_one_within_waits(
+        make_loopback, cls, lead):
+    """A member in step has begun round r's average before any member begins r + 1's, except in CO2 (a
+    member launches r + 1's before it waits for r's, which needs the part of one that began r − 1) and
+    NoLoCo (pairs wait only for each other). A member just started has begun none (round −1): an average
+    of round `lead` goes on without it at once (as for one woken from a freeze behind the others), one of
+    round `lead` − 1 waits for it."""
+    a, b = make_loopback(2)
+    (protocol,) = make_protocols([a], cls)
+    assert protocol.round == 0
+    group, numel = sorted([a.peer_id, b.peer_id]), 4
+    within = b.average_async(torch.ones(numel), group, "within", round=lead - 1)
+    past = b.average_async(torch.ones(numel), group, "past", round=lead)
+    assert past.done() and not past.result().complete and past.result().absent == [a.peer_id]
+    assert not within.done()  # a may still reach it
+    a.average(torch.full((numel,), 3.0), group, "within", round=lead - 1)
+    assert within.result(timeout=1).complete and torch.equal(within.result().tensor, torch.full((numel,), 2.0))
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 def test_a_replica_a_round_behind_the_majority_joins_them_where_they_are(make_peers, cls):
     """Its repair asks for the majority's state of round 1, which they no longer serve: it takes their

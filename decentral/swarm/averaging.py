@@ -47,9 +47,9 @@ unanswered while their connection stays up: one or two of some 3,000 pushes amon
 cores, p2pd's debug log showing no connection closed or dialled; the fresh dial to a dead one is
 refused), and only a third closed stream counts. The same for a member that says it takes no part in
 the average: a restarted process whose first round is later, one that serves no averaging yet, one more
-than `ROUNDS_AHEAD` rounds behind (woken from a freeze, it trains a round the others finished without it:
-they do not wait for it to train through it), one that has finished this average already, or one that
-averages it over a member list without us ("left out").
+rounds behind than its protocol lets a member in step lead (`rounds_ahead`; woken from a freeze, it trains
+a round the others finished without it: they do not wait for it to train through it), one that has
+finished this average already, or one that averages it over a member list without us ("left out").
 A probe that merely times out proves nothing on a congested link, but a member that shows no sign of
 life at all for `hang_s` (no answer to our probes, no probe of its own, no byte of a part: a frozen
 process, a host powered down or cut off) is taken for gone too (a member whose new dials libp2p holds back
@@ -248,6 +248,7 @@ class GroupAverager:
         self.max_part_numel = DEFAULT_MAX_PART_NUMEL
         self.first_round: int | None = None  # the first round this process takes part in (see `take_part_from`)
         self.begun: int | None = None  # the latest round we began an average of (or the one before our first)
+        self.rounds_ahead = ROUNDS_AHEAD  # we take part in no round more than this many past `begun` (our protocol's)
         self._turned_away: int | None = None  # the latest round whose pushes or probes we answered "not in it"
         self._sized = False  # whether max_part_numel comes from an average of our own yet
         self.banned: dict[str, str] = {}  # peer -> why it is excluded from our averages
@@ -283,12 +284,12 @@ class GroupAverager:
     def _not_in(self, round: object) -> bool:
         """Whether this process takes no part in `round`: one before the first it takes part in (or any, before
         it joined one): an earlier process under our peer id may have announced it; or one more than
-        `ROUNDS_AHEAD` past the latest we began an average of: the members went on without us (we were frozen,
+        `rounds_ahead` past the latest we began an average of: the members went on without us (we were frozen,
         or fell behind), and we will not reach it before we take their state. Nobody should wait for us.
         A round we say so of is remembered (`take_part_from`)."""
         if not isinstance(round, int):
             return False
-        behind = self.begun is not None and round > self.begun + ROUNDS_AHEAD
+        behind = self.begun is not None and round > self.begun + self.rounds_ahead
         if not behind and self.first_round is not None and round >= self.first_round:
             return False
         self._turned_away = round if self._turned_away is None else max(self._turned_away, round)

@@ -18,7 +18,7 @@ from decentral.swarm.averaging import GroupAverager
 from decentral.codec import make_codec
 from decentral.config import HANG_S, HEARTBEAT_S
 from decentral.transport import (
-    AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, present_for, with_us,
+    ROUNDS_AHEAD, AverageResult, EncodedAverage, JoinRequest, MissedRound, check_group, present_for, with_us,
 )
 from decentral.swarm.membership import Membership
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmError, SwarmPeer
@@ -103,11 +103,13 @@ class SwarmTransport:
     def multiaddrs(self) -> list[str]:
         return self.peer.multiaddrs()
 
-    def join_rounds(self, round: int, *, first: bool = False) -> None:
+    def join_rounds(self, round: int, *, first: bool = False, ahead: int = ROUNDS_AHEAD) -> None:
         """We will take part in rounds `round` … `round + lookahead`; announce them. The first call, or
         one with `first`, fixes the first round of this process (pushes for earlier ones are answered
         "not in this round") and returns once the announcements are out; later calls (at round
-        boundaries) leave them to the heartbeat thread, so training never waits on the DHT for them."""
+        boundaries) leave them to the heartbeat thread, so training never waits on the DHT for them.
+        `ahead`: see Transport.join_rounds (GroupAverager.rounds_ahead)."""
+        self.averager.rounds_ahead = ahead
         joining = first or self.averager.first_round is None
         if joining:
             round = self.averager.take_part_from(round)

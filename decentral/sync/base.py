@@ -101,6 +101,9 @@ class SyncProtocol:
     outer_device = torch.device("cpu")  # where the outer state lives and averages' results are brought
     joins_next_step = False  # a newcomer mid-round asks its donor to take it in at its next step (DDP)
     replays_rounds = False  # a newcomer whose state is rounds old replays the rounds since (`_apply_average`)
+    rounds_ahead = 1  # the most rounds a member in step can be past the latest one another began an average of:
+    # one, as each begins round r's average before it trains round r + 1 (CO2 and NoLoCo say two); a member
+    # further behind is not waited for (Transport.join_rounds' `ahead`)
     hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
     # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)
 
@@ -204,7 +207,11 @@ class SyncProtocol:
         if self.shares_state:
             self._take_swarm_state(onlook=True, keep_asking_s=self.join_timeout_s)
             self._offer()
-        self.transport.join_rounds(self.first_round)
+        self._join_rounds(self.first_round)
+
+    def _join_rounds(self, round: int, first: bool = False) -> None:
+        """Transport.join_rounds with our protocol's lead (`rounds_ahead`)."""
+        self.transport.join_rounds(round, first=first, ahead=self.rounds_ahead)
 
     @property
     def first_round(self) -> int:
@@ -422,7 +429,7 @@ class SyncProtocol:
             snapshot_round, snapshot_step = int(meta["round"]), int(meta.get("step", 0))
             if target is not None and snapshot_round >= target:
                 if snapshot_round > target:
-                    self.transport.join_rounds(snapshot_round, first=True)
+                    self._join_rounds(snapshot_round, first=True)
                 return donor, meta, tensors, snapshot_step
             if target is None:
                 heartbeat = self.transport.progress().get(donor)
@@ -431,14 +438,14 @@ class SyncProtocol:
                 if donor_step <= snapshot_step + self.join_within_steps:
                     return donor, meta, tensors, max(donor_step, snapshot_step)
                 if onlook and self._can_onlook(snapshot_step, donor_step):
-                    self.transport.join_rounds(snapshot_round + 1, first=True)
+                    self._join_rounds(snapshot_round + 1, first=True)
                     self.onlooking = True
                     return donor, meta, tensors, donor_step
                 joined = self._join_next_step(donor, snapshot_round) if onlook else None
                 if joined is not None:
                     return donor, *joined
             target = max(target or 0, snapshot_round + 1)
-            self.transport.join_rounds(target, first=True)
+            self._join_rounds(target, first=True)
             if replays and tensors:
                 held = donor, meta, tensors  # waited for, then replayed up to that round
             else:
@@ -639,7 +646,7 @@ class SyncProtocol:
                     behind, self.round, self.step)
         self._on_rejoined()
         self._offer()
-        self.transport.join_rounds(self.round, first=True)  # pushes for the rounds we skipped: "not in this round"
+        self._join_rounds(self.round, first=True)  # pushes for the rounds we skipped: "not in this round"
         mine, now = before[self.weights_key], self.snapshot()[self.weights_key]
         return float((mine - now).pow(2).mean().sqrt())
 
@@ -857,7 +864,7 @@ class OuterProtocol(SyncProtocol):
             log.warning("round %d: no member served the state of the round after it; going on from ours", onlooked)
             self.round, self._round_start = self.round + 1, self.step
         self._offer()
-        self.transport.join_rounds(self.round + 1)
+        self._join_rounds(self.round + 1)
 
     def _close_round(self, report: SyncReport) -> SyncReport:
         """At a round boundary, once φ holds the round: count it, offer the state the next round starts
@@ -869,7 +876,7 @@ class OuterProtocol(SyncProtocol):
         if self.identical_replicas:
             self._check_replicas(report.group, report, base)
         report.digest = self._digests[self.round]
-        self.transport.join_rounds(self.round + 1)
+        self._join_rounds(self.round + 1)
         self._closed = report
         return report
 

@@ -68,6 +68,7 @@ class InFlight:
 class CO2(OuterProtocol):
     name = "co2"
     identical_replicas = True
+    rounds_ahead = 2  # a member launches round r + 1's average before it waits for round r's
     error_feedback = True
 
     def __init__(

@@ -63,7 +63,7 @@ class DDP(SyncProtocol):
     def _join_next_step(self, donor: str, round: int) -> tuple[dict, dict[str, torch.Tensor], int] | None:
         """Ask `donor` to take us in from its next step, taking part in its rounds from `round` on (its members'
         pushes of our first step may come before its state does); (meta, tensors, that step), or None."""
-        self.transport.join_rounds(round, first=True)
+        self._join_rounds(round, first=True)
         got = self.transport.request_join(donor)
         if got is None or got[0].get("protocol") != self.name or not all(
                 isinstance(got[0].get(k), int) for k in ("round", "step", "joined_step")):
@@ -139,7 +139,7 @@ class DDP(SyncProtocol):
         if report is not None:
             self._check_replicas(report.group, report)
             report.digest = self._digests[self.round]
-        self.transport.join_rounds(self.round + 1)
+        self._join_rounds(self.round + 1)
         return report
 
 

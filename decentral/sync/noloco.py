@@ -27,6 +27,7 @@ from decentral.transport import Transport
 class NoLoCo(OuterProtocol):
     name = "noloco"
     looks_up_members = True
+    rounds_ahead = 2  # pairs wait only for each other: a partner may be a round further on than our last ones
 
     def __init__(
         self,
