@@ -102,7 +102,7 @@ class SyncProtocol:
     joins_next_step = False  # a newcomer mid-round asks its donor to take it in at its next step (DDP)
     replays_rounds = False  # a newcomer whose state is rounds old replays the rounds since (`_apply_average`)
     rounds_ahead = 1  # the most rounds a member in step can be past the latest one another began an average of:
-    # one, as each begins round r's average before it trains round r + 1 (CO2 and NoLoCo say two); a member
+    # one, as each begins round r's average before it trains round r + 1 (CO2, NoLoCo and DDP say two); a member
     # further behind is not waited for (Transport.join_rounds' `ahead`)
     hook_before_step = True  # False: whoever runs the loop calls `before_step` itself, after backward (Lightning,
     # whose optimizer step runs the backward in a closure, after the optimizer's step pre-hooks)

@@ -33,6 +33,8 @@ class DDP(SyncProtocol):
     shares_state = True
     identical_replicas = True
     joins_next_step = True
+    rounds_ahead = 2  # a newcomer takes part from its offered state's round, and the step it is taken in at
+    # (`_join_next_step`) can open the round after it
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, transport: Transport, *, membership_every: int = 20):
         super().__init__(model, optimizer, transport)
