@@ -149,6 +149,20 @@ def test_a_command_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, prefork):
     assert err.read_text() == "decentral: interrupted\n"
 
 
+def test_a_temporary_folder_too_long_for_torchs_shared_memory_socket_is_named_in_one_line(tmp_path):
+    """hivemind's DHT shares memory through torch's manager, whose Unix socket under TMPDIR fails on a long
+    path (a long pytest tmp_path did it): one line naming the folder, where the manager's C++ stack was."""
+    long = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long.mkdir()
+    done = subprocess.run([sys.executable, "-m", "decentral", "status", "--join", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}",
+                           "--run", "x"], env={**os.environ, "TMPDIR": str(long)}, capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "torch's shared-memory manager" in lines[0] and f"{long} (" in lines[0] and "set TMPDIR to a shorter" in lines[0]
+    assert "frame #" not in lines[0]
+
+
 @pytest.mark.parametrize("name, expected", [(name, expected) for name, _, expected in USER_ERRORS],
                          ids=[name for name, _, _ in USER_ERRORS])
 def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):

@@ -6,8 +6,10 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,11 +73,13 @@ def test_status_shows_a_live_keyed_swarm_without_joining_it(workers, tmp_path):
     out, err = keyless.communicate(timeout=60)
     assert keyless.returncode == 2 and out == "", out
     assert len(err.strip().splitlines()) == 1 and "--swarm-key" in err, err
-    (tmp_path / "watch").mkdir()
-    watching = status(*args, "--swarm-key", str(key), "--interval", "1", tmp=tmp_path / "watch")
-    assert "peers alive" in watching.stdout.readline() + watching.stdout.readline()  # the table is up
+    watch = Path(tempfile.mkdtemp(prefix="watch"))  # TMPDIR: torch's shared-memory socket fails under a long one
+    watching = status(*args, "--swarm-key", str(key), "--interval", "1", tmp=watch)
+    table = watching.stdout.readline() + watching.stdout.readline()
+    assert "peers alive" in table, table + ("" if watching.poll() is None else watching.stderr.read())  # it is up
     watching.terminate()  # as `timeout` does: the watch ends as on Ctrl-C, its identity key removed
-    assert watching.wait(60) == 0 and not list((tmp_path / "watch").glob("decentral-monitor-*"))
+    assert watching.wait(60) == 0 and not list(watch.glob("decentral-monitor-*"))
+    shutil.rmtree(watch, ignore_errors=True)  # torch's shared-memory manager may still be removing its socket
 
     before = {p["id"]: p["step"] for p in first}  # then the library's monitor, which the command prints
     monitor = SwarmMonitor(run, w.bootstrap, swarm_key=SwarmKey.load(key))

@@ -106,6 +106,12 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
                     "with another --out has a new id)")
         return (f"could not reach any peer at {', '.join(map(str, initial_peers))}: nothing answered there "
                 "(is the address right, and is that peer still running?)")
+    if "torch_shm_manager" in text:  # hivemind's futures share memory through torch's manager, whose Unix
+        tmp, why = tempfile.gettempdir(), re.split(r"\s+Exception raised", text)[0]  # socket lives under TMPDIR
+        return (f"could not start a swarm peer: torch's shared-memory manager, which hivemind's DHT uses, failed "
+                f"to start ({why}); it makes its socket under the temporary folder "
+                f"{tmp} ({len(tmp)} characters), and a socket's path fails past 107: if that is the cause, set "
+                "TMPDIR to a shorter path, such as /tmp")
     if "already taken" in text:
         return (f"could not start a swarm peer: {text} (is another process using this identity, e.g. the same "
                 "--out? a killed one's daemon lets go of it within seconds)")
