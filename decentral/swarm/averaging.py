@@ -75,9 +75,10 @@ attempt is answered so (`_DONE`, as a probe is): its sender does not take it for
 together; a member the redo left out (it was absent, or late) is answered "left out" (a protocol that keeps
 replicas identical then takes the others' state at once, not a round later). A member still waiting in the
 first attempt when another's part of the redo reaches it stops waiting (the attempt cannot commit) and
-redoes it too, without the members silent to it: two members' views of a peer that woke as one's probe gave
-up on it can differ, and the one still waiting would otherwise wait out its timeout while the other's redo
-waited out it.
+redoes it too, without the members silent to it that the redo goes without (a redo's parts name them):
+two members' views of a peer that woke as one's probe gave up on it can differ, and the one still waiting
+would otherwise wait out its timeout while the other's redo waited out it; and a member merely late to it
+(its part not in yet, under load) stays in, as in the redo it meets.
 
 Peers derive the group from their own view of the swarm, and under load two views can differ. Every
 push carries a fingerprint of its sender's group: a part averaged over another member list is
@@ -585,7 +586,7 @@ class GroupAverager:
             log.info("%s: redoing the average without %d member(s) absent, elsewhere or excluded", tag, len(dropped))
             self._finish(tag)
             survivors = [p for p in alive if p not in dropped]
-            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round, note)
+            retry = await self._average_once(flat, survivors, f"{tag}/again", timeout, round, note, dropped)
             result = replace(retry, rejected={**result.rejected, **retry.rejected},
                              absent=sorted(set(result.absent) | set(retry.absent)),
                              left_out=sorted(set(result.left_out) | set(retry.left_out)),
@@ -629,8 +630,9 @@ class GroupAverager:
             self._finished.popitem(last=False)
 
     async def _average_once(self, flat: torch.Tensor, group: list[str], tag: str, timeout: float,
-                            round: int | None, note: dict | None) -> AverageResult:
-        """One attempt at the average of `flat` (flat, float32, on the CPU: see `average`)."""
+                            round: int | None, note: dict | None, without: list[str] | None = None) -> AverageResult:
+        """One attempt at the average of `flat` (flat, float32, on the CPU: see `average`). A redo names the
+        members it goes `without` in the header of its phase-1 parts (see `redoing`)."""
         me = self.peer.peer_id
         group = sorted(group)
         view = view_fingerprint(group)
@@ -663,9 +665,14 @@ class GroupAverager:
         def redoing() -> set[str]:
             """Members whose part of this average's redo reached us: they gave this attempt up (it cannot commit),
             having waited out members we may still wait for (our view of a member that woke as their probe gave up
-            can differ); we stop waiting and meet them in the redo, without the members silent to us (not those
-            whose part is still on its way)."""
+            can differ); we stop waiting and meet them in the redo, without the members they redo without that
+            are silent to us too (not one merely late to us, nor one whose part is still on its way)."""
             return self.mailbox.senders(f"{tag}/again/r")
+
+        def redone_without() -> set[str]:
+            """The members the redoers' parts say they redo without (a redo part that names none: none)."""
+            named = [m.meta.get("without") for m in self.mailbox.peek(f"{tag}/again/r").values()]
+            return {p for without in named if isinstance(without, list) for p in without if isinstance(p, str)}
 
         def other_views(messages: dict[str, Message]) -> set[str]:
             """Senders that split by another member list: their parts are rejected, and they will not send
@@ -683,15 +690,18 @@ class GroupAverager:
 
         try:
             # phase 1: reduce-scatter. Parts are clipped to the group's norm bound, ours included.
+            meta = {**({"note": note} if note else {}), **({"without": sorted(without)} if without else {})}
             sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", encoded[group.index(p)], deadline, view,
-                                                      {"note": note} if note else None, round))
+                                                      meta or None, round))
                      for p in others]
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
                                                   stop=lambda: bool(gone() or redoing()))
             found_gone, redoers = bool(gone()), redoing()
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
-                arriving = set(self._arriving(f"{tag}/r", others)) if redoers else set()  # (on a slow link)
-                note_silent(set(others) - redoers - arriving, received)
+                quiet = set(others) - redoers
+                if redoers:  # a part on its way (a slow link) is not silent either
+                    quiet = (quiet & redone_without()) - set(self._arriving(f"{tag}/r", others))
+                note_silent(quiet, received)
             elsewhere = other_views(received) | self.mailbox.senders(f"{tag}/x")  # left us out, or gone
             checked = await asyncio.to_thread(lambda: {s: check_part(m.tensor, own[mine]) for s, m in received.items()
                                                        if s not in elsewhere})
