@@ -195,11 +195,11 @@ def test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts(
 
 def test_a_member_that_meets_a_redo_leaves_out_only_those_the_redoers_left_out(make_swarm, monkeypatch):
     """B finds the dead member gone and redoes without it while A still waits (A's pushes and probes to the dead
-    address are held back until A redoes), and S's parts to A come only once A redoes (its
-    first-attempt part is cancelled meanwhile, as S redoes too): A stops waiting, meets B in the redo and leaves
-    out the dead member alone, whom B's redo parts name, not S, merely late to it. All three commit the mean of
-    three. Before, A left out S too (silent to it), the redo's member lists differed and it rolled back (seen in
-    CI under two test processes, in `test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts`)."""
+    address are held back until A redoes), and S's parts to A come only once A redoes (its first-attempt part is
+    cancelled meanwhile, as S redoes too): A stops waiting, meets B in the redo and leaves out the dead member
+    alone, whom B's redo parts name, not S, merely late to it. All three commit the mean of three. Before, A
+    left out S too (silent to it), the redo's member lists differed and it rolled back (seen in CI under two
+    test processes, in `test_members_that_find_a_member_gone_stop_sending_the_failed_attempts_parts`)."""
     ask, push = GroupAverager._ask, GroupAverager._push
     (a, b, s), dead, group, xs = three_and_a_dead_member(make_swarm)
 
