@@ -6,8 +6,8 @@ Every transport of a hub sees the others' announcements, progress and offers at 
 done when every member of its group has started the same tag with the same group: each then holds
 the exact mean. When a member has closed, takes no part in the average's round (its first round is
 later: a newcomer, or a replica that rejoined further on; or it began no average of the rounds its
-protocol may lead by before it, `join_rounds`' `ahead`: it fell behind), or has not started it within the hub's
-`timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who
+protocol may lead by before it, `join_rounds`' `ahead`: it fell behind), or has not started it within
+the hub's `timeout_s`, the average rolls back for those that did (each keeps its own input; `absent` names who
 was missing), as a swarm average that cannot commit does.
 """
 
@@ -46,7 +46,8 @@ class LoopbackHub:
         self._timers: dict[tuple[str, tuple[str, ...]], threading.Timer] = {}
         self._rounds: dict[tuple[str, tuple[str, ...]], int | None] = {}  # the round of each pending average
         self._first: dict[str, int] = {}  # peer -> the first round it takes part in (join_rounds(first=True))
-        self._begun: dict[str, int] = {}  # peer -> the latest round it began an average of (or the one before its first)
+        self._begun: dict[str, int] = {}  # peer -> the latest round it began an average of (or the one before
+        # its first)
         self._ahead: dict[str, int] = {}  # peer -> the most rounds past `_begun` it takes part in (join_rounds' ahead)
         self._rounds_since: dict[str, RoundLog] = defaultdict(RoundLog)  # each donor's, as a swarm peer keeps
         self._joins: dict[str, list[JoinRequest]] = {}  # donor -> newcomers' requests it has not taken yet

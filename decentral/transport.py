@@ -43,8 +43,8 @@ KEPT_DIGESTS = 3  # rounds whose state digest a peer's progress carries
 ROUNDS_AHEAD = 2  # averages up to this many rounds past the latest one a member began may wait for it (a
 # later round went on without it: it was frozen, or fell behind, and takes no part in it, `Transport.average`),
 # unless its protocol says fewer (`join_rounds`' `ahead`): CO2's member launches round r + 1 before it waits for
-# round r, which needs the part of one that began r - 1; in the other protocols a member in step began round r
-# before any member begins r + 1, so they say 1
+# round r, which needs the part of one that began r - 1; in DiLoCo and Streaming DiLoCo a member in step began
+# round r before any member begins r + 1, so they say 1 (SyncProtocol.rounds_ahead)
 
 
 def check_group(group: list[str] | None, round: int | None) -> None:
@@ -223,8 +223,8 @@ class Transport(Protocol):
         """Mean of a flat tensor over `group`, every member counting once, within the transport's timeout.
         Weights are the protocol's to fix, never a member's to claim: in every round each member has done
         the same number of inner steps. `round`: the outer round the average belongs to (a member that
-        does not take part in it, or that began no average of the rounds its protocol may lead by before it (`join_rounds`' `ahead`), is left
-        out at once rather than waited for). `note`: a small JSON object
+        does not take part in it, or that began no average of the rounds its protocol may lead by before it
+        (`join_rounds`' `ahead`), is left out at once rather than waited for). `note`: a small JSON object
         that travels with our input; a committed average hands every member the notes of all the members
         it counted (`AverageResult.notes`), so what they say is known to each member that committed."""
 

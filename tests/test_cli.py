@@ -159,7 +159,8 @@ def test_a_temporary_folder_too_long_for_torchs_shared_memory_socket_is_named_in
                           timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert "torch's shared-memory manager" in lines[0] and f"{long} (" in lines[0] and "set TMPDIR to a shorter" in lines[0]
+    assert "torch's shared-memory manager" in lines[0] and f"{long} (" in lines[0]
+    assert "set TMPDIR to a shorter" in lines[0]
     assert "frame #" not in lines[0]
 
 

@@ -442,8 +442,8 @@ class GroupAverager:
         """Open a stream to `target`'s handler `name`, `send` our message on it and return its one-byte
         answer (one of `answers`). A stream that closes unanswered (or answers something else), or that
         libp2p fails to open, is asked again on a fresh one, at once and then after `ASK_AGAIN_AFTER_S`: a
-        connection between two live processes can reset, and a fresh dial to a dead one is refused. While libp2p holds back dials to
-        a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout;
+        connection between two live processes can reset, and a fresh dial to a dead one is refused. While
+        libp2p holds back dials to a live `target` (DialHeldBack) we ask again every `ASK_AGAIN_AFTER_S`, until the caller's timeout;
         while its address accepts a plain connection that counts as a sign of life (`_hear`): libp2p's
         backoff (5 s and more) outlasts `hang_s`, and two live members whose connection reset would
         otherwise take each other for hung. (A whole process group stopped, daemon included, whose
