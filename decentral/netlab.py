@@ -186,10 +186,12 @@ def cleanup_stale(name: str = "dcl") -> list[str]:
 
 
 def netns_available(name: str = "dcl") -> bool:
-    """True when running as root and a throw-away namespace ``{name}-probe`` can be created and deleted."""
+    """True when running as root and a throw-away namespace ``{name}-{pid}-probe`` can be created and deleted
+    (our process id in it: two processes that check at once, as two test processes do, would otherwise each
+    find the other's probe there, or gone, and take namespaces for unavailable)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return False
-    probe = f"{name}-probe"
+    probe = f"{name}-{os.getpid()}-probe"
     try:
         _cmd(["ip", "netns", "add", probe])
     except NetLabError:
