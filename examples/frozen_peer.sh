@@ -4,7 +4,7 @@
 # default sync timeout (60 s); w2 is SIGSTOPped after its step 100 for STOP_S seconds (default 30), then
 # resumed. Prints, for each peer, at every round boundary (step), the group size, whether it committed, and
 # what it waited.
-# Usage: [STOP_S=30] examples/frozen_peer.sh [OUT]   (about 2 minutes on 2 cores)
+# Usage: [STOP_S=30] [PROTOCOL=diloco] examples/frozen_peer.sh [OUT]   (about 2 minutes on 2 cores)
 set -u
 OUT=${1:-runs/frozen-peer}
 D=${DECENTRAL:-decentral}

@@ -2,10 +2,12 @@
 rule against arithmetic done here (torch's own SGD per fragment), overlap, rollback, identical replicas,
 error feedback, and the fragment still in flight when training ends."""
 
+import threading
+
 import pytest
 import torch
 
-from conftest import loss_step, run_in_threads
+from conftest import loss_step, run_in_threads, wait_until
 from decentral.loopback import LoopbackHub
 from decentral.models import GPT, GPTConfig
 from decentral.sync import DiLoCo, StreamingDiLoCo
@@ -307,3 +309,33 @@ def test_a_newcomer_whose_state_is_rounds_old_replays_each_rounds_fragment_avera
     replayed = late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()})
     assert meta["round"] == 1 and replayed is not None and replayed[0]["round"] == 3
     assert all(torch.equal(replayed[1][k], v) for k, v in protocols[0].snapshot().items())
+
+
+def test_a_member_the_others_finished_a_round_without_joins_them_when_a_fragment_lands_not_at_its_boundary(make_swarm):
+    """The third member stops training after round 1's first fragment (as if frozen); the other two average
+    its next two fragments without it and go on into round 2. Resumed, its next fragment lands left out: it
+    joins them there (their state, round and step) instead of training the rest of a round nobody averages
+    with it, while their round 2 waited for its part (its round is within their lead). All three then hold
+    one state and average the next round together."""
+    protocols = make_protocols(make_swarm(3, timeout=3.0), StreamingDiLoCo, every=12, fragments=3, delay=1)
+    ahead, late = protocols[:2], protocols[2]
+    inner_steps(protocols, 12 + 4, torch.Generator().manual_seed(8))  # round 0, and round 1's fragment 0
+    onward = threading.Thread(target=inner_steps, args=(ahead, 8 + 12, torch.Generator().manual_seed(9)))
+    onward.start()  # round 1's other fragments without the late member (each after the timeout), then round 2
+    wait_until(lambda: all(p.round == 2 for p in ahead), 30, "the two going on into round 2")
+    gen = torch.Generator().manual_seed(10)
+    inner_steps([late], 4, gen)  # round 1's fragment 1 launches at in-round step 7 and lands at 8, left out
+    assert late.round == 3 and late.step == 36  # it waited for their round 3 (round 2 was under way) and joined it
+    left = late.pop_report()
+    assert left.round == 1 and left.rolled_back and left.repaired
+    onward.join(timeout=30)
+    assert not onward.is_alive()
+    reports = [p.pop_report() for p in ahead]
+    assert all(r.round == 2 and r.complete and r.group == sorted(p.transport.peer_id for p in ahead)
+               for r in reports)
+    for p in ahead:
+        assert torch.equal(p.slow, late.slow) and torch.equal(p.momentum, late.momentum)
+    inner_steps(protocols, 12, gen)
+    reports = [p.pop_report() for p in protocols]
+    assert all(r.round == 3 and r.complete and r.contributors == 3 for r in reports)
+    assert len({r.digest for r in reports}) == 1

@@ -21,7 +21,9 @@ go out again at every sync (with outer lr 1 and no momentum, a part a top-k code
 while is counted up to 1/(1−α) times). Without error feedback both are the paper's rule.
 
 An average that does not commit is rolled back: φ, the momentum and θ stay, and the fragment's next sync
-carries both rounds' progress. At a round boundary nothing is in flight, so the round's bookkeeping
+carries both rounds' progress. A member the others finished a round without (it was frozen, or cut off)
+learns so when a fragment of that round lands "left out", and joins them where they are then, not at its
+boundary (`_catch_up`): meanwhile their next round would wait for its part. At a round boundary nothing is in flight, so the round's bookkeeping
 (snapshot offered to newcomers, replicas compared by digest and repaired) is DiLoCo's, and so is a late
 newcomer's replay of the rounds it missed: the outer step is element-wise, so a round's fragment averages
 in turn are one DiLoCo average of the whole vector (a round where one did not commit is downloaded). A
@@ -113,18 +115,46 @@ class StreamingDiLoCo(DiLoCo):
             self._launch(self._launches[done])
         if self.in_flight is not None and done == self._lands[self.in_flight.fragment]:
             self._synced.append(self._apply())
+            if done < self.every and self._left_behind():
+                return self._catch_up()
         if done < self.every:
             return None
         synced, self._synced = self._synced, []
-        results = [r for r, _, _ in synced]
-        encodings = [r.encoded for r in results]  # a newcomer may replay the round: each fragment's average in turn
+        encodings = [r.encoded for r, _, _ in synced]  # a newcomer may replay the round: each fragment's average in turn
         if len(encodings) == len(self.fragments) and all(e is not None for e in encodings):
             self._led_by = EncodedAverage(encodings[0].codec, [chunk for e in encodings for chunk in e.chunks])
-        report = SyncReport(
+        return self._close_round(self._round_report(synced))
+
+    def _round_report(self, synced: list[tuple[AverageResult, float, bool]]) -> SyncReport:
+        """The report of this round's fragment averages `synced` (result, wait, rolled back), not yet completed
+        by `_close_round`."""
+        results = [r for r, _, _ in synced]
+        return SyncReport(
             self.round, sorted({p for r in results for p in r.group}), all(r.complete for r in results),
             min((r.contributors for r in results), default=1), sum(w for _, w, _ in synced),
             {p: why for r in results for p, why in r.rejected.items()}, rolled_back=any(b for _, _, b in synced))
-        return self._close_round(report)
+
+    def _left_behind(self) -> bool:
+        """Whether at least half of the members we averaged with this round said they averaged without us (as
+        at a boundary, `_check_replicas`) and one of them is past this round: they finished it without us (we
+        were frozen, or cut off, while they averaged it)."""
+        return bool(self._left_out) and 2 * len(self._left_out) >= len(self._asked) and self._past_our_round(
+            self._left_out)
+
+    def _catch_up(self) -> SyncReport:
+        """Leave the round the members finished without us at once, not at its boundary, and join them where
+        they are (`_rejoin`: at their state, round and step, waiting for their next round when they are past
+        its start): its remaining fragments would average with nobody, and the members' next round would
+        wait for our part of it until we reached our boundary (our round is within their lead). What we
+        trained of it is lost, as in a repair. The report is of the round we left, rolled back."""
+        synced, self._synced = self._synced, []
+        report = self._round_report(synced)
+        report.rolled_back = True
+        self._asked, self._left_out = set(), set()
+        report.spread = self._rejoin()
+        report.repaired = report.spread is not None
+        report.digest = self._digests.get(self.round)
+        return report
 
     def _launch(self, fragment: int) -> None:
         part = self.fragments[fragment]
