@@ -164,7 +164,7 @@ class _DHTProcess(DHT):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does once its loop runs: Ctrl-C is the parent's
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM (to the process group: `timeout`, a
+        signal.signal(signal.SIGTERM, _interrupt_between_callbacks)  # a SIGTERM (to the process group: `timeout`, a
         # scheduler's cancel; hivemind's own shutdown "the hard way") unwinds the loop, releasing the locks hivemind
         # shares with the parent (a process killed outright may hold one for good), and ends quietly below
         threading.Thread(target=self._shut_down_when_orphaned, name="orphan-watch", daemon=True).start()
@@ -183,6 +183,23 @@ class _DHTProcess(DHT):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         os._exit(1)
+
+
+def _interrupt_between_callbacks(signum, frame) -> None:
+    """SIGTERM in the DHT process: KeyboardInterrupt, raised by its running loop between two callbacks, or here
+    when no loop runs. Raised here, at whatever line the main thread is at, it could land in one of uvloop's
+    protocol callbacks, which logs it as a fatal transport error, traceback and all, and goes on (1 stop in
+    about 15 where SIGTERM reached the worker, its DHT process and p2pd together: p2pd's pipe closing was the
+    callback under way)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise KeyboardInterrupt from None
+    loop.call_soon_threadsafe(_raise_interrupt)
+
+
+def _raise_interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 def announced_maddr(host: str, port: int) -> str:
