@@ -188,8 +188,8 @@ class _DHTProcess(DHT):
 def _interrupt_between_callbacks(signum, frame) -> None:
     """SIGTERM in the DHT process: KeyboardInterrupt, raised by its running loop between two callbacks, or here
     when no loop runs. Raised here, at whatever line the main thread is at, it could land in one of uvloop's
-    protocol callbacks, which logs it as a fatal transport error, traceback and all, and goes on (1 stop in
-    about 15 where SIGTERM reached the worker, its DHT process and p2pd together: p2pd's pipe closing was the
+    protocol callbacks, which logs it as a fatal transport error, traceback and all, and goes on (2 stops in
+    37 where SIGTERM reached the worker, its DHT process and p2pd together: p2pd's pipe closing was the
     callback under way)."""
     try:
         loop = asyncio.get_running_loop()

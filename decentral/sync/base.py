@@ -518,9 +518,9 @@ class SyncProtocol:
         without us (their view of the swarm left us out: we joined as they fixed their members), or averaged
         over another member list (ours missed a member theirs holds: a newcomer's announcement reached them
         and not us), we take their state of this round at once, not a round later."""
-        asked, left_out = self._asked, self._left_out
+        asked, left_out, majority = self._asked, self._left_out, self._majority_left_us_out()
         self._asked, self._left_out = set(), set()
-        if left_out and 2 * len(left_out) >= len(asked):
+        if majority:
             log.warning("round %d: %d of %d members averaged without us (or over another member list); taking "
                         "their state", self.round, len(left_out), len(asked))
             spread = self._repair(left_out, base)
@@ -546,6 +546,11 @@ class SyncProtocol:
                     previous, sum(d == majority for d in held.values()), len(held))
         spread = self._repair({p for p, d in held.items() if d == majority}, base)
         report.repaired, report.spread = spread is not None, spread
+
+    def _majority_left_us_out(self) -> bool:
+        """Whether at least half of the members we averaged with in this round said they averaged without us,
+        or over another member list."""
+        return bool(self._left_out) and 2 * len(self._left_out) >= len(self._asked)
 
     def _repair(self, donors: set[str], base: tuple[dict, dict[str, torch.Tensor]] | None = None,
                 poll_s: float = 0.25) -> float | None:

@@ -23,7 +23,8 @@ while is counted up to 1/(1−α) times). Without error feedback both are the pa
 An average that does not commit is rolled back: φ, the momentum and θ stay, and the fragment's next sync
 carries both rounds' progress. A member the others finished a round without (it was frozen, or cut off)
 learns so when a fragment of that round lands "left out", and joins them where they are then, not at its
-boundary (`_catch_up`): meanwhile their next round would wait for its part. At a round boundary nothing is in flight, so the round's bookkeeping
+boundary (`_catch_up`): meanwhile their next round would wait for its part. At a round boundary nothing is
+in flight, so the round's bookkeeping
 (snapshot offered to newcomers, replicas compared by digest and repaired) is DiLoCo's, and so is a late
 newcomer's replay of the rounds it missed: the outer step is element-wise, so a round's fragment averages
 in turn are one DiLoCo average of the whole vector (a round where one did not commit is downloaded). A
@@ -120,7 +121,7 @@ class StreamingDiLoCo(DiLoCo):
         if done < self.every:
             return None
         synced, self._synced = self._synced, []
-        encodings = [r.encoded for r, _, _ in synced]  # a newcomer may replay the round: each fragment's average in turn
+        encodings = [r.encoded for r, _, _ in synced]  # a newcomer may replay the round: each fragment's in turn
         if len(encodings) == len(self.fragments) and all(e is not None for e in encodings):
             self._led_by = EncodedAverage(encodings[0].codec, [chunk for e in encodings for chunk in e.chunks])
         return self._close_round(self._round_report(synced))
@@ -135,11 +136,10 @@ class StreamingDiLoCo(DiLoCo):
             {p: why for r in results for p, why in r.rejected.items()}, rolled_back=any(b for _, _, b in synced))
 
     def _left_behind(self) -> bool:
-        """Whether at least half of the members we averaged with this round said they averaged without us (as
-        at a boundary, `_check_replicas`) and one of them is past this round: they finished it without us (we
-        were frozen, or cut off, while they averaged it)."""
-        return bool(self._left_out) and 2 * len(self._left_out) >= len(self._asked) and self._past_our_round(
-            self._left_out)
+        """Whether most of the members we averaged with this round averaged without us (`_majority_left_us_out`)
+        and one of them is past this round: they finished it without us (we were frozen, or cut off, while they
+        averaged it)."""
+        return self._majority_left_us_out() and self._past_our_round(self._left_out)
 
     def _catch_up(self) -> SyncReport:
         """Leave the round the members finished without us at once, not at its boundary, and join them where
