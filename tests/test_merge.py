@@ -76,6 +76,20 @@ def test_ties_weighted_disjoint_mean_and_lambda():
     np.testing.assert_allclose(out, [1.0 + 0.5 * 1.5, -1.0 + 0.5 * (-7 / 3)], rtol=1e-6)
 
 
+@pytest.mark.parametrize("method, params", [("linear", {}), ("ties", {"density": 1.0}),
+                                            ("dare", {"density": 1.0, "ties": True})])
+def test_a_weighted_mean_takes_only_the_weights_ratios_however_far_from_1_they_are(method, params):
+    """Weights about 1e39 overflowed float32 (every merged value infinite: a MergeError) and weights about
+    1e-40 fell below its normal range (ties' denominator was clamped to float32's smallest normal): methods
+    that take only the weights' ratios now give, for them, what 1 and 3 give, bit for bit (the scales are
+    powers of two, so the ratios are exactly 1 to 3)."""
+    base = t(0.5, -1.0, 2.0)
+    experts = [base + t(1.0, 2.0, -3.0), base + t(3.0, -2.0, 1.0)]
+    expected = run_method(method, base, experts, [1.0, 3.0], **params)
+    for scale in (2.0 ** 130, 2.0 ** -133):
+        np.testing.assert_array_equal(run_method(method, base, experts, [scale, 3 * scale], **params), expected)
+
+
 def test_ties_exact_sign_tie_keeps_the_base_value():
     base = t(5.0, 5.0, 5.0)
     experts = [base + t(1.0, 2.0, 1.0), base + t(-1.0, 1.0, -2.0)]

@@ -8,6 +8,7 @@ numbers per tensor (DARE), so a result does not depend on the order tensors are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,3 +64,12 @@ def weighted_sum(tensors: list[Tensor], weights: list[float]) -> Tensor:
     for tensor, weight in zip(tensors[1:], weights[1:]):
         total.add_(tensor, alpha=weight)
     return total
+
+
+def ratios_only(weights: list[float]) -> list[float]:
+    """`weights` times the power of two that brings the largest into [0.5, 1), for a method that uses only their
+    ratios (a weighted mean): the same result bit for bit (a power of two scales every float32 product and sum
+    exactly), without the float32 overflow of weights far above 1 (1e39 made every merged value infinite) or the
+    underflow of weights far below it."""
+    _, exponent = math.frexp(max(weights))
+    return [math.ldexp(w, -exponent) for w in weights]

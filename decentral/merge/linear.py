@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from decentral.merge.base import MergeMethod, weighted_sum
+from decentral.merge.base import MergeMethod, ratios_only, weighted_sum
 
 
 def merge_linear(base: Tensor | None, tensors: list[Tensor], weights: list[float], *, name: str,
                  normalize: bool = True) -> Tensor:
-    merged = weighted_sum(tensors, weights)
-    return merged.div_(sum(weights)) if normalize else merged
+    if not normalize:
+        return weighted_sum(tensors, weights)
+    weights = ratios_only(weights)
+    return weighted_sum(tensors, weights).div_(sum(weights))
 
 
 LINEAR = MergeMethod(name="linear", fn=merge_linear, needs_base=False, params={"normalize": True})

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from decentral.merge.base import MergeMethod, weighted_sum
+from decentral.merge.base import MergeMethod, ratios_only, weighted_sum
 
 
 def trim_to_top(delta: Tensor, density: float) -> Tensor:
@@ -51,6 +51,7 @@ def disjoint_mean(deltas: list[Tensor], weights: list[float]) -> Tensor:
     Where the elected sign is 0 no nonzero entry agrees, so the mean is 0; where nobody agrees,
     numerator and denominator are both 0 and so is the result.
     """
+    weights = ratios_only(weights)
     elected = weighted_sum(deltas, weights).sign_()
     numerator = torch.zeros_like(elected)
     denominator = torch.zeros_like(elected)
