@@ -2,7 +2,9 @@
 stream, and records are signed by the peer they describe, key or no key."""
 
 import asyncio
+import os
 import stat
+import tempfile
 import time
 
 import pytest
@@ -76,6 +78,19 @@ def test_records_are_signed_by_the_peer_they_describe(make_swarm):
         assert a.peer_id in b.membership.alive()
         assert b.membership.members(9) == [b.peer_id]
         time.sleep(0.5)
+
+
+def test_a_fresh_identitys_private_key_is_gone_from_disk_once_its_peer_runs(make_swarm, monkeypatch):
+    folder = tempfile.mkdtemp(prefix="ident-")  # where the peers' fresh identities go (short: see startup_error)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    a, b = make_swarm(2)
+    assert os.listdir(folder) == []  # nothing left for a process killed from now on to leave behind
+    xs = [torch.randn(64), torch.randn(64)]  # and the peers, their daemons and signed records work on
+    for r in run_in_threads([lambda p=p, x=x: p.average(x, sorted([a.peer_id, b.peer_id]), "k")
+                             for p, x in zip((a, b), xs)]):
+        assert r.complete, (r.absent, r.rejected, r.disagree)
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    os.rmdir(folder)
 
 
 def test_swarm_keygen_writes_a_private_key_and_never_overwrites_one(tmp_path, capsys):

@@ -222,7 +222,7 @@ class SwarmPeer:
     `host`/`port` choose where the libp2p daemon listens (`0.0.0.0` to accept other machines).
     `identity_path`: a private key file (created when missing) that fixes the peer id, so a peer that
     restarts comes back as itself instead of leaving a ghost of its old id in the swarm (without one, a
-    fresh identity lives in a temporary folder). Its key signs our DHT records (see `admission`).
+    fresh identity, its key file deleted once the daemon has read it). Its key signs our DHT records (see `admission`).
     `swarm_key`: admit only peers holding the same key, on the DHT records and on every stream.
     """
 
@@ -244,18 +244,37 @@ class SwarmPeer:
         self.run = run
         self.stats = TrafficStats()
         self.swarm_key = swarm_key
-        self._identity_dir = None if identity_path else tempfile.mkdtemp(prefix="decentral-identity-")
-        identity_path = Path(identity_path or Path(self._identity_dir) / "identity.key")
+        fresh_dir = None if identity_path else tempfile.mkdtemp(prefix="decentral-identity-")
+        identity_path = Path(identity_path or Path(fresh_dir) / "identity.key")
         # an identity of an earlier life may still be in use (its daemon shutting down): hivemind checks that
         # with a daemon of its own, a second start's CPU seconds; one made just now is nobody else's
         earlier_life = identity_path.exists()
         ensure_identity(identity_path)
         self._refused: set[str] = set()  # peers whose keyless stream we logged already
+        try:
+            self.dht = self._start_dht(initial_peers, host, port, announce, startup_timeout, identity_path,
+                                       earlier_life)
+        finally:  # the daemon has read a fresh key by now: none is left behind, even by a process killed later
+            if fresh_dir:
+                shutil.rmtree(fresh_dir, ignore_errors=True)
+        self.peer_id = str(self.dht.peer_id)
+        self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"swarm-{self.peer_id[-6:]}", daemon=True)
+        self._thread.start()
+        self._p2p = self.call(self.dht.replicate_p2p()).result(timeout=startup_timeout)
+        self._closed = False
+        serve_reach_checks(self)  # a peer joining through us asks whether we can reach it
+
+    def _start_dht(self, initial_peers: Sequence[str], host: str, port: int, announce: list[str] | None,
+                   startup_timeout: float, identity_path: Path, earlier_life: bool) -> "_DHTProcess":
+        """Our DHT node and libp2p daemon, started and ready; an identity or port an earlier life of ours
+        still holds is waited for up to IDENTITY_RELEASE_S."""
         deadline, told = time.monotonic() + IDENTITY_RELEASE_S, False
         while True:
             try:
                 check_listenable(host, port)
-                self.dht = _DHTProcess(
+                return _DHTProcess(
                     initial_peers=list(initial_peers),
                     start=True,
                     host_maddrs=[f"/ip4/{host}/tcp/{port}"],
@@ -264,10 +283,9 @@ class SwarmPeer:
                     await_ready=True,
                     identity_path=str(identity_path),
                     check_if_identity_free=earlier_life,
-                    record_validators=[SignedRecords(identity_path, swarm_key)],
+                    record_validators=[SignedRecords(identity_path, self.swarm_key)],
                     wait_timeout=DHT_RPC_TIMEOUT_S,
                 )
-                break
             except Exception as e:  # hivemind raises several types for an unreachable bootstrap peer
                 port_held = earlier_life and getattr(e, "errno", None) == errno.EADDRINUSE
                 if ("already taken" in str(e) or port_held) and time.monotonic() < deadline:
@@ -278,17 +296,7 @@ class SwarmPeer:
                         told = True
                     time.sleep(1.0)  # the killed process's DHT child notices its parent is gone within ORPHAN_CHECK_S
                     continue
-                if self._identity_dir:
-                    shutil.rmtree(self._identity_dir, ignore_errors=True)
                 raise SwarmError(startup_error(e, initial_peers, host, port)) from e
-        self.peer_id = str(self.dht.peer_id)
-        self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"swarm-{self.peer_id[-6:]}", daemon=True)
-        self._thread.start()
-        self._p2p = self.call(self.dht.replicate_p2p()).result(timeout=startup_timeout)
-        self._closed = False
-        serve_reach_checks(self)  # a peer joining through us asks whether we can reach it
 
     # ----- event loop -----
     def call(self, coro: Awaitable[Any]) -> Future:
@@ -425,8 +433,6 @@ class SwarmPeer:
         finally:
             if held:
                 self._dht_lock.release()
-        if self._identity_dir:
-            shutil.rmtree(self._identity_dir, ignore_errors=True)
 
 
 async def _cancel_pending() -> None:
