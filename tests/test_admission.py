@@ -13,6 +13,7 @@ import torch
 from conftest import run_in_threads, write_recipe
 from decentral.cli import main
 from decentral.swarm import AdmissionError, SwarmKey, SwarmPeer
+from decentral.swarm.monitor import SwarmMonitor
 from decentral.swarm.wire import read_frame, write_frame
 
 
@@ -80,11 +81,16 @@ def test_records_are_signed_by_the_peer_they_describe(make_swarm):
         time.sleep(0.5)
 
 
-def test_a_fresh_identitys_private_key_is_gone_from_disk_once_its_peer_runs(make_swarm, monkeypatch):
+def test_a_fresh_identitys_private_key_is_gone_from_disk_once_its_peer_or_monitor_runs(make_swarm, monkeypatch):
     folder = tempfile.mkdtemp(prefix="ident-")  # where the peers' fresh identities go (short: see startup_error)
     monkeypatch.setattr(tempfile, "tempdir", folder)
     a, b = make_swarm(2)
-    assert os.listdir(folder) == []  # nothing left for a process killed from now on to leave behind
+    monitor = SwarmMonitor(a.peer.run, a.multiaddrs())  # checks the records with a key of its own
+    try:
+        assert os.listdir(folder) == []  # nothing left for a process killed from now on to leave behind
+        assert {r["id"] for r in monitor.rows()} == {a.peer_id, b.peer_id}
+    finally:
+        monitor.close()
     xs = [torch.randn(64), torch.randn(64)]  # and the peers, their daemons and signed records work on
     for r in run_in_threads([lambda p=p, x=x: p.average(x, sorted([a.peer_id, b.peer_id]), "k")
                              for p, x in zip((a, b), xs)]):

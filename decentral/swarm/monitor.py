@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import tempfile
 import time
@@ -108,14 +107,10 @@ class SwarmMonitor:
         check_multiaddrs(initial_peers)
         self.run, self.swarm_key, self.rejoin_s = run, swarm_key, rejoin_s
         self._initial_peers, self._startup_timeout = list(initial_peers), startup_timeout
-        self._dir = tempfile.mkdtemp(prefix="decentral-monitor-")
-        self._check = SignedRecords(ensure_identity(Path(self._dir) / "identity.key"), swarm_key)
+        with tempfile.TemporaryDirectory(prefix="decentral-monitor-") as folder:  # a key it only checks with
+            self._check = SignedRecords(ensure_identity(Path(folder) / "identity.key"), swarm_key)
         self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
-        try:
-            self.dht = self._join()
-        except SwarmError:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
+        self.dht = self._join()
 
     def _join(self) -> _DHTProcess:
         """A new client-only DHT node joined through our initial peers; SwarmError when none answers. Its peer
@@ -193,7 +188,6 @@ class SwarmMonitor:
 
     def close(self) -> None:
         self.dht.shutdown()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 async def _routing_table_size(dht, node) -> int:
