@@ -222,7 +222,8 @@ class SwarmPeer:
     `host`/`port` choose where the libp2p daemon listens (`0.0.0.0` to accept other machines).
     `identity_path`: a private key file (created when missing) that fixes the peer id, so a peer that
     restarts comes back as itself instead of leaving a ghost of its old id in the swarm (without one, a
-    fresh identity, its key file deleted once the daemon has read it). Its key signs our DHT records (see `admission`).
+    fresh identity whose key file is deleted once the daemon has read it). Its key signs our DHT records (see
+    `admission`).
     `swarm_key`: admit only peers holding the same key, on the DHT records and on every stream.
     """
 
