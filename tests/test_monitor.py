@@ -7,9 +7,11 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -197,6 +199,54 @@ def test_a_monitor_cut_off_finds_the_swarm_again_when_a_peer_comes_back_at_its_j
         watch(monitor, interval_s=1.0, as_json=False, once=True, out=table)
         assert table.getvalue().startswith(f"run {run!r}: 1 peer alive") and "answers" not in table.getvalue()
     finally:
+        beat.close()
+        monitor.close()
+        peer.shutdown()
+
+
+def test_a_monitor_cut_off_reads_on_while_it_joins_again_through_an_address_that_never_answers(tmp_path):
+    """A join through an address that accepts and stays silent (as one that drops packets) lasts until a
+    timeout: `rows` returned only after it. Now the join runs in the background and the rows are read meanwhile."""
+    run, port = f"test-{time.monotonic_ns()}", free_port()
+
+    def start() -> tuple[SwarmPeer, Membership]:
+        peer = SwarmPeer(run, port=port, identity_path=tmp_path / "w0.key")
+        return peer, Membership(peer, heartbeat_s=0.5)
+
+    peer, beat = start()
+    monitor = SwarmMonitor(run, peer.multiaddrs(), rejoin_s=0.5, startup_timeout=60.0)
+    silent, held = socket.socket(), []
+    try:
+        wait_for(lambda: [r["state"] for r in monitor.rows()] == ["alive"], 10, "the peer listed as alive")
+        beat.close()
+        peer.shutdown()
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))  # the peer's address now accepts connections and says nothing
+        silent.listen(16)
+
+        def accept_until_closed() -> None:
+            try:
+                while True:
+                    held.append(silent.accept())
+            except OSError:  # closed
+                pass
+
+        threading.Thread(target=accept_until_closed, daemon=True).start()
+
+        def joining_while_rows_are_read() -> bool:
+            states = [r["state"] for r in monitor.rows()]
+            return monitor.rejoining and states == ["gone"]  # rows read while the join is still under way
+
+        wait_for(joining_while_rows_are_read, 20, "rows read while a join through the silent address is under way")
+        assert held  # the join really dialled the silent address
+        silent.close()
+        for connection, _ in held:
+            connection.close()
+        peer, beat = start()
+        wait_for(lambda: [r["state"] for r in monitor.rows()] == ["alive"] and monitor.reachable(), 60,
+                 "the restarted peer found by a later join")
+    finally:
+        silent.close()
         beat.close()
         monitor.close()
         peer.shutdown()

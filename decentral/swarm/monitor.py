@@ -23,10 +23,12 @@ import json
 import math
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from hivemind.dht import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -100,7 +102,9 @@ class _RawRecords(RecordValidatorBase):
 class SwarmMonitor:
     """An observer of run `run`, joined through any member's multiaddr in `initial_peers`; `swarm_key`:
     the swarm's key, if it has one. SwarmError when no member answers. While none does later (`reachable`
-    False), `rows` joins again through `initial_peers`, at most every `rejoin_s` seconds, until one answers."""
+    False), `rows` has a new DHT node join through `initial_peers` in the background, one join at a time and
+    at most every `rejoin_s` seconds, until one answers: meanwhile the rows are read without waiting for it
+    (a join through an address that drops packets lasts up to `startup_timeout`)."""
 
     def __init__(self, run: str, initial_peers: Sequence[str], *, swarm_key: SwarmKey | None = None,
                  startup_timeout: float = 30.0, rejoin_s: float = REJOIN_S):
@@ -110,12 +114,13 @@ class SwarmMonitor:
         with tempfile.TemporaryDirectory(prefix="decentral-monitor-") as folder:  # a key it only checks with
             self._check = SignedRecords(ensure_identity(Path(folder) / "identity.key"), swarm_key)
         self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
+        self._joined_at = time.monotonic()  # when our latest join began
+        self._joining: Future[_DHTProcess] | None = None  # a join under way in the background
         self.dht = self._join()
 
     def _join(self) -> _DHTProcess:
         """A new client-only DHT node joined through our initial peers; SwarmError when none answers. Its peer
         id is a fresh one (no identity file), so it can join beside the node it replaces."""
-        self._joined_at = time.monotonic()
         try:
             return _DHTProcess(initial_peers=self._initial_peers, client_mode=True, start=True, await_ready=True,
                                startup_timeout=self._startup_timeout, record_validators=[_RawRecords()],
@@ -123,17 +128,27 @@ class SwarmMonitor:
         except Exception as e:  # hivemind raises several types for an unreachable multiaddr
             raise SwarmError(startup_error(e, self._initial_peers, "127.0.0.1", 0)) from e  # a client listens nowhere
 
+    @property
+    def rejoining(self) -> bool:
+        """Whether a join through our initial peers is under way (no node of the swarm answered us)."""
+        return self._joining is not None and not self._joining.done()
+
     def _rejoin_if_cut_off(self) -> None:
-        """When no node answers us and our last join is `rejoin_s` old: a new DHT node joined through our
-        initial peers replaces ours; if none of them answers yet, ours stays, to try again later."""
+        """A node that joined in the background replaces ours; when none is joining, no node answers us and our
+        latest join began `rejoin_s` ago or more, one starts to (if none of the initial peers answers it, ours
+        stays, to try again later)."""
+        if self._joining is not None:
+            if not self._joining.done():
+                return
+            joined, self._joining = self._joining, None
+            if joined.exception() is None:
+                self.dht.shutdown()
+                self.dht = joined.result()
+                return
         if time.monotonic() - self._joined_at < self.rejoin_s or self.reachable():
             return
-        try:
-            dht = self._join()
-        except SwarmError:
-            return
-        self.dht.shutdown()
-        self.dht = dht
+        self._joined_at, self._joining = time.monotonic(), Future()
+        threading.Thread(target=_settle, args=(self._joining, self._join), name="monitor-join", daemon=True).start()
 
     def rows(self, leave_out: frozenset[str] = frozenset()) -> list[dict]:
         """One row per peer with a heartbeat (state "alive"), or that said it left ("left"), or, in a
@@ -187,7 +202,17 @@ class SwarmMonitor:
         return (peer, info) if isinstance(info, dict) and isinstance(peer, str) else None
 
     def close(self) -> None:
+        if self._joining is not None:  # a node still joining is shut down once it has
+            self._joining.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
         self.dht.shutdown()
+
+
+def _settle(future: Future, call: Callable[[], object]) -> None:
+    """`future` takes `call`'s result or exception (a thread's target)."""
+    try:
+        future.set_result(call())
+    except BaseException as e:
+        future.set_exception(e)
 
 
 async def _routing_table_size(dht, node) -> int:
