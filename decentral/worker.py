@@ -157,9 +157,10 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
     return meta.get("lineage", {"parent": None, "start_step": 0, "start_tokens": 0})
 
 
-def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
-    """Load a start point's weights (and inner optimizer state, when it has one) into a fresh model of the same
-    description (decentral.models.describe_model)."""
+def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe,
+                opts: WorkerOptions) -> None:
+    """Load a start point's weights (and inner optimizer state, when it has one: else the worker says so) into a
+    fresh model of the same description (decentral.models.describe_model)."""
     ours = describe_model(model)
     if start.model_config != ours:
         raise RegistryError(f"--init-from {start.source}: its model differs from the recipe's ({recipe.model_source}): "
@@ -170,6 +171,9 @@ def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.opti
     model.load_state_dict(start.model)
     if start.optimizer is not None:
         optimizer.load_state_dict(start.optimizer)
+    else:
+        opts.print_fn(f"[{opts.name}] --init-from {start.source} holds no inner optimizer state (an expert keeps it "
+                      f"only when written with --with-optimizer): AdamW starts fresh at step {start.step}")
 
 
 def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:
@@ -276,7 +280,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         lineage = {"parent": None, "start_step": 0, "start_tokens": 0}
         if start is not None:
-            _start_from(start, model, optimizer, recipe)
+            _start_from(start, model, optimizer, recipe, opts)
             lineage = {"parent": start.parent, "start_step": start.step, "start_tokens": start.tokens}
         transport = make_transport(recipe, opts, device)
         try:

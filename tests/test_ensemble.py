@@ -1,5 +1,6 @@
 """The ensemble's posterior, mixture and prior against hand-computed examples."""
 
+import logging
 import math
 
 import pytest
@@ -87,7 +88,7 @@ def test_ensemble_module_agrees_with_scores_and_normalises():
     assert torch.allclose(routed[1], torch.log_softmax(experts[2](x[1:, :-1])[0][0], -1), atol=1e-5)
 
 
-def test_prior_cache_round_trip(tmp_path):
+def test_prior_cache_round_trip(tmp_path, caplog):
     cache = PriorCache(tmp_path / "priors.json")
     key = PriorCache.key(["a" * 64, "b" * 64], b"dev tokens", "16x128x8")
     assert cache.get(key) is None
@@ -95,4 +96,8 @@ def test_prior_cache_round_trip(tmp_path):
     assert PriorCache(tmp_path / "priors.json").get(key) == [0.25, 0.75]
     assert key != PriorCache.key(["a" * 64, "b" * 64], b"other dev tokens", "16x128x8")
     (tmp_path / "priors.json").write_text("{broken")
-    assert cache.get(key) is None  # a damaged cache is recomputed, not trusted
+    with caplog.at_level(logging.WARNING):
+        assert cache.get(key) is None  # a damaged cache is recomputed, not trusted, and said so once
+        cache.put(key, [0.5, 0.5])
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"{tmp_path / 'priors.json'} is damaged"]
+    assert PriorCache(tmp_path / "priors.json").get(key) == [0.5, 0.5]  # written anew

@@ -99,7 +99,8 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
     common = ["--protocol", str(recipe), "--registry", "reg"]
     run_cli(prefork, "experts", "seed", "--domain", "code", "--domain", "legal", "--share", "0.5", *common, cwd=tmp_path)
     for name in ("code", "legal"):
-        run_cli(prefork, "experts", "branch", name, "--from", "seed", "--domain", name, *common, cwd=tmp_path)
+        out = run_cli(prefork, "experts", "branch", name, "--from", "seed", "--domain", name, *common, cwd=tmp_path)
+        assert "AdamW starts fresh" not in out  # the seed keeps its optimizer state
 
     registry = Registry(tmp_path / "reg")
     seed, code, legal = registry.get("seed"), registry.get("code"), registry.get("legal")
@@ -142,8 +143,10 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
     assert ties.parent == seed.sha256 and [e["name"] for e in ties.merge["experts"]] == ["code", "legal"]
 
     # a new expert branched from the average of two, weighted by its domain's posterior
-    run_cli(prefork, "experts", "branch", "legal2", "--from", "code", "--from", "legal", "--domain", "legal", *common,
-            cwd=tmp_path)
+    out = run_cli(prefork, "experts", "branch", "legal2", "--from", "code", "--from", "legal", "--domain", "legal",
+                  *common, cwd=tmp_path)
+    assert "holds no inner optimizer state" in out and "AdamW starts fresh at step 40" in out  # said, and done:
+    assert int(load_checkpoint(tmp_path / "runs/btm/legal2/checkpoint")[0]["inner.0.step"]) == 40  # 40 steps taken
     start = read_expert(tmp_path / "runs/btm/legal2/init")
     weights = {e["name"]: e["weight"] for e in start.merge["experts"]}
     assert start.merge["method"] == "posterior" and weights["legal"] > weights["code"], weights

@@ -568,7 +568,8 @@ def test_posterior_weights_are_the_domains_prior_and_are_cached(registry, out_pa
         torch.testing.assert_close(merged[tensor], expected, rtol=1e-5, atol=1e-6)
     assert len(json.loads((registry / "priors.json").read_text())) == 1
     for domain in ("", "nodomain", f"text={out_parent / 'nothing'}"):
-        with pytest.raises(MergeError, match="^posterior.yaml: parameters.domain: "):
+        said = " is required: " if not domain else ": "
+        with pytest.raises(MergeError, match="^posterior.yaml: parameters.domain" + said):
             merge(recipe_for(registry, "posterior", names, domain=domain), out_parent / "q", progress=False)
     with pytest.raises(MergeError, match="posterior does not weight its experts"):
         parse_merge_recipe({"method": "posterior", "registry": str(registry),
@@ -602,7 +603,12 @@ def test_values_beyond_the_output_dtype_are_refused(registry, out_parent):
 
 def test_missing_input_and_bad_output_folders_are_refused(registry, out_parent):
     assert_fails_leaving_nothing(recipe_for(registry, "linear", ("code", "nobody")), out_parent / "m",
-                                 r"linear.yaml: experts\[1\] \('nobody'\): .*nobody is not an expert folder")
+                                 r"linear.yaml: experts\[1\] \('nobody'\): no expert 'nobody' in .* "
+                                 r"\(there: .*code, legal")
+    assert_fails_leaving_nothing(recipe_for(registry.with_name("typo"), "linear"), out_parent / "m",
+                                 r"experts\[0\] \('code'\): no expert 'code': there is no registry folder .*typo")
+    assert_fails_leaving_nothing(recipe_for(registry, "linear", ("code", str(registry / "nobody"))), out_parent / "m",
+                                 r"experts\[1\] \('.*/nobody'\): .*nobody is not an expert folder")
     assert_fails_leaving_nothing(recipe_for(registry, "linear"), out_parent / "not valid!",
                                  "output folder .*'not valid!' must be")
     with pytest.raises(MergeError, match="is the folder of expert 'code'"):

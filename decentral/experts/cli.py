@@ -138,8 +138,7 @@ def cmd_branch(args) -> int:
                                            device=args.device or inherited.train.device)
     else:
         print(f"experts: {first.name} has no training recipe (a merge or a download without one): the schedule is "
-              f"this run's ({recipe.train.steps} steps in all, from its step {first.steps})"
-              + ("" if first.optimizer else "; AdamW starts fresh"), flush=True)
+              f"this run's ({recipe.train.steps} steps in all, from its step {first.steps})", flush=True)
     _take_parents_model(recipe, args, first)
     args.out = args.out or f"runs/btm/{args.expert}"
     if len(parents) == 1:
@@ -152,7 +151,8 @@ def cmd_branch(args) -> int:
                                 "give exactly one --domain")
         average = averaged_start(parents, args.domain[0], Path(args.out) / "init")
         print("experts: starts from the average weighted by the domain's posterior: " +
-              ", ".join(f"{e['name']} {e['weight']:.3f}" for e in average.merge["experts"]), flush=True)
+              ", ".join(f"{e['name']} {e['weight']:.3f}" for e in average.merge["experts"]) +
+              f", at step {average.steps}, where the parents branched", flush=True)
         start = average.folder
     print(f"experts: {args.expert} branches from {', '.join(p.name for p in parents)} and trains on "
           f"{', '.join(args.domain)}", flush=True)
@@ -298,7 +298,7 @@ def cmd_eval(args) -> int:
     from decentral.experts.evaluate import EvalConfig, ensemble_report, format_report, score_experts
 
     registry = Registry(args.registry)
-    names = _distinct(args.experts.split(","), "--experts") if args.experts else registry.names()
+    names = _distinct(args.experts.split(","), "--experts") if args.experts is not None else registry.names()
     experts = [registry.get(name) for name in names]
     if not experts:
         raise RegistryError(f"no experts in {args.registry}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import uuid
@@ -37,6 +38,8 @@ import torch
 from torch import nn
 
 from decentral.data.batches import Batch
+
+log = logging.getLogger(__name__)
 
 MODES = ("previous", "prefix")
 PRIOR_EMA = 0.3
@@ -164,6 +167,7 @@ class PriorCache:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._told = False  # that the file is damaged
 
     @staticmethod
     def key(expert_hashes: Sequence[str], dev_tokens: bytes, batches: str) -> str:
@@ -171,11 +175,21 @@ class PriorCache:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _read(self) -> dict:
+        """The cache's entries; none when there is no file yet, or a damaged one (said once: estimates are made
+        again, and the next `put` writes the file anew)."""
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}  # no cache yet, or a damaged one: estimates are recomputed
-        return data if isinstance(data, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            data = e
+        if isinstance(data, dict):
+            return data
+        if not self._told:
+            self._told = True
+            log.warning("%s is damaged (%s): the priors are estimated again, and it is written anew", self.path,
+                        data if isinstance(data, Exception) else "not a JSON object")
+        return {}
 
     def get(self, key: str) -> list[float] | None:
         value = self._read().get(key)

@@ -421,6 +421,8 @@ class Registry:
     def get(self, name: str) -> Expert:
         folder = self.folder(name)
         if not folder.is_dir():
+            if not self.root.is_dir():
+                raise RegistryError(f"no expert {name!r}: there is no registry folder {self.root}")
             known = ", ".join(self.names()) or "none"
             raise RegistryError(f"no expert {name!r} in {self.root} (there: {known})")
         expert = read_expert(folder)

@@ -33,8 +33,8 @@ def posterior_weights(recipe: Any) -> list[float]:
 
     spec = recipe.parameters["domain"]
     if not spec:
-        raise MergeError(f"{recipe.source}: parameters.domain: the target domain whose posterior weights the experts "
-                         "(a built-in name such as legal, or NAME=PATH)")
+        raise MergeError(f"{recipe.source}: parameters.domain is required: the target domain whose posterior weights "
+                         "the experts (a built-in name such as legal, or NAME=PATH)")
     try:
         domain = load_domain(spec)
     except DataError as e:

@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from decentral.experts.registry import (
-    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, Expert, RegistryError, check_name, file_sha256,
+    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, Expert, Registry, RegistryError, check_name, file_sha256,
     read_expert, write_expert,
 )
 from decentral.merge.base import MergeError
@@ -124,8 +124,9 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
 
 
 def _open_input(role: str, ref: ModelRef, source: str, stack: ExitStack) -> _Input:
+    named = ref.folder.name == ref.label  # a name in the registry, not a path
     try:
-        expert = read_expert(ref.folder)
+        expert = Registry(ref.folder.parent).get(ref.label) if named else read_expert(ref.folder)
     except RegistryError as e:
         raise MergeError(f"{source}: {ref.key} ({ref.label!r}): {e}") from None
     sharded = expert.is_hf and INDEX_FILE in expert.layout
