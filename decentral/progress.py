@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 
 class _TenthLines(tqdm):
-    """A tqdm whose display is one line, "DESC: N of TOTAL UNIT", when the work crosses a tenth of `total`."""
+    """A tqdm whose display is one line, "DESC: N of TOTAL UNIT" ("DESC: 300kB of 1.59MB" with `unit_scale`), when
+    the work crosses a tenth of `total`."""
 
     def __init__(self, *args, line: str, **kwargs):
         self._line, self._said = line, -1
@@ -21,9 +22,12 @@ class _TenthLines(tqdm):
         if not self.total or self.n * 10 // self.total <= self._said:
             return True
         self._said = self.n * 10 // self.total
-        sized = (lambda n: self.format_sizeof(n) if n else "0") if self.unit_scale else str
-        print(self._line.format(desc=self.desc, n=sized(self.n), total=sized(self.total), unit=self.unit),
-              file=self.fp, flush=True)
+        if self.unit_scale:  # "300kB of 1.59MB": the unit on each size
+            n, total = (self.format_sizeof(v, self.unit) if v else f"0{self.unit}" for v in (self.n, self.total))
+            unit = ""
+        else:
+            n, total, unit = self.n, self.total, self.unit
+        print(self._line.format(desc=self.desc, n=n, total=total, unit=unit).rstrip(), file=self.fp, flush=True)
         return True
 
     def close(self) -> None:

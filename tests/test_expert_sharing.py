@@ -80,6 +80,7 @@ def test_fetch_checks_every_name_is_published_before_fetching_any(tmp_path, shar
     done = prefork.run(["experts", "fetch", "code", *join, "--registry", "c"], tmp_path, timeout=120)
     assert done.returncode == 0 and "fetched code" in done.stdout, done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("fetch code: ")]  # not a terminal: a
-    assert said[0].startswith("fetch code: 0 of") and "\r" not in done.stderr, done.stderr  # line at each tenth
-    done_bytes, total = said[-1].removeprefix("fetch code: ").removesuffix(" B").split(" of ")
+    assert said[0].startswith("fetch code: 0B of") and "\r" not in done.stderr, done.stderr  # line at each tenth
+    done_bytes, total = said[-1].removeprefix("fetch code: ").split(" of ")
+    assert total.endswith("B") and total[:-1].replace(".", "").rstrip("kMG").isdigit(), said  # "1.59MB"
     assert done_bytes == total, done.stderr
