@@ -59,6 +59,12 @@ def test_flags_override_the_file(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert code == 0 and len(record["allocation"]) == 3
     assert all(len(path) == 3 for path in record["paths"])
+    code, _, _ = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--activation-bytes", "1000",
+                          "--out", str(out)], capsys)
+    assert code == 0 and json.loads(out.read_text())["inputs"]["activation_bytes"] == 1000
+    code, _, stderr = run_cli(["pipeline", "plan", str(EXAMPLES / "regions20.json"), "--stages", "40",
+                               "--out", str(out)], capsys)  # the nodes are counted before the paths
+    assert code == 2 and "40 stages need at least 40 nodes, the network has 20" in stderr
 
 
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
@@ -68,7 +74,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
                                "default_link": {"latency_ms": 1, "bandwidth_mbps": 1}}))
     code, stdout, stderr = run_cli(["pipeline", "plan", str(bad), "--out", str(tmp_path / "plan.json")], capsys)
     assert code == 2 and stdout == ""
-    assert stderr == "decentral: bad.json: nodes[0].compute_ms must be a positive number, got 'fast'\n"
+    assert stderr == f"decentral: {bad}: nodes[0].compute_ms must be a positive number, got 'fast'\n"  # as given
     code, _, stderr = run_cli(["pipeline", "plan", str(EXAMPLES / "two_sites.json"), "--stages", "9",
                                "--out", str(tmp_path / "plan.json")], capsys)
     assert code == 2 and stderr.count("\n") == 1 and "9 stages need at least 9 nodes" in stderr
@@ -83,8 +89,8 @@ def test_fewer_stages_than_a_node_is_pinned_to_is_one_line_and_exit_code_2(tmp_p
     code, stdout, stderr = run_cli(["pipeline", "plan", str(tmp_path / "pinned.json"), "--stages", "3", "--skip", "0",
                                     "--out", str(tmp_path / "plan.json")], capsys)
     assert code == 2 and stdout == ""
-    assert stderr == ("decentral: pinned.json: nodes[6] ('cloud-3') is pinned to stage 3, but the pipeline has 3 "
-                      "stages (0 to 2): pin it to one of them, or ask for more stages\n")
+    assert stderr == (f"decentral: {tmp_path / 'pinned.json'}: nodes[6] ('cloud-3') is pinned to stage 3, but the "
+                      "pipeline has 3 stages (0 to 2): pin it to one of them, or ask for more stages\n")
     assert not (tmp_path / "plan.json").exists()
 
 

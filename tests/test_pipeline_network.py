@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decentral.pipeline.network import NetworkError, load_network, parse_network, regions_network
+from decentral.pipeline.network import SHAPE_KEYS, NetworkError, load_network, parse_network, regions_network
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "networks"
 
@@ -38,7 +38,10 @@ def test_links_defaults_and_directions():
     ({"nodes": [{"name": "a", "compute_ms": 1}, {"name": "b", "compute_ms": 1}, {"name": "c", "compute_ms": 1},
                 {"name": "d", "compute_ms": -1}]}, "net.json: nodes[3].compute_ms must be a positive number, got -1"),
     ({"nodes": [{"name": "a", "compute_ms": 1, "memory": 0}]}, "nodes[0].memory must be a positive integer, got 0"),
-    ({"nodes": [{"name": "a", "compute_ms": 1, "stage": 2}]}, "nodes[0].stage must be an integer in [0, 1], got 2"),
+    ({"nodes": [{"name": "a", "compute_ms": 1, "stage": 2}]},
+     "nodes[0] ('a') is pinned to stage 2, but the pipeline has 2 stages (0 to 1)"),
+    ({"nodes": [{"name": "a", "compute_ms": 1, "stage": -1}]}, "nodes[0].stage must be an integer >= 0, got -1"),
+    ({"skip": None, "activation_bytes": None}, "skip, activation_bytes missing: the training shape"),
     ({"nodes": [{"name": "a", "compute_ms": 1}, {"name": "a", "compute_ms": 2}]},
      "nodes[1].name 'a' is already used by nodes[0]"),
     ({"nodes": [{"name": "a", "compute_ms": 1, "speed": 2}]}, "nodes[0]: unknown field 'speed'"),
@@ -60,6 +63,17 @@ def test_errors_name_the_field(tmp_path, change, message):
     path.write_text(json.dumps(small(**change)))
     with pytest.raises(NetworkError, match=re.escape(message)):
         load_network(path)
+
+
+def test_a_shape_the_command_gives_replaces_the_files_and_need_not_be_in_it(tmp_path):
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps({key: value for key, value in small().items() if key not in SHAPE_KEYS}))
+    shape = {"stages": 3, "skip": 0.5, "microbatches": 5, "activation_bytes": 7}
+    network = load_network(path, shape)
+    assert {key: getattr(network, key) for key in SHAPE_KEYS} == shape
+    path.write_text(json.dumps(small()))
+    assert load_network(path, {**shape, "skip": None}).skip == small()["skip"]  # None keeps the file's
+    assert load_network(path, shape).microbatches == 5
 
 
 def test_unreadable_files(tmp_path):
@@ -108,3 +122,15 @@ def test_without_and_replace():
         network.replace(skip=-0.1)
     with pytest.raises(NetworkError, match="no node named 'zz'"):
         network.without(["zz"])
+
+
+def test_a_runs_network_file_may_leave_the_shape_to_its_recipe(tmp_path):
+    from decentral.pipeline.launch import node_network
+    from decentral.pipeline.recipe import SHIPPED_RECIPE, load_pipeline_recipe, network_shape
+
+    recipe = load_pipeline_recipe(SHIPPED_RECIPE)
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps({"nodes": [{"name": f"n{i}", "compute_ms": 100} for i in range(recipe.pipeline.stages)],
+                                "default_link": {"latency_ms": 10, "bandwidth_mbps": 100}}))
+    network = node_network(recipe, path)
+    assert {key: getattr(network, key) for key in SHAPE_KEYS} == network_shape(recipe)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from decentral.pipeline.baselines import full_pipeline, network_blind
+from decentral.pipeline.constraints import MAX_STAGE_SETS, _count_stage_sets, path_length, stage_sets
 from decentral.pipeline.network import NetworkError, parse_network, regions_network
 from decentral.pipeline.planner import plan, replan
 from decentral.pipeline.simulator import simulate
@@ -191,7 +192,6 @@ def test_the_router_finds_the_cheapest_path_that_brute_force_finds(stages, skip)
     included."""
     import itertools
 
-    from decentral.pipeline.constraints import path_length
     from decentral.pipeline.routing import Router, node_work
 
     network = regions_network(nodes=3 * stages, regions=3, seed=1, stages=stages, skip=skip, microbatches=1)
@@ -207,3 +207,18 @@ def test_the_router_finds_the_cheapest_path_that_brute_force_finds(stages, skip)
                    for path in itertools.product(members[0], *(members[s] for s in order)))
     [path] = router.route(1, load_weight=1.0)
     assert len(router.orders) > 5 and cost(path) == pytest.approx(cheapest, rel=1e-12)
+
+
+@pytest.mark.parametrize("stages", range(2, 15))
+def test_the_stage_sets_are_counted_as_listed_and_their_stages_found(stages):
+    for length in range(2, stages + 1):
+        listed = stage_sets(stages, length)
+        assert _count_stage_sets(stages, length) == (len(listed), set().union(*map(set, listed)))
+
+
+def test_more_stage_sets_than_the_planner_can_try_are_refused_before_any_are_listed():
+    assert path_length(20, 0.33) == 13  # 44,473 sets
+    with pytest.raises(NetworkError, match=rf"may visit 16,527,910 sets of stages, .* \(at most {MAX_STAGE_SETS:,}\)"):
+        path_length(30, 0.33)
+    with pytest.raises(NetworkError, match="may visit 6,275,583,810 sets"):  # listing them would not end
+        path_length(40, 0.33)

@@ -78,6 +78,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, help="pipeline stages (default: the file's)")
     p.add_argument("--skip", type=float, help="share of stages each microbatch skips, in [0, 1) (default: the file's)")
     p.add_argument("--microbatches", type=int, help="microbatches per iteration (default: the file's)")
+    p.add_argument("--activation-bytes", type=int, help="bytes of one microbatch's activations on the wire "
+                   "(default: the file's)")
     p.add_argument("--seed", type=number_type(int, 0), default=0, help="seed of the planner's search and of the blind "
                    "baseline")
     p.add_argument("--effort", type=number_type(float, 0, strict=True), default=1.0,
@@ -210,8 +212,8 @@ def cmd_plan(args) -> int:
         from decentral.metrics import check_picture_path
 
         check_picture_path(args.plot, "--plot")
-    network = load_network(args.network).replace(stages=args.stages, skip=args.skip, microbatches=args.microbatches)
-    length = path_length(network.stages, network.skip)
+    network = load_network(args.network, {"stages": args.stages, "skip": args.skip, "microbatches": args.microbatches,
+                                          "activation_bytes": args.activation_bytes})
     with tqdm(total=0, desc="planning", unit="allocation", disable=None, leave=False) as bar:  # on a terminal only
         def tried(done: int, total: int) -> None:
             bar.total = total
@@ -220,6 +222,7 @@ def cmd_plan(args) -> int:
         start = time.perf_counter()
         planned = plan(network, seed=args.seed, effort=args.effort, progress=tried)
         planning_s = round(time.perf_counter() - start, 3)  # as the record keeps it: printed from the same value
+    length = path_length(network.stages, network.skip)  # checked by `plan`, after the nodes are counted
     full = full_pipeline(network, seed=args.seed, effort=args.effort)
     blind = network_blind(network, seed=args.seed)
     print(f"{args.network}: {len(network)} nodes, {network.stages} stages, skip {network.skip:g} "

@@ -25,14 +25,15 @@ from decentral.pipeline.network import NetworkError
 
 MAX_SWAPS = 2
 MAX_SKIP = 3
+MAX_STAGE_SETS = 100_000  # the planner tries every one (12 stages at skip 0.33 have 322, and take minutes)
 
 
 def path_length(stages: int, skip: float) -> int:
     """Stages a microbatch visits, stage 0 included: `stages - round(skip * stages)`, halves rounded
     up (6 stages at skip 0.33 skip 2 and visit 4; at 0.25, 1.5 rounds to 2, also 4).
 
-    Raises NetworkError when fewer than 2 stages are left, or when no path can skip that many stages
-    with at most MAX_SKIP per hop.
+    Raises NetworkError when fewer than 2 stages are left, when no path can skip that many stages
+    with at most MAX_SKIP per hop, or when there are more than MAX_STAGE_SETS sets of stages to plan over.
     """
     if stages < 2:
         raise NetworkError(f"stages must be at least 2, got {stages}")
@@ -42,11 +43,33 @@ def path_length(stages: int, skip: float) -> int:
     if length < 2:
         raise NetworkError(f"skip {skip} with {stages} stages leaves {length} stage(s) per path; a path needs "
                            f"stage 0 and at least one other: lower the skip ratio")
-    unreachable = sorted(set(range(1, stages)).difference(*stage_sets(stages, length)))
+    count, visited = _count_stage_sets(stages, length)
+    unreachable = sorted(set(range(1, stages)) - visited)
     if unreachable:
         raise NetworkError(f"skip {skip} with {stages} stages: no path of {length} stages skipping at most {MAX_SKIP} "
                            f"per hop visits stage(s) {unreachable}, so visits cannot be balanced: lower the skip ratio")
+    if count > MAX_STAGE_SETS:
+        raise NetworkError(f"skip {skip} with {stages} stages: paths of {length} stages may visit {count:,} sets of "
+                           f"stages, and the planner tries every one (at most {MAX_STAGE_SETS:,}): fewer stages, or a "
+                           "skip ratio further from a half")
     return length
+
+
+def _count_stage_sets(stages: int, length: int) -> tuple[int, set[int]]:
+    """How many sets `stage_sets(stages, length)` holds, and the stages any of them visits, counted without listing
+    them: ways[k][x], the increasing runs of k non-zero stages from 0 that end at x, and ends[j][x], the ways to
+    choose j more after x and reach the loss, each hop skipping at most MAX_SKIP."""
+    last = length - 1
+    ways = [[int(k == 0 and x == 0) for x in range(stages)] for k in range(length)]
+    for k in range(1, length):
+        for x in range(1, stages):
+            ways[k][x] = sum(ways[k - 1][a] for a in range(max(0, x - MAX_SKIP - 1), x) if (a > 0) == (k > 1))
+    ends = [[int(stages - x - 1 <= MAX_SKIP) for x in range(stages)]]
+    for j in range(1, length):
+        ends.append([sum(ends[j - 1][b] for b in range(x + 1, min(stages, x + MAX_SKIP + 2))) for x in range(stages)])
+    count = sum(ways[last][x] * ends[0][x] for x in range(stages))
+    visited = {s for s in range(1, stages) if any(ways[k][s] and ends[last - k][s] for k in range(1, length))}
+    return count, visited
 
 
 def stage_sets(stages: int, length: int) -> list[tuple[int, ...]]:

@@ -23,7 +23,7 @@ from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
-from decentral.pipeline.recipe import loopback_network, shaped_network
+from decentral.pipeline.recipe import loopback_network, network_shape, shaped_network
 from decentral.progress import progress_bar
 
 TICK_S = 1.0  # how often `pipeline train`'s progress (a bar, or lines in a log) reads the lead's metrics
@@ -229,7 +229,7 @@ def node_network(recipe, path: str | Path | None = None) -> Network:
     """The network a run plans over: the file at `path` (else the recipe's pipeline.network, else the
     recipe's loopback network), shaped as the recipe says (stages, skip, microbatches, activation size)."""
     path = path or recipe.pipeline.network
-    return shaped_network(load_network(path) if path else loopback_network(recipe), recipe)
+    return load_network(path, network_shape(recipe)) if path else loopback_network(recipe)
 
 
 def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | Path | None = None,
@@ -326,6 +326,7 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
                 raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
                                     f"(its last line: {run.last_line(run.lead)}); {resume_hint(out)}")
             lead = run.lead
+            print("pipeline train: done; stopping the nodes" + (", then evaluating" if evaluate else ""), flush=True)
     finally:
         if lab is not None:
             lab.close()

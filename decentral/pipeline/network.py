@@ -20,6 +20,8 @@ in order (a home line, a VM's capped egress, a netlab host).
 A link is one direction unless `both_ways`; pairs without a link take `default_link`, and a pair
 with neither is an error. `activation_bytes` is the size of one microbatch's activations, and of
 its gradient. `skip` is the share of stages a microbatch does not visit (see constraints.path_length).
+That training shape (`stages`, `skip`, `microbatches`, `activation_bytes`) may be left out of a file whose
+command gives it (`load_network(path, shape)`: `pipeline plan`'s flags, a run's recipe).
 
 `regions_network` makes synthetic networks of nodes in a few regions, for tests and the benchmark.
 """
@@ -108,11 +110,7 @@ class Network:
         values = {key: getattr(self, key) for key in SHAPE_KEYS}
         values.update({key: value for key, value in shape.items() if value is not None})
         checked = _check_shape(values, self.source)
-        for i, node in enumerate(self.nodes):
-            if node.stage is not None and node.stage >= checked["stages"]:
-                raise NetworkError(f"{self.source}: nodes[{i}] ({node.name!r}) is pinned to stage {node.stage}, but "
-                                   f"the pipeline has {checked['stages']} stages (0 to {checked['stages'] - 1}): "
-                                   "pin it to one of them, or ask for more stages")
+        _check_pins(self.nodes, checked["stages"], self.source)
         return dataclasses.replace(self, **checked)
 
     def without(self, names: list[str] | tuple[str, ...]) -> Network:
@@ -162,8 +160,9 @@ class Network:
         return path
 
 
-def load_network(path: str | Path) -> Network:
-    """Read and validate a network file; every problem is a NetworkError naming the file and the field."""
+def load_network(path: str | Path, shape: dict[str, Any] | None = None) -> Network:
+    """Read and validate a network file; every problem is a NetworkError naming the file and the field.
+    `shape`: training-shape values (SHAPE_KEYS) that replace the file's, as `parse_network`."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -173,15 +172,17 @@ def load_network(path: str | Path) -> Network:
         raise NetworkError(f"{path}: cannot read it ({e})") from None
     except json.JSONDecodeError as e:
         raise NetworkError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    return parse_network(data, source=path.name)
+    return parse_network(data, source=str(path), shape=shape)
 
 
-def parse_network(data: Any, source: str = "network") -> Network:
-    """Validate the JSON form (see the module docstring) into a Network."""
+def parse_network(data: Any, source: str = "network", shape: dict[str, Any] | None = None) -> Network:
+    """Validate the JSON form (see the module docstring) into a Network. `shape`: values of SHAPE_KEYS that replace
+    the file's where not None (a command's flags, a run's recipe); then the file need not give them."""
     if not isinstance(data, dict):
         raise NetworkError(f"{source}: expected a JSON object at the top, got {_kind(data)}")
     _no_unknown_keys(data, TOP_KEYS, source)
-    shape = _check_shape({key: data.get(key) for key in SHAPE_KEYS}, source)
+    given = {key: value for key, value in (shape or {}).items() if value is not None}
+    shape = _check_shape({key: given.get(key, data.get(key)) for key in SHAPE_KEYS}, source)
     factors = {}
     for key, default in zip(FACTOR_KEYS, (BACKWARD_FACTOR, LOSS_FACTOR)):
         factors[key] = data.get(key, default)
@@ -191,7 +192,8 @@ def parse_network(data: Any, source: str = "network") -> Network:
     if not isinstance(raw_nodes, list) or not raw_nodes:
         got = "an empty one" if raw_nodes == [] else _kind(raw_nodes)
         raise NetworkError(f"{source}: nodes must be a non-empty list, got {got}")
-    nodes = tuple(_parse_node(raw, f"{source}: nodes[{i}]", shape["stages"]) for i, raw in enumerate(raw_nodes))
+    nodes = tuple(_parse_node(raw, f"{source}: nodes[{i}]") for i, raw in enumerate(raw_nodes))
+    _check_pins(nodes, shape["stages"], source)
     names = {}
     for i, node in enumerate(nodes):
         if node.name in names:
@@ -271,6 +273,10 @@ def regions_network(nodes: int = 20, regions: int = 5, seed: int = 0, stages: in
 
 
 def _check_shape(values: dict, source: str) -> dict:
+    missing = [key for key in SHAPE_KEYS if values.get(key) is None]
+    if missing:
+        raise NetworkError(f"{source}: {', '.join(missing)} missing: the training shape ({', '.join(SHAPE_KEYS)}) "
+                           "comes from the file unless the command gives it (`pipeline plan`'s flags, a run's recipe)")
     stages, skip, microbatches, size = (values.get(key) for key in SHAPE_KEYS)
     if not _is_int(stages) or stages < 2:
         raise NetworkError(f"{source}: stages must be an integer >= 2, got {_shown(stages)}")
@@ -283,7 +289,16 @@ def _check_shape(values: dict, source: str) -> dict:
     return dict(zip(SHAPE_KEYS, (int(stages), float(skip), int(microbatches), int(size))))
 
 
-def _parse_node(raw: Any, where: str, stages: int) -> Node:
+def _check_pins(nodes: tuple[Node, ...], stages: int, source: str) -> None:
+    """NetworkError naming the first node pinned to a stage the pipeline's `stages` lack."""
+    for i, node in enumerate(nodes):
+        if node.stage is not None and node.stage >= stages:
+            raise NetworkError(f"{source}: nodes[{i}] ({node.name!r}) is pinned to stage {node.stage}, but the "
+                               f"pipeline has {stages} stages (0 to {stages - 1}): pin it to one of them, or ask for "
+                               "more stages")
+
+
+def _parse_node(raw: Any, where: str) -> Node:
     if not isinstance(raw, dict):
         raise NetworkError(f"{where} must be an object, got {_kind(raw)}")
     _no_unknown_keys(raw, NODE_KEYS, where)
@@ -295,8 +310,8 @@ def _parse_node(raw: Any, where: str, stages: int) -> Node:
         raise NetworkError(f"{where}.compute_ms must be a positive number, got {_shown(compute)}")
     if not _is_int(memory) or memory < 1:
         raise NetworkError(f"{where}.memory must be a positive integer, got {memory!r}")
-    if stage is not None and (not _is_int(stage) or not 0 <= stage < stages):
-        raise NetworkError(f"{where}.stage must be an integer in [0, {stages - 1}], got {stage!r}")
+    if stage is not None and (not _is_int(stage) or stage < 0):
+        raise NetworkError(f"{where}.stage must be an integer >= 0, got {stage!r}")
     if not isinstance(region, str):
         raise NetworkError(f"{where}.region must be a string, got {region!r}")
     if uplink is not None and (not _is_number(uplink) or uplink <= 0):

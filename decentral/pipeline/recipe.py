@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 from decentral.config import Recipe, RecipeError, default_recipe_path, parse_recipe, read_yaml, typed_section
@@ -111,14 +112,18 @@ def loopback_network(recipe: PipelineRecipe) -> Network:
     config = recipe.pipeline
     count = config.nodes or config.stages
     nodes = [Node(f"n{i:02d}", 1.0, config.memory) for i in range(count)]
-    return parse_network({"stages": config.stages, "skip": config.skip, "microbatches": config.microbatches,
-                          "activation_bytes": recipe.activation_bytes(),
-                          "nodes": [{"name": n.name, "compute_ms": n.compute_ms, "memory": n.memory} for n in nodes],
-                          "default_link": {"latency_ms": 0.1, "bandwidth_mbps": 10000}}, source="loopback network")
+    return parse_network({"nodes": [{"name": n.name, "compute_ms": n.compute_ms, "memory": n.memory} for n in nodes],
+                          "default_link": {"latency_ms": 0.1, "bandwidth_mbps": 10000}}, source="loopback network",
+                         shape=network_shape(recipe))
+
+
+def network_shape(recipe: PipelineRecipe) -> dict[str, Any]:
+    """The recipe's training shape as a network's: stages, skip, microbatches and activation size."""
+    config = recipe.pipeline
+    return {"stages": config.stages, "skip": config.skip, "microbatches": config.microbatches,
+            "activation_bytes": recipe.activation_bytes()}
 
 
 def shaped_network(network: Network, recipe: PipelineRecipe) -> Network:
-    """`network` with the recipe's stages, skip, microbatches and activation size (the recipe wins)."""
-    config = recipe.pipeline
-    return network.replace(stages=config.stages, skip=config.skip, microbatches=config.microbatches,
-                           activation_bytes=recipe.activation_bytes())
+    """`network` with the recipe's training shape (the recipe wins)."""
+    return network.replace(**network_shape(recipe))
