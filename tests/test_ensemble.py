@@ -2,6 +2,7 @@
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -66,6 +67,11 @@ def test_top_k_and_bad_input():
         log_posterior(scores(), torch.tensor([0.5, 0.5]).log(), "future")
     with pytest.raises(ValueError, match="prior"):
         Ensemble([GPT(GPTConfig(n_layer=1, n_head=1, d_model=8, context=8))], torch.tensor([float("nan")]))
+    ensemble = Ensemble([GPT(GPTConfig(n_layer=1, n_head=1, d_model=8, context=8))])
+    for tokens, said in ((torch.full((1, 4), 300), "below the experts' vocabulary, got ids up to 300"),
+                         (torch.full((1, 4), -1), "ids >= 0, got -1"), (torch.rand(1, 4), "integer ids, got torch.float32")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            ensemble.log_probs(tokens)
 
 
 def test_ensemble_module_agrees_with_scores_and_normalises():

@@ -148,7 +148,15 @@ class Ensemble(nn.Module):
     def log_probs(self, idx: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:
             raise ValueError(f"tokens must be (batch, time), got shape {tuple(idx.shape)} (one sequence: idx[None])")
-        per_expert = torch.stack([torch.log_softmax(e(idx)[0].float(), dim=-1) for e in self.experts])  # (k, B, T, V)
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"tokens must be integer ids, got {idx.dtype}")
+        if idx.numel() and int(idx.min()) < 0:
+            raise ValueError(f"tokens must be ids >= 0, got {int(idx.min())}")
+        try:
+            per_expert = torch.stack([torch.log_softmax(e(idx)[0].float(), dim=-1) for e in self.experts])  # (k,B,T,V)
+        except IndexError as e:  # an embedding given an id past its vocabulary
+            raise ValueError(f"tokens must be ids below the experts' vocabulary, got ids up to {int(idx.max())} "
+                             f"({e})") from None
         if route is not None:
             route = torch.as_tensor(route, dtype=torch.float32, device=idx.device)[:, self.used]
             log_weights = (route / route.sum(1, keepdim=True)).log().T[:, :, None]  # (k, B, 1)
