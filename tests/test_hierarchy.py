@@ -152,6 +152,7 @@ def _replay(transport: HierarchicalTransport, island: int, rank: int) -> dict:
         phi = phi + result.tensor
         transport.offer_state({"round": r + 1, "step": 10 * (r + 1)}, held(phi), led_by=result.encoded)
         results.append(result)
+    transport.average(rank_values(island, rank), group, "both offered round 2", 0)  # island 0's last offer is in
     fetched = transport.fetch_rounds(other, state_digest(held(torch.zeros(NUMEL))), NUMEL) if island == 1 else None
     transport.average(rank_values(island, rank), group, "island 1 has them", 0)  # island 0 serves until then
     replayed, digests = torch.zeros(NUMEL), []
