@@ -3,6 +3,7 @@
 import threading
 
 import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from conftest import wait_until, wait_until_senders_counted
 from decentral.swarm import wire
@@ -115,3 +116,22 @@ def test_a_share_waits_for_a_member_a_round_behind_while_the_donor_sends_its_own
     assert donor == a.peer_id and meta["round"] == 3 and all(torch.equal(tensors[k], state[k]) for k in state)
     half = 4 * 500_000
     assert [0.9 * half < peer.bytes_sent - s < 1.2 * half for peer, s in zip((a, b), sent)] == [True, True]
+
+
+def test_a_state_stream_libp2p_fails_to_open_is_asked_again_not_the_download_lost(make_swarm, monkeypatch):
+    """Right after a reset between live peers, libp2p's daemon can fail to open a stream ("Connect failed"):
+    a state download asks once more, as the averager's pushes do; before, that donor was skipped."""
+    a, b = make_swarm(2)
+    a.state.offer({"protocol": "noloco", "round": 3}, {"slow": torch.arange(4.0)})
+    opened, failed = b.peer.open_stream, []
+
+    async def fails_once(peer, name):
+        if name == "state" and not failed:
+            failed.append(peer)
+            raise ControlFailure("Connect failed. msg=connection failed")
+        return await opened(peer, name)
+
+    monkeypatch.setattr(b.peer, "open_stream", fails_once)
+    donor, (meta, tensors) = b.state.fetch({a.peer_id: {"round": 3}}, timeout=15)
+    assert failed == [a.peer_id] and donor == a.peer_id
+    assert meta["round"] == 3 and torch.equal(tensors["slow"], torch.arange(4.0))

@@ -157,7 +157,7 @@ class ExpertSharing:
 
     async def _download_file(self, peer: str, name: str, file: str, path: Path, digest: str, size: int,
                         progress: Callable[[int], None] | None) -> None:
-        reader, writer = await self.peer.open_stream(peer, "expert")
+        reader, writer = await self.peer.open_stream_or_again(peer, "expert")
         received = 0
         try:
             await write_frame(writer, json.dumps({"name": name, "file": file}).encode(), self.peer.stats)

@@ -141,6 +141,7 @@ DHT_CHECK_S = 1.0  # how often a waiting DHT call looks whether the DHT process 
 DHT_RPC_TIMEOUT_S = 3.0  # a DHT request to a node that does not answer is given up after this (hivemind's
 # default, named here): a frozen peer's DHT node stops answering too (see Membership), so others' calls wait it out
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
+REOPEN_AFTER_S = 0.5  # the pause before asking libp2p again for a stream it failed to open
 IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life's daemon to let go of its id
 
 
@@ -395,6 +396,17 @@ class SwarmPeer:
         if self.swarm_key is not None:
             await write_frame(writer, self.swarm_key.stream_token(self.peer_id, peer, self._proto(name)), self.stats)
         return reader, writer
+
+    async def open_stream_or_again(self, peer: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """`open_stream`, asked once more after REOPEN_AFTER_S when libp2p fails to open it for a reason
+        `open_stream` does not name ("Connect failed", seen right after a reset between live peers). For one
+        request a stream: the averager's pushes handle such failures their own way."""
+        try:
+            return await self.open_stream(peer, name)
+        except P2PDaemonError as e:
+            log.info("stream %s to %s: %s; asking again in %.1fs", name, peer[-8:], e, REOPEN_AFTER_S)
+            await asyncio.sleep(REOPEN_AFTER_S)
+            return await self.open_stream(peer, name)
 
     async def _admit(self, sender: str, protocol: str, reader: asyncio.StreamReader) -> bool:
         """Whether an incoming stream carries `sender`'s token for our swarm key (always, without a key)."""

@@ -100,7 +100,7 @@ def serve_reach_checks(peer: SwarmPeer) -> None:
 
 
 async def _ask(peer: SwarmPeer, member: str, addresses: list[tuple[str, int]]) -> dict:
-    reader, writer = await peer.open_stream(member, REACH_STREAM)
+    reader, writer = await peer.open_stream_or_again(member, REACH_STREAM)
     try:
         await write_frame(writer, json.dumps({"addresses": addresses}).encode(), peer.stats)
         answer = json.loads(await read_frame(reader, peer.stats, 4096))

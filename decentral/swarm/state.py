@@ -229,7 +229,7 @@ class StateExchange:
     async def _asking(self, peer: str, stream: str, request: dict):
         """A stream to `peer`'s `stream` handler with `request` sent on it: yields its reader; closed after the
         block (a server that waits for the close, `_transfer`, knows then that its answer has arrived)."""
-        reader, writer = await self.peer.open_stream(peer, stream)
+        reader, writer = await self.peer.open_stream_or_again(peer, stream)
         try:
             await write_frame(writer, json.dumps(request).encode(), self.peer.stats)
             yield reader
