@@ -92,6 +92,23 @@ def wait_until_senders_counted(senders, sent_before, receiver, received_before) 
                >= receiver.bytes_received - received_before, 10, "the senders counting every byte received")
 
 
+def fail_to_open_once(peer, stream: str, monkeypatch) -> list[str]:
+    """Make `peer`'s first open of a `stream` stream fail as libp2p's daemon can right after a reset between
+    live peers ("Connect failed"); returns the list the failed target is put in (later opens go through)."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    opened, failed = peer.open_stream, []
+
+    async def fails_once(target, name):
+        if name == stream and not failed:
+            failed.append(target)
+            raise ControlFailure("Connect failed. msg=connection failed")
+        return await opened(target, name)
+
+    monkeypatch.setattr(peer, "open_stream", fails_once)
+    return failed
+
+
 def kill_leftovers(pids) -> None:
     """SIGKILL each of `pids` still there (a test's cleanup after processes it expected to end)."""
     for pid in pids:

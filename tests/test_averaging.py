@@ -7,9 +7,8 @@ import time
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
-from conftest import run_in_threads, timed_average, wait_until
+from conftest import fail_to_open_once, run_in_threads, timed_average, wait_until
 from decentral.swarm import check_part, wire
 from decentral.swarm.wire import LinkShaper
 from decentral.codec import make_codec
@@ -264,15 +263,7 @@ def test_a_stream_libp2p_fails_to_open_to_a_live_member_is_asked_again_not_the_p
     and the round rolled back after its receiver waited out the timeout (seen once in CI)."""
     a, b = make_swarm(2, timeout=10.0)
     group = sorted([a.peer_id, b.peer_id])
-    opened, failed = a.peer.open_stream, []
-
-    async def fails_once(peer, name):
-        if name == "push" and not failed:
-            failed.append(peer)
-            raise ControlFailure("Connect failed. msg=connection failed")
-        return await opened(peer, name)
-
-    monkeypatch.setattr(a.peer, "open_stream", fails_once)
+    failed = fail_to_open_once(a.peer, "push", monkeypatch)
     xs = [torch.randn(1000), torch.randn(1000)]
     ra, rb = run_in_threads([lambda: a.average(xs[0], group, "connect"), lambda: b.average(xs[1], group, "connect")])
     assert failed == [b.peer_id]

@@ -3,9 +3,8 @@
 import threading
 
 import torch
-from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
-from conftest import wait_until, wait_until_senders_counted
+from conftest import fail_to_open_once, wait_until, wait_until_senders_counted
 from decentral.swarm import wire
 from decentral.transport import EncodedAverage, state_digest
 
@@ -123,15 +122,7 @@ def test_a_state_stream_libp2p_fails_to_open_is_asked_again_not_the_download_los
     a state download asks once more, as the averager's pushes do; before, that donor was skipped."""
     a, b = make_swarm(2)
     a.state.offer({"protocol": "noloco", "round": 3}, {"slow": torch.arange(4.0)})
-    opened, failed = b.peer.open_stream, []
-
-    async def fails_once(peer, name):
-        if name == "state" and not failed:
-            failed.append(peer)
-            raise ControlFailure("Connect failed. msg=connection failed")
-        return await opened(peer, name)
-
-    monkeypatch.setattr(b.peer, "open_stream", fails_once)
+    failed = fail_to_open_once(b.peer, "state", monkeypatch)
     donor, (meta, tensors) = b.state.fetch({a.peer_id: {"round": 3}}, timeout=15)
     assert failed == [a.peer_id] and donor == a.peer_id
     assert meta["round"] == 3 and torch.equal(tensors["slow"], torch.arange(4.0))
