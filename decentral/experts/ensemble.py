@@ -190,13 +190,15 @@ class PriorCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            data = e
-        if isinstance(data, dict):
-            return data
+            problem = str(e)
+        else:
+            if isinstance(data, dict):
+                return data
+            problem = "not a JSON object"
         if not self._told:
             self._told = True
             log.warning("%s is damaged (%s): the priors are estimated again, and it is written anew", self.path,
-                        data if isinstance(data, Exception) else "not a JSON object")
+                        problem)
         return {}
 
     def get(self, key: str) -> list[float] | None:

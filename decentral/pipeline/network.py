@@ -107,9 +107,7 @@ class Network:
     def replace(self, **shape: Any) -> Network:
         """The same nodes and links with other `stages`, `skip`, `microbatches` or `activation_bytes` (None keeps).
         NetworkError when a node is pinned to a stage the new `stages` lacks."""
-        values = {key: getattr(self, key) for key in SHAPE_KEYS}
-        values.update({key: value for key, value in shape.items() if value is not None})
-        checked = _check_shape(values, self.source)
+        checked = _check_shape(_overlaid({key: getattr(self, key) for key in SHAPE_KEYS}, shape), self.source)
         _check_pins(self.nodes, checked["stages"], self.source)
         return dataclasses.replace(self, **checked)
 
@@ -181,8 +179,7 @@ def parse_network(data: Any, source: str = "network", shape: dict[str, Any] | No
     if not isinstance(data, dict):
         raise NetworkError(f"{source}: expected a JSON object at the top, got {_kind(data)}")
     _no_unknown_keys(data, TOP_KEYS, source)
-    given = {key: value for key, value in (shape or {}).items() if value is not None}
-    shape = _check_shape({key: given.get(key, data.get(key)) for key in SHAPE_KEYS}, source)
+    shape = _check_shape(_overlaid({key: data.get(key) for key in SHAPE_KEYS}, shape or {}), source)
     factors = {}
     for key, default in zip(FACTOR_KEYS, (BACKWARD_FACTOR, LOSS_FACTOR)):
         factors[key] = data.get(key, default)
@@ -270,6 +267,11 @@ def regions_network(nodes: int = 20, regions: int = 5, seed: int = 0, stages: in
     shape = _check_shape({"stages": stages, "skip": skip, "microbatches": microbatches,
                           "activation_bytes": activation_bytes}, "regions_network")
     return Network(members, latency, bandwidth, source=f"regions_network(seed={seed})", **shape)
+
+
+def _overlaid(values: dict, shape: dict) -> dict:
+    """`values` with `shape`'s values in place of theirs, where not None."""
+    return {**values, **{key: value for key, value in shape.items() if value is not None}}
 
 
 def _check_shape(values: dict, source: str) -> dict:
