@@ -1251,6 +1251,31 @@ def test_a_co2_average_that_did_not_commit_goes_out_again_so_nothing_trained_is_
     torch.testing.assert_close(alone.slow, phi0 - sum(grads), rtol=0, atol=1e-5)
 
 
+def test_co2_progress_an_earlier_average_did_not_count_is_averaged_at_the_end_when_the_last_one_commits(
+        make_loopback):
+    """Round 1's average rolls back for both members (a third announced member leaves without its part), so
+    each holds its part to send again; round 2's average, applied at the end (`finish`), commits. The part
+    round 1's did not count is averaged then too: both end on one model, φ counting every round's mean."""
+    a_t, b_t, ghost = make_loopback(3)
+    members = make_protocols([a_t, b_t], CO2, every=10, outer_lr=1.0, outer_momentum=0.0, clip=None)
+    ghost.join_rounds(1, first=True)
+    wait_until(lambda: all(ghost.peer_id in p.transport.members(1) for p in members), 30, "the ghost announced")
+    gen = torch.Generator().manual_seed(5)
+    phi0, trained = members[0].slow.clone(), torch.zeros_like(members[0].slow)
+    for round in range(3):
+        steps = [0.1 * torch.randn(phi0.numel(), generator=gen) for _ in members]
+        trained += torch.stack(steps).mean(0)
+        reports = outer_round(members, [flat(p.model) + s for p, s in zip(members, steps)])
+        if round == 1:
+            ghost.close()  # round 1's average, launched now, rolls back for both
+        if round == 2:
+            assert not any(r.complete for r in reports)  # round 1's, applied at round 2's end
+    run_in_threads([p.finish for p in members])
+    for p in members:
+        torch.testing.assert_close(p.slow, phi0 + trained, rtol=0, atol=1e-5)
+        assert torch.equal(flat(p.model), p.slow)
+
+
 def co2_newcomer_takes_the_members_state_at_its_first_boundary(everyone, gen) -> None:
     """Two rounds of CO2 incumbents and a newcomer (`everyone[-1]`, in its first round as a member): at the
     first boundary the incumbents apply the average launched without it and it takes their state; at the

@@ -890,8 +890,8 @@ class OuterProtocol(SyncProtocol):
         raise NotImplementedError
 
     def finish(self) -> None:
-        """When the run's last average did not count our progress, the model holds progress φ lacks, and each
-        member's differs. If it rolled back for everyone (the members' lists differed, a member died in it),
+        """When an average did not count our progress (`_holds_uncounted`: the run's last, or for CO2 the one
+        before it), the model holds progress φ lacks, and each member's differs. If it rolled back for everyone (the members' lists differed, a member died in it),
         average it once more (`_average_again`), a round of its own over the members still there, which are
         ending too and do the same (a member stopping alone, `--stop-at`, averages it into a round of the
         others still training, waiting at most the swarm's timeout for their boundary). If the others
@@ -899,19 +899,24 @@ class OuterProtocol(SyncProtocol):
         progress is dropped (`_drop_uncounted`): every member ends on φ, the state replicas agree on, not on
         its own."""
         last = self._closed
-        if not self.identical_replicas or last is None or not not_committed(last):
+        if not self.identical_replicas or last is None or not self._holds_uncounted(last):
             return
         again = None if last.repaired else self._average_again()
         if again is None or not_committed(again):
-            log.warning("round %d: the run's last average did not count our progress%s; ending on the slow weights "
+            log.warning("round %d: the run's averages did not count all our progress%s; ending on the slow weights "
                         "the members hold, without it", self.round, "" if again is None else ", nor did a second try")
             self._drop_uncounted()
         else:
-            progress_log.info("round %d: the run's last average rolled back; averaged it again at the end, over "
-                              "%d members", self.round, again.contributors)
+            progress_log.info("round %d: an average of the run rolled back; averaged what it held again at the end, "
+                              "over %d members", self.round, again.contributors)
         self._load_fast(self.round_start_weights())
         if again is not None:
             self._close_round(again)
+
+    def _holds_uncounted(self, last: SyncReport) -> bool:
+        """Whether, the run's last average (`last`) done, our model holds progress no average counted: here
+        when `last` did not commit (a rolled-back round's progress goes out with the next round's)."""
+        return not_committed(last)
 
     def _average_again(self) -> SyncReport:
         """At the run's end, average the progress the last average did not count (θ holds it) once more: an

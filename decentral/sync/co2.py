@@ -33,8 +33,8 @@ every replica. Whatever a round starts from, φ counts every round's average exa
 decides where the next round's gradients are taken.
 
 An average that did not commit changes nothing, and our part of it goes out again with the next
-round's, so nothing trained is lost (the run's last, applied when training ends, goes out once more then:
-OuterProtocol.finish). With a codec that sends a small part of each tensor (top-k), what
+round's, so nothing trained is lost (when training ends, what the last two averages did not count goes out
+once more: OuterProtocol.finish). With a codec that sends a small part of each tensor (top-k), what
 a committed average did not count is the error feedback's residual, added to the next input. A peer that
 starts while an average is in flight that it had no part in (a newcomer, or a resumed peer) takes the
 members' state at its first boundary, when they have applied it: it replays that round's average on the
@@ -192,8 +192,13 @@ class CO2(OuterProtocol):
             self._close_round(report)
             super().finish()
 
+    def _holds_uncounted(self, last: SyncReport) -> bool:
+        """Our part of an average that did not commit waits to go out again: that of the average applied at
+        the end, or of the one applied at the last boundary (the end's committing does not count it)."""
+        return self._unsent is not None
+
     def _average_again(self) -> SyncReport:
-        """Our part that the last average did not count, averaged now and applied (see OuterProtocol.finish)."""
+        """Our parts that averages did not count, averaged now and applied (see OuterProtocol.finish)."""
         sent, self._unsent = self._unsent, None
         future = self.transport.average_async(sent, None, f"co2/{self.round}", self.round)
         return self._apply(InFlight(future, sent, self.slow.clone() if self.staleness_adaptive else None))
