@@ -891,13 +891,13 @@ class OuterProtocol(SyncProtocol):
 
     def finish(self) -> None:
         """When an average did not count our progress (`_holds_uncounted`: the run's last, or for CO2 the one
-        before it), the model holds progress φ lacks, and each member's differs. If it rolled back for everyone (the members' lists differed, a member died in it),
-        average it once more (`_average_again`), a round of its own over the members still there, which are
-        ending too and do the same (a member stopping alone, `--stop-at`, averages it into a round of the
-        others still training, waiting at most the swarm's timeout for their boundary). If the others
-        averaged without us (we took their state at the boundary), or the second try rolls back as well, the
-        progress is dropped (`_drop_uncounted`): every member ends on φ, the state replicas agree on, not on
-        its own."""
+        before it), the model holds progress φ lacks, and each member's differs. If it rolled back for everyone
+        (the members' lists differed, a member died in it), average it once more (`_average_again`), a round of
+        its own over the members still there, which are ending too and do the same (a member stopping alone,
+        `--stop-at`, averages it into a round of the others still training, waiting at most the swarm's
+        timeout for their boundary). If the others averaged without us (we took their state at the boundary),
+        or the second try rolls back as well, the progress is dropped (`_drop_uncounted`): every member ends
+        on φ, the state replicas agree on, not on its own."""
         last = self._closed
         if not self.identical_replicas or last is None or not self._holds_uncounted(last):
             return
