@@ -70,10 +70,16 @@ def peer_main(argv: list[str]) -> int:
     return 0
 
 
+class PointFailed(RuntimeError):
+    """A point's peer did not start or exited with an error; the message names its log."""
+
+
 def _run_sweep_point(lab: NetLab, method: str, numel: int, rounds: int, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     run = f"sync-{uuid.uuid4().hex[:6]}"
     maddr_file = out / "bootstrap.maddrs"
+    for earlier in (maddr_file, *out.glob("h*.json")):  # of an earlier syncbench into this OUT: a dead address
+        earlier.unlink(missing_ok=True)
     procs = []
 
     def launch(host, extra):
@@ -83,23 +89,41 @@ def _run_sweep_point(lab: NetLab, method: str, numel: int, rounds: int, out: Pat
         log = open(out / f"h{host.index}.log", "w")
         procs.append(host.popen(cmd, stdout=log, stderr=subprocess.STDOUT))
 
-    launch(lab.hosts[0], ["--maddr-file", str(maddr_file)])
-    deadline = time.monotonic() + 120
-    while not maddr_file.exists():
-        if procs[0].poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the first peer did not start; see {out}/h0.log")
-        time.sleep(0.2)  # polling a file another process writes
-    join = [a for m in maddr_file.read_text().split() for a in ("--join", m)]
-    for host in lab.hosts[1:]:
-        launch(host, join)
-    codes = [p.wait(timeout=1800) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"{method} peers exited with {codes}; see {out}/h*.log")
+    try:
+        launch(lab.hosts[0], ["--maddr-file", str(maddr_file)])
+        deadline = time.monotonic() + 120
+        while not maddr_file.exists():
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise PointFailed(f"the first peer did not start; see {out}/h0.log")
+            time.sleep(0.2)  # polling a file another process writes
+        join = [a for m in maddr_file.read_text().split() for a in ("--join", m)]
+        for host in lab.hosts[1:]:
+            launch(host, join)
+        _wait_for_peers(procs, out)
+    finally:
+        for proc in procs:  # the others of a peer that failed would wait for it
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     peers = [json.loads((out / f"h{h.index}.json").read_text()) for h in lab.hosts]
     per_round = [max(p["times"][r] for p in peers) for r in range(1, rounds)]  # a round ends for the slowest
     return {"median_s": statistics.median(per_round), "rounds_s": per_round,
             "incomplete": sum(g < 0 for p in peers for g in p["groups"]),
             "bytes_sent_per_peer_per_round": statistics.mean(p["bytes_sent"] for p in peers) / rounds}
+
+
+def _wait_for_peers(procs: list[subprocess.Popen], out: Path, timeout_s: float = 1800) -> None:
+    """Until every peer exited; PointFailed as soon as one exits with an error, or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = [i for i, p in enumerate(procs) if p.poll()]
+        if failed:
+            raise PointFailed(f"peer h{failed[0]} exited with {procs[failed[0]].returncode}; see {out}/h{failed[0]}.log")
+        if all(p.returncode is not None for p in procs):
+            return
+        if time.monotonic() > deadline:
+            raise PointFailed(f"the peers did not end within {timeout_s:.0f}s; see {out}/h*.log")
+        time.sleep(0.2)  # polling processes that run on their own
 
 
 def run_syncbench(args: argparse.Namespace) -> int:
@@ -111,7 +135,11 @@ def run_syncbench(args: argparse.Namespace) -> int:
             results["config"]["mode"] = lab.mode
             for method in METHODS:
                 print(f"syncbench: {method}, {count} hosts ...", flush=True)
-                point = _run_sweep_point(lab, method, args.numel, args.rounds, out / f"{method}-{count}")
+                try:
+                    point = _run_sweep_point(lab, method, args.numel, args.rounds, out / f"{method}-{count}")
+                except PointFailed as e:
+                    print(f"syncbench: {method}, {count} hosts failed: {e}", file=sys.stderr, flush=True)
+                    return 1
                 results["points"].append({"method": method, "hosts": count, **point})
                 print(f"syncbench: {method}, {count} hosts: median {point['median_s']:.2f}s per sync, "
                       f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer", flush=True)
