@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,9 +124,14 @@ def local_recipe(path, source: str, steps: int = 20):
     ({"vocab_size": 200}, "vocab_size is 200"),
     ({"max_position_embeddings": 16}, "max_position_embeddings is 16, shorter than train.context 32"),
     (None, "does not exist"),
+    # values transformers' own checks refuse as it reads the file (written by hand: LlamaConfig refuses them too)
+    ({"num_attention_heads": 5}, "hidden size (32) is not a multiple of the number of attention heads (5)"),
+    ({"hidden_size": "thirty-two"}, "Field 'hidden_size' expected int, got str"),
 ])
 def test_an_unusable_config_is_one_line_and_exit_code_2(tmp_path, small_corpus, capsys, changes, message):
-    config = write_config(tmp_path, **changes) if changes else str(tmp_path / "missing.json")
+    config = write_config(tmp_path) if changes else str(tmp_path / "missing.json")
+    if changes:
+        Path(config).write_text(json.dumps({**json.loads(Path(config).read_text()), **changes}))
     recipe = local_recipe(tmp_path / "r.yaml", f"hf:{config}")
     assert main(["train", "--protocol", recipe, "--out", str(tmp_path / "out"), "--data", str(small_corpus)]) == 2
     err = capsys.readouterr().err.strip()

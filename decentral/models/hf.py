@@ -159,6 +159,8 @@ def load_causal_lm(source: str, context: int) -> HFCausalLM:
             config = t.AutoConfig.from_pretrained(config_file)
         except (OSError, ValueError) as e:
             raise ModelError(f"model {source}: {config_file} is not a transformers config: {_first_line(e)}") from None
+        except _validation_errors() as e:  # a field of the wrong type, heads that do not divide the width
+            raise ModelError(f"model {source}: {config_file} is no valid config: {' '.join(str(e).split())}") from None
         check_config(config, context, f"model {source}")
         if not from_config:
             model = HFCausalLM(read_pretrained_layout(path))
@@ -190,6 +192,13 @@ def check_causal(model: HFCausalLM, context: int, where: str) -> None:
     if not torch.allclose(logits[0, :-1], logits[1, :-1], rtol=1e-4, atol=1e-5):
         raise ModelError(f"{where}: the model attends to later tokens, so it is not a causal LM (a decoder-only "
                          "config, or an encoder's with is_decoder: true, is)")
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's errors for a config's values that its checks refuse (none before it had them)."""
+    from huggingface_hub import errors
+
+    return tuple(getattr(errors, name) for name in ("StrictDataclassError",) if hasattr(errors, name))
 
 
 def _first_line(error: Exception) -> str:
