@@ -173,6 +173,77 @@ def test_a_trainer_callback_averages_the_replicas_every_h_optimizer_steps_and_th
     assert llama_loss(models[0], tokens) < before - 0.5
 
 
+class LateJoin:
+    """Peer 0 stops at the start of its optimizer step `at` (the swarm's step: it began at 0) until peer 1 has
+    joined, which starts once peer 0 is there: peer 1 joins the swarm at step `at`."""
+
+    def __init__(self, at: int):
+        self.at, self.reached, self.joined = at, threading.Event(), threading.Event()
+
+    def before_step(self, index: int, step: int) -> None:
+        if index == 0 and step == self.at:
+            self.reached.set()
+            assert self.joined.wait(timeout=120)
+
+    def began(self, index: int) -> None:
+        """A peer's protocol has joined the swarm."""
+        if index == 1:
+            self.joined.set()
+
+    def run(self, train) -> list:
+        """`train(index, transport)` for peers 0 and 1 of one loopback hub in two threads; their results."""
+        hub = LoopbackHub(timeout_s=60.0)
+        transports = [hub.transport() for _ in range(2)]
+
+        def peer(index):
+            if index == 1:
+                assert self.reached.wait(timeout=120)  # peer 0 has averaged round 0 and offered its state
+            return train(index, transports[index])
+
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(peer, (0, 1)))
+        finally:
+            self.joined.set()
+            for t in transports:
+                t.close()
+
+
+class HFLateJoin(TrainerCallback):
+    def __init__(self, late: LateJoin, index: int):
+        self.late, self.index = late, index
+
+    def on_train_begin(self, args, state, control, **kwargs):  # listed after the protocol's callback
+        self.late.began(self.index)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.late.before_step(self.index, state.global_step)
+
+
+def test_a_trainer_that_joins_late_stops_at_the_swarms_max_steps_with_the_others(tokens, tmp_path,
+                                                                                accelerate_state_per_thread):
+    """Peer 1 joins at the swarm's step H (a round in): its Trainer counts from 0, the protocol from H. It stops
+    where peer 0 stops, at the swarm's step 3H, after 2H steps of its own, and both end on the last average;
+    trained to 3H of its own count, it went on alone past the others' last average and ended elsewhere."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=CONTEXT)
+    models, late = [LlamaForCausalLM(config) for _ in range(2)], LateJoin(at=H)
+
+    def train(index, transport):
+        sync = hf_trainer.DecentralCallback("diloco", transport, **AVERAGING)
+        args = TrainingArguments(output_dir=str(tmp_path / str(index)), max_steps=3 * H, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, save_strategy="no", report_to="none", disable_tqdm=True,
+                                 use_cpu=True)
+        trainer = Trainer(model=models[index], args=args, train_dataset=ByteWindows(tokens, index),
+                          callbacks=[sync, HFLateJoin(late, index)])
+        trainer.train()
+        return trainer.state.global_step, [len(r.group) for r in sync.adoption.reports]
+
+    assert late.run(train) == [(3 * H, [1, 2, 2]), (2 * H, [2, 2])]
+    assert torch.equal(flat(models[0]), flat(models[1]))
+
+
 class Boom(TrainerCallback):
     armed = True
 
@@ -335,6 +406,33 @@ def test_a_lightning_callback_averages_the_replicas_every_h_optimizer_steps_and_
     reports, recorders = run_peers(train)
     assert_averaged([m.model for m in modules], recorders, reports)
     assert gpt_loss(modules[0], tokens) < before - 0.5
+
+
+class LightningLateJoin(lightning.Callback):
+    def __init__(self, late: LateJoin, index: int):
+        self.late, self.index = late, index
+
+    def on_fit_start(self, trainer, pl_module):  # listed after the protocol's callback
+        self.late.began(self.index)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.late.before_step(self.index, trainer.global_step)
+
+
+def test_a_lightning_trainer_that_joins_late_stops_at_the_swarms_max_steps_with_the_others(tokens):
+    """As test_a_trainer_that_joins_late_stops_at_the_swarms_max_steps_with_the_others, under Lightning."""
+    modules, late = [LitGPT(), LitGPT()], LateJoin(at=H)
+
+    def train(index, transport):
+        sync = lightning_integration.DecentralCallback("diloco", transport, **AVERAGING)
+        trainer = lightning.Trainer(max_steps=3 * H, callbacks=[sync, LightningLateJoin(late, index)],
+                                    accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(modules[index], torch.utils.data.DataLoader(ByteBatches(tokens, index), batch_size=None))
+        return trainer.global_step, [len(r.group) for r in sync.adoption.reports]
+
+    assert late.run(train) == [(3 * H, [1, 2, 2]), (2 * H, [2, 2])]
+    assert torch.equal(flat(modules[0].model), flat(modules[1].model))
 
 
 def test_ddp_under_lightning_averages_the_gradients_of_the_backward_that_runs_inside_the_step(tokens):

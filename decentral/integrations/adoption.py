@@ -82,6 +82,12 @@ class Adoption:
             self.reports.append(report)
         return report
 
+    def reached(self, max_steps: int) -> bool:
+        """Whether the run's step (the swarm's: a peer that joined late took it from the others) is at
+        `max_steps` (when it is more than 0): there a framework's loop stops, where the peers that started at
+        step 0 stop, at the same outer step, rather than `max_steps` of its own steps later, alone."""
+        return self.sync is not None and 0 < max_steps <= self.sync.step
+
     def exit(self, error: BaseException | None = None, *, keep_weights: bool = False) -> None:
         """Unhook the optimizer; without `error`, first complete what is in flight (CO2 and Streaming DiLoCo
         apply the average they launched last), so the model holds everything trained. `keep_weights`: the

@@ -8,7 +8,8 @@
 At train begin (the Trainer has made and prepared its optimizer by then) the protocol wraps the model and
 the torch optimizer under accelerate's wrapper, and joins the swarm; at train end it finishes what is in
 flight (the model keeps the best checkpoint when the Trainer loaded it: `load_best_model_at_end`). Everything
-else (schedule, clipping, accumulation, `max_steps`) stays the Trainer's: one protocol step per optimizer step.
+else (schedule, clipping, accumulation) stays the Trainer's: one protocol step per optimizer step. `max_steps`
+counts the swarm's steps, as `decentral train --steps` does: a peer that joins late stops where the others do.
 Each checkpoint the Trainer saves gets the protocol's state (its step, round and outer tensors: DiLoCo's φ and
 momentum, ...) in `checkpoint-N/decentral-protocol/`, and
 `trainer.train(resume_from_checkpoint=...)` takes it back from `checkpoint-N` of `args.output_dir`.
@@ -68,6 +69,8 @@ class DecentralCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.adoption.collect()
+        if self.adoption.reached(args.max_steps):  # a late joiner: its Trainer counts from its own start
+            control.should_training_stop = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics = self.adoption.metrics()  # {} outside training (an evaluate() of its own)

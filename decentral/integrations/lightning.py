@@ -6,8 +6,9 @@
 
 At fit start (the strategy has made the optimizer) the protocol wraps the LightningModule and its one
 torch optimizer and joins the swarm; at fit end it finishes what is in flight; on an exception it only
-unhooks. Lightning runs the backward inside the optimizer's step (a closure), so a gradient protocol's
-`before_step` (DDP) runs at `on_before_optimizer_step`, after backward, rather than from the step's pre-hook.
+unhooks. `max_steps` counts the swarm's steps: a peer that joins late stops where the others do. Lightning
+runs the backward inside the optimizer's step (a closure), so a gradient protocol's `before_step` (DDP) runs
+at `on_before_optimizer_step`, after backward, rather than from the step's pre-hook.
 The protocol's state (its step, round and outer tensors) is the callback's state in Lightning's checkpoints,
 those saved after fit included (the state it ended with), so `trainer.fit(..., ckpt_path=...)` resumes it too.
 """
@@ -53,6 +54,8 @@ class DecentralCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.adoption.collect() is not None:
             pl_module.log_dict(self.adoption.metrics(), on_step=True, on_epoch=False)
+        if self.adoption.reached(trainer.max_steps):  # a late joiner: its Trainer counts from its own start
+            trainer.should_stop = True
 
     def on_fit_end(self, trainer, pl_module):
         self.adoption.exit()
