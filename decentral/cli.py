@@ -190,6 +190,9 @@ def cmd_train(args) -> int:
 
     check_multiaddrs(args.join or ())  # a malformed --join fails now, not once the model is built
     check_reachable_back(args.join or (), args.host, args.announce_host)  # so does one we could not be reached from
+    if args.worker_index is not None and args.worker_index >= args.num_workers:
+        raise RecipeError(f"--worker-index {args.worker_index}: the data has --num-workers {args.num_workers} shards, "
+                          f"0 to {args.num_workers - 1}")
     if args.island:
         if not 0 <= args.rank < args.world_size:
             raise RecipeError(f"--rank {args.rank}: must be in [0, {args.world_size}) (--world-size {args.world_size})")
@@ -230,6 +233,11 @@ def cmd_train(args) -> int:
             print(f"note: {recipe.train.steps} steps are less than one round (every {every} steps): no outer step "
                   f"will run, so this trains as `local` would; give --steps {every} or more, or --set every=N",
                   file=sys.stderr, flush=True)
+        elif every is not None and recipe.train.steps % every:
+            print(f"note: {recipe.train.steps} steps are not a multiple of every ({every}): the last "
+                  f"{recipe.train.steps % every} come after the run's last outer step, and no average counts them; "
+                  f"give --steps {recipe.train.steps - recipe.train.steps % every}"
+                  f" or {recipe.train.steps - recipe.train.steps % every + every}", file=sys.stderr, flush=True)
     return train_worker(recipe, args, **overrides)
 
 
@@ -319,6 +327,7 @@ def number_type(kind: type, minimum: float, *, strict: bool = False):
 
 
 positive_int = number_type(int, 1)
+positive_seconds = number_type(float, 0, strict=True)
 
 
 def int_list_type(minimum: int, why: str):
@@ -349,10 +358,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, help="sequences per inner step (default: the recipe's)")
     p.add_argument("--stop-at", type=positive_int, metavar="STEP", help="stop at this inner step (the LR schedule still "
                    "spans --steps); a later run continues with --resume or --init-from")
-    p.add_argument("--timeout", type=float, help="seconds one average may take")
+    p.add_argument("--timeout", type=positive_seconds, help="seconds one average may take")
     p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--worker-index", type=int, help="which data shard (default: derived from the peer id)")
+    p.add_argument("--worker-index", type=number_type(int, 0),
+                   help="which data shard, from 0 to --num-workers - 1 (default: derived from the peer id)")
     p.add_argument("--num-workers", type=positive_int, default=1, help="number of data shards")
     p.add_argument("--name", default="worker", help="name in logs and metrics")
     p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard scalars into DIR "
@@ -425,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     demo.add_argument("--steps", type=positive_int, help="inner steps per worker (default: the recipe's)")
     demo.add_argument("--out", default="runs/demo")
-    demo.add_argument("--timeout", type=float, help="seconds one average may take")
+    demo.add_argument("--timeout", type=positive_seconds, help="seconds one average may take")
     demo.add_argument("--device", help=DEVICE_HELP)
     demo.add_argument("--island-size", type=positive_int, metavar="N",
                       help="each worker a fast island of N ranks (DDP inside, one swarm member); e.g. --workers 2 "
@@ -569,8 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.swarm import AdmissionError, SwarmError
     from decentral.transport import StateUnavailable
 
-    out = getattr(args, "out", None) if args.command in ("bench", "syncbench") else None
-    if out and Path(out).exists() and not Path(out).is_dir():  # every benchmark writes a folder
+    out = getattr(args, "out", None) if args.command in ("bench", "syncbench", "train", "demo") else None
+    if out and Path(out).exists() and not Path(out).is_dir():  # each writes a folder there
         print(f"decentral: --out {out} is a file, not a folder", file=sys.stderr)
         return 2
     try:

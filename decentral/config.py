@@ -278,6 +278,8 @@ def _swarm_section(values: Any, where: str, protocol: str) -> SwarmConfig:
 def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = RecipeError) -> Any:
     """The YAML document in file `path`; `error` naming the file when it is missing or not YAML."""
     path = Path(path)
+    if path.is_dir():
+        raise error(f"{what} {path} is a folder, not a file")
     if not path.is_file():
         raise error(f"{what} {path} does not exist")
     try:
@@ -294,14 +296,20 @@ def read_yaml(path: str | Path, what: str = "recipe", error: type[ValueError] = 
 
 def load_recipe(path: str | Path, settings: dict[str, Any] | None = None) -> Recipe:
     """Read and validate a recipe file, with `settings` ({KEY: value}, `with_settings`) applied; raises
-    RecipeError with the file name (and the settings) on any problem."""
+    RecipeError with the file name (and the settings) on any problem. A file names its protocol: an empty one
+    (or one whose protocol section has no name) is refused, not read as the defaults' NoLoCo."""
     data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: empty: a recipe names its protocol, e.g. protocol: {{name: diloco, every: 50}}"
+                          if data is None else f"{path}: expected a mapping at the top level")
+    protocol = data.get("protocol") or {}
+    if isinstance(protocol, dict) and "name" not in protocol:  # (a protocol that is no mapping: parse_recipe says)
+        raise RecipeError(f"{path}: no protocol.name: a recipe names its protocol, e.g. protocol: {{name: diloco, "
+                          "every: 50}")
     if not settings:
         return parse_recipe(data, str(path))
-    if data is not None and not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a mapping at the top level")
     shown = ", ".join(f"{k}={v}" for k, v in settings.items())
-    return parse_recipe(with_settings(data or {}, settings), f"{path} with --set {shown}")
+    return parse_recipe(with_settings(data, settings), f"{path} with --set {shown}")
 
 
 def setting_value(text: str) -> Any:

@@ -67,6 +67,9 @@ def scratch_folder(tmp: Path) -> dict[str, str]:
     (tmp / "bad.yaml").write_text("protocol: {name: noloco\n")
     (tmp / "binary.yaml").write_bytes(b"\x00\xff\xfe protocol")
     (tmp / "afile").write_text("")
+    (tmp / "empty.yaml").write_text("# nothing but a comment\n")
+    (tmp / "noname.yaml").write_text("protocol: {every: 10}\n")
+    (tmp / "folder.yaml").mkdir()
     (tmp / "net.json").write_text('{"nodes": [\n')
     (tmp / "registry" / "code").mkdir(parents=True)
     (tmp / "registry" / "code" / "model.safetensors").write_bytes(b"")
@@ -187,7 +190,12 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["train", "--protocol", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 1)"),
     (["train", "--protocol", "missing.yaml"], "recipe missing.yaml does not exist"),
     (["merge", "binary.yaml", "--out", "merged"], "binary.yaml: not a text file in UTF-8"),
-    (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "File exists"),
+    (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "--out afile is a file, not a folder"),
+    ([*train_into("afile")], "--out afile is a file, not a folder"),
+    (["train", "--protocol", "empty.yaml"], "empty.yaml: empty: a recipe names its protocol"),  # NoLoCo's defaults ran
+    (["train", "--protocol", "noname.yaml"], "noname.yaml: no protocol.name"),
+    (["train", "--protocol", "folder.yaml"], "recipe folder.yaml is a folder, not a file"),
+    ([*TRAIN, "--worker-index", "3", "--num-workers", "2"], "--worker-index 3: the data has --num-workers 2 shards"),
     (["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
     ([*TRAIN, "--model", "hf:x.json", "--set", "model.n_layer=5"], "--set model.n_layer: shapes the reference GPT"),
     ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"], "--rank 2: must be in [0, 2)"),
@@ -210,10 +218,16 @@ def test_more_user_errors_in_process(args, expected, tmp_path, monkeypatch, caps
     assert out == "" and len(lines) == 1 and lines[0].startswith("decentral: ") and expected in lines[0], err
 
 
-def test_a_count_below_one_is_a_usage_error(capsys):
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--num-workers", "0"], "--num-workers: must be at least 1, got 0"),
+    (["train", "--worker-index", "-1"], "--worker-index: must be at least 0, got -1"),  # was numpy's traceback
+    (["train", "--timeout", "-1"], "--timeout: must be above 0, got -1"),  # was refused by a joiner's state download
+    (["demo", "--timeout", "nan"], "--timeout: must be above 0, got nan"),
+])
+def test_a_count_or_a_time_out_of_range_is_a_usage_error(args, expected, capsys):
     with pytest.raises(SystemExit) as done:
-        main(["train", "--num-workers", "0"])
-    assert done.value.code == 2 and "--num-workers: must be at least 1, got 0" in capsys.readouterr().err
+        main(args)
+    assert done.value.code == 2 and expected in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("interval", ["nan", "inf", "0"])

@@ -74,7 +74,7 @@ def test_fragments_are_equal_slices_and_read_and_write_only_their_values_across_
 @pytest.mark.parametrize("kwargs, message", [
     ({"fragments": 0}, "fragments must be an integer >= 1, got 0"),
     ({"fragments": 2.5}, "fragments must be an integer >= 1, got 2.5"),
-    ({"fragments": 40}, "model's 39 parameters"),
+    ({"fragments": 40, "every": 50}, "at most the model's 39 parameters, got 40"),
     ({"fragments": 3, "delay": 4}, "delay must be below every // fragments = 4"),
     ({"fragments": 3, "delay": -1}, "delay must be an integer >= 0, got -1"),
     ({"fragments": 3, "every": 2, "delay": 0}, "fragments must be between 1 and every = 2"),  # was said of delay

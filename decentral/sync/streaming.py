@@ -80,9 +80,11 @@ class StreamingDiLoCo(DiLoCo):
                          outer_momentum=outer_momentum, nesterov=nesterov, outer_on_device=outer_on_device)
         check_count(fragments, "fragments")
         check_count(delay, "delay", 0)
-        if fragments > min(self.numel, every):
-            raise ValueError(f"fragments must be between 1 and every = {every} (each lands at its own in-round step) "
-                             f"and the model's {self.numel} parameters, got {fragments}")
+        if fragments > every:
+            raise ValueError(f"fragments must be between 1 and every = {every} (each lands at its own in-round step), "
+                             f"got {fragments}")
+        if fragments > self.numel:
+            raise ValueError(f"fragments must be at most the model's {self.numel} parameters, got {fragments}")
         if delay >= every // fragments:
             raise ValueError(f"delay must be below every // fragments = {every // fragments} (every={every}, "
                              f"fragments={fragments}): fragment 0 launches at in-round step every // fragments - delay, "
