@@ -487,8 +487,9 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     plot_bench(results, out / "bench.png")
     print(format_results(results))
     print(format_cpu(results))
-    print(f"bench: target loss {results['config']['target_loss']}; results in {out / 'results.json'}, "
-          f"plot {out / 'bench.png'}")
+    target = results["config"]["target_loss"]
+    print(f"bench: target loss {'none (no DDP run finished, none given)' if target is None else target}; results in "
+          f"{out / 'results.json'}, plot {out / 'bench.png'}")
     missing = [m for m in [REFERENCE, *results["config"]["methods"]] if m not in results["methods"]]
     if missing:  # an interrupted run's
         print(f"bench: not run (the bench was interrupted): {', '.join(missing)}", file=sys.stderr)

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -256,7 +257,7 @@ def cmd_swarm_start(args) -> int:
     remote = "" if ipaddress.ip_address(args.host).is_loopback else " --host 0.0.0.0"
     print(f"swarm {args.run!r} is up. Peers join with:")
     for maddr in peer.multiaddrs():
-        print(f"  decentral train --join {maddr} --run {args.run}{keyed}{remote} --protocol noloco")
+        print(f"  decentral train --join {maddr} --run {args.run}{keyed}{remote} --protocol {shlex.quote(args.protocol)}")
     serve_until_stopped()
     beacon.close()
     peer.shutdown()
@@ -455,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_network_arguments(start, run_default="decentral, the recipes'")
     start.add_argument("--identity", metavar="FILE", help="the entry's private key, made when missing: keep it (and "
                        "--port) to keep the --join address it prints across restarts (default: a new one each start)")
+    start.add_argument("--protocol", default="noloco", help="the protocol or recipe file the swarm's members train "
+                       "with, for the join command it prints (an entry averages nothing itself)")
     start.set_defaults(func=cmd_swarm_start, run="decentral")
     keygen = swarm_sub.add_parser("keygen", help="write a new swarm key: only peers holding it take part",
                                   **example("decentral swarm keygen swarm.key"))

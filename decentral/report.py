@@ -55,10 +55,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         records = read_run(run)
     except (ReportError, ValueError) as e:  # ValueError: a malformed metrics line (file:line)
-        print(f"decentral report: {e}", file=sys.stderr)
+        print(f"decentral: {e}", file=sys.stderr)
         return 2
     if not records:
-        print(f"decentral report: the metrics files under {run} hold no records yet", file=sys.stderr)
+        print(f"decentral: the metrics files under {run} hold no records yet", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "report.png"
     check_picture_path(out)

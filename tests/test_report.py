@@ -137,7 +137,7 @@ def test_report_without_metrics_exits_2_with_one_line(tmp_path, capsys, make):
     assert main(["report", str(run)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert len(captured.err.splitlines()) == 1 and captured.err.startswith("decentral report: ")
+    assert len(captured.err.splitlines()) == 1 and captured.err.startswith("decentral: ")
     assert not (run / "report.png").exists()
 
 
