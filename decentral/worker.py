@@ -435,6 +435,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         with protocol:  # joins the swarm: its state, round and step, and announces the round
             _wait_for_peers(transport, opts, protocol.first_round)
             _check_same_setup(transport, setup, recipe.swarm.run)
+            if protocol.donor is not None and protocol.step >= last_step:
+                raise RecipeError(f"the swarm is at step {protocol.step}, and this run ends at step {last_step} "
+                                  f"({'--stop-at' if last_step == opts.stop_at else 'train.steps, --steps'}: the "
+                                  f"swarm's step count, not ours): nothing would train; give a later one")
             batches = batches_from(protocol.step)
             first = dict(worker=opts.name, step=protocol.step, round=protocol.round)
             if protocol.donor is None or protocol.step == 0:  # one joining mid-run skips it: the round

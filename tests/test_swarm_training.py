@@ -1,17 +1,22 @@
 """Real swarms of `decentral train` processes on loopback: they learn, survive a SIGKILLed peer and
 a frozen one, let a late joiner catch up, and resume from checkpoints."""
 
+import dataclasses
 import json
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import running, wait_until
+from conftest import TINY_MODEL, TINY_TRAIN, running, wait_until
+from decentral.config import RecipeError, parse_recipe
+from decentral.loopback import LoopbackHub
+from decentral.worker import WorkerOptions, run_worker
 from decentral.checkpoint import load_checkpoint
 from decentral.cpu import descendants
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
@@ -289,3 +294,32 @@ def test_a_sigkilled_worker_leaves_no_process_behind(workers):
     while any(running(pid) for pid in children):
         assert time.monotonic() < deadline, [Path(f"/proc/{p}/cmdline").read_text() for p in children if running(p)]
         time.sleep(0.2)  # polling for other processes to exit
+
+
+def test_a_newcomer_whose_last_step_the_swarm_has_passed_trains_nothing_and_says_so(tmp_path, small_corpus):
+    """--steps is the swarm's total: a newcomer given 20 while the swarm is at step 30 would train nothing (it
+    said 'done' and exited 0, a checkpoint written). Two workers of one loopback hub; the first waits at its
+    step 30 until the newcomer has stopped."""
+    recipe = parse_recipe({"protocol": {"name": "diloco", "every": 10}, "train": {**TINY_TRAIN, "steps": 40},
+                           "model": TINY_MODEL})
+    hub, at_30, newcomer_done = LoopbackHub(timeout_s=30.0), threading.Event(), threading.Event()
+
+    def first_worker_line(line: str) -> None:
+        if " step    30 " in line:
+            at_30.set()
+            assert newcomer_done.wait(timeout=120)
+
+    transports = [hub.transport(), hub.transport()]
+    first = threading.Thread(target=run_worker, args=(recipe, WorkerOptions(
+        out=tmp_path / "w0", data=[str(small_corpus)], name="w0", print_fn=first_worker_line, transport=transports[0])))
+    first.start()
+    try:
+        assert at_30.wait(timeout=120)
+        short = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, steps=20))
+        with pytest.raises(RecipeError, match="the swarm is at step 30, and this run ends at step 20"):
+            run_worker(short, WorkerOptions(out=tmp_path / "w1", data=[str(small_corpus)], name="w1",
+                                            transport=transports[1]))
+    finally:
+        newcomer_done.set()
+        first.join(timeout=120)
+    assert not (tmp_path / "w1" / "checkpoint").exists()
