@@ -248,7 +248,12 @@ class IslandTransport:
 
     def _broadcast(self, snapshot: Snapshot | None) -> Snapshot:
         box = [snapshot]
-        dist.broadcast_object_list(box, src=0, group=self._group, device=self._device)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._group, device=self._device)
+        except RuntimeError as e:  # a rank gone, or one that met us at the rendezvous with another --world-size
+            raise IslandError(f"rank {self.rank}: sending the island's starting state to the other ranks failed: a "
+                              f"rank is gone, hung, or started with another --world-size than {self.world_size} "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
         return box[0]
 
     def close(self) -> None:

@@ -19,9 +19,9 @@ from decentral.sync import DDP, DiLoCo
 TIMEOUT = 30.0  # seconds for a whole island run; each rank's collectives time out after 20 s
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, queue) -> None:
+def _rank_main(fn, rank: int, world_size: int, port: int, queue, timeout: float = 20.0) -> None:
     try:
-        transport = IslandTransport(f"tcp://127.0.0.1:{port}", rank, world_size, backend="gloo", timeout=20.0)
+        transport = IslandTransport(f"tcp://127.0.0.1:{port}", rank, world_size, backend="gloo", timeout=timeout)
         try:
             queue.put((rank, "ok", fn(transport, rank)))
         finally:
@@ -30,21 +30,24 @@ def _rank_main(fn, rank: int, world_size: int, port: int, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_island(fn, world_size: int) -> list:
-    """Run fn(transport, rank) on every rank of a fresh island; their return values, by rank."""
+def run_island(fn, world_size: int, sizes: list[int] | None = None, timeout: float = 20.0) -> list:
+    """Run fn(transport, rank) on every rank of a fresh island; their return values, by rank. `sizes`: the
+    world size each rank is given (all `world_size` by default); then (status, value) by rank, "error" with
+    the traceback of a rank that raised."""
     ctx = mp.get_context("forkserver")  # a clean process imports torch once; ranks fork from it
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "decentral.sync", __name__])  # optimizers load dynamo
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, size, port, queue, timeout))
+             for r, size in enumerate(sizes or [world_size] * world_size)]
     for p in procs:
         p.start()
     try:
         results: dict[int, object] = {}
-        for _ in range(world_size):
+        for _ in procs:
             rank, status, value = queue.get(timeout=TIMEOUT)
-            assert status == "ok", f"rank {rank} failed:\n{value}"
-            results[rank] = value
-        return [results[r] for r in range(world_size)]
+            assert sizes or status == "ok", f"rank {rank} failed:\n{value}"
+            results[rank] = (status, value) if sizes else value
+        return [results[r] for r in range(len(procs))]
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -210,6 +213,24 @@ def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own(average):
     the asynchronous average (CO2, Streaming) handed back the unsummed buffer as the mean."""
     said, left = run_island(average, 2)
     assert left == "left" and said.startswith("rank 0: the all-reduce with the other ranks failed, a rank is gone")
+
+
+def _offer_a_state(transport: IslandTransport, rank: int) -> str:
+    try:
+        transport.offer_state({"round": 0}, {"slow": torch.zeros(4)}) if rank == 0 else transport.fetch_state()
+    except IslandError as e:
+        return str(e)
+    return "offered"
+
+
+def test_a_rank_started_with_another_world_size_is_named_in_one_line_not_gloos_traceback():
+    """Rank 1 given --world-size 3, rank 0 --world-size 2: where rank 0 met it at the rendezvous, its broadcast of
+    the starting state timed out in gloo's raw RuntimeError (exit 1, a traceback); where the rendezvous itself
+    timed out, that was said in one line already."""
+    (status0, said0), (status1, said1) = run_island(_offer_a_state, 2, sizes=[2, 3], timeout=2.0)
+    assert ((status0 == "ok" and "started with another --world-size than 2" in said0)
+            or (status0 == "error" and "RendezvousError: rank 0 of 2 could not join the island" in said0)), said0
+    assert status1 == "error" and "RendezvousError: rank 1 of 3 could not join the island" in said1, said1
 
 
 def test_a_torchrun_rendezvous_nobody_comes_to_names_its_address(monkeypatch):
