@@ -338,14 +338,17 @@ def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> No
 def _swarm_setup(recipe: Recipe, opts: WorkerOptions) -> dict:
     """How this member averages, which every member of a run must share (besides the model, whose size is checked
     on the state a newcomer takes): the protocol, and the shards its vector is cut into (a sharded island's ranks
-    each average one; a single process or an island in leader mode averages the whole vector)."""
-    return {"protocol": recipe.protocol, "shards": opts.world_size if opts.island_mode == "sharded" else 1}
+    each average one; a single process or an island in leader mode averages the whole vector), and the round's
+    length (`every`: members of different lengths would average different rounds' progress)."""
+    return {"protocol": recipe.protocol, "every": recipe.round_length(),
+            "shards": opts.world_size if opts.island_mode == "sharded" else 1}
 
 
 def _describe_setup(setup: dict) -> str:
-    shards = setup["shards"]
-    return f"{setup['protocol']} " + ("on its whole vector (a single process, or an island in leader mode)"
-                                      if shards == 1 else f"in {shards} shards (an island of {shards} ranks, sharded)")
+    shards, every = setup["shards"], setup.get("every")
+    return (f"{setup['protocol']}{f' every {every} steps' if every else ''} " +
+            ("on its whole vector (a single process, or an island in leader mode)" if shards == 1 else
+             f"in {shards} shards (an island of {shards} ranks, sharded)"))
 
 
 def _check_same_setup(transport: Transport, ours: dict, run: str) -> None:
@@ -355,7 +358,7 @@ def _check_same_setup(transport: Transport, ours: dict, run: str) -> None:
         theirs = card.get("setup")
         if isinstance(theirs, dict) and theirs != ours:
             raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} averages {_describe_setup(theirs)}, "
-                             f"this peer {_describe_setup(ours)}: the members of a run use one protocol, and either all "
+                             f"this peer {_describe_setup(ours)}: the members of a run use one protocol and round length, and either all "
                              "are islands sharded over the same number of ranks or none is (--island-mode leader "
                              "mixes islands of any size with single processes)")
 

@@ -16,7 +16,8 @@ import yaml
 from conftest import TINY_MODEL, TINY_TRAIN, running, wait_until
 from decentral.config import RecipeError, parse_recipe
 from decentral.loopback import LoopbackHub
-from decentral.worker import WorkerOptions, run_worker
+from decentral.swarm import SwarmError
+from decentral.worker import WorkerOptions, _check_same_setup, _swarm_setup, run_worker
 from decentral.checkpoint import load_checkpoint
 from decentral.cpu import descendants
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
@@ -323,3 +324,19 @@ def test_a_newcomer_whose_last_step_the_swarm_has_passed_trains_nothing_and_says
         newcomer_done.set()
         first.join(timeout=120)
     assert not (tmp_path / "w1" / "checkpoint").exists()
+
+
+def test_a_member_of_another_round_length_is_refused_in_one_line(make_swarm, tmp_path):
+    """A DiLoCo member joining with every=10 a swarm that averages every 20 averaged each round with the
+    others' round of another length (both said group 2, their waits grew round by round); the newcomer now
+    stops naming both lengths. Two real swarm peers: one publishes its setup as a member does."""
+    member, newcomer = make_swarm(2)
+    recipe = parse_recipe({"protocol": {"name": "diloco", "every": 20}, "train": TINY_TRAIN, "model": TINY_MODEL})
+    options = WorkerOptions(out=tmp_path)
+    member.set_card(True, setup=_swarm_setup(recipe, options))
+    wait_until(lambda: "setup" in newcomer.progress().get(member.peer_id, {}), 30, "the member's setup in its heartbeat")
+    _check_same_setup(newcomer, _swarm_setup(recipe, options), "r")  # the same length: nothing said
+    shorter = parse_recipe({"protocol": {"name": "diloco", "every": 10}, "train": TINY_TRAIN, "model": TINY_MODEL})
+    with pytest.raises(SwarmError, match="averages diloco every 20 steps on its whole vector .*, this peer diloco "
+                                         "every 10 steps on its whole vector"):
+        _check_same_setup(newcomer, _swarm_setup(shorter, options), "r")
