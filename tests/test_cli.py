@@ -70,6 +70,7 @@ def scratch_folder(tmp: Path) -> dict[str, str]:
     (tmp / "empty.yaml").write_text("# nothing but a comment\n")
     (tmp / "noname.yaml").write_text("protocol: {every: 10}\n")
     (tmp / "folder.yaml").mkdir()
+    (tmp / "empty.key").write_text("")
     (tmp / "net.json").write_text('{"nodes": [\n')
     (tmp / "registry" / "code").mkdir(parents=True)
     (tmp / "registry" / "code" / "model.safetensors").write_bytes(b"")
@@ -195,6 +196,10 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["train", "--protocol", "empty.yaml"], "empty.yaml: empty: a recipe names its protocol"),  # NoLoCo's defaults ran
     (["train", "--protocol", "noname.yaml"], "noname.yaml: no protocol.name"),
     (["train", "--protocol", "folder.yaml"], "recipe folder.yaml is a folder, not a file"),
+    (["status", "--join", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}", "--swarm-key", "empty.key"],
+     "empty.key is not a swarm key (64 hex digits, as `decentral swarm keygen` writes; it holds 0 characters)"),
+    (["status", "--join", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}", "--swarm-key", "ab" * 32],
+     "the swarm key's file is given (--swarm-key FILE, $DECENTRAL_SWARM_KEY), not the key itself"),  # it echoed it
     ([*TRAIN, "--worker-index", "3", "--num-workers", "2"], "--worker-index 3: the data has --num-workers 2 shards"),
     (["train", "--protocol", "nonexistent"], "no protocol 'nonexistent': give one of co2"),
     ([*TRAIN, "--model", "hf:x.json", "--set", "model.n_layer=5"], "--set model.n_layer: shapes the reference GPT"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import struct
 from pathlib import Path
@@ -39,6 +40,7 @@ KEY_ENV = "DECENTRAL_SWARM_KEY"  # path of the swarm key file, when no --swarm-k
 KEY_BYTES = 32
 TOKEN_BYTES = 32
 _NONCE_BYTES = 12
+_KEY_TEXT = re.compile(rf"[0-9a-fA-F]{{{2 * KEY_BYTES}}}")  # a key as its file holds it
 
 
 class AdmissionError(RuntimeError):
@@ -76,12 +78,14 @@ class SwarmKey:
         try:
             text = path.read_text().strip()
         except OSError as e:
+            if _KEY_TEXT.fullmatch(str(path)):  # the key itself, given as its file
+                raise AdmissionError("the swarm key's file is given (--swarm-key FILE, $DECENTRAL_SWARM_KEY), not the "
+                                     "key itself: write it into a file and give its path") from None
             raise AdmissionError(f"cannot read swarm key {path}: {e.strerror or e}") from e
-        try:
-            return cls(bytes.fromhex(text))
-        except ValueError:
-            raise AdmissionError(f"{path} is not a swarm key ({2 * KEY_BYTES} hex digits, "
-                                 f"as `decentral swarm keygen` writes)") from None
+        if not _KEY_TEXT.fullmatch(text):  # an empty file too
+            raise AdmissionError(f"{path} is not a swarm key ({2 * KEY_BYTES} hex digits, as `decentral swarm keygen` "
+                                 f"writes; it holds {len(text)} characters)")
+        return cls(bytes.fromhex(text))
 
     def stream_token(self, opener: str, receiver: str, protocol: str) -> bytes:
         """What `opener` sends first on a stream to `receiver`; libp2p authenticates both ids."""
