@@ -118,7 +118,8 @@ def _wait_for_peers(procs: list[subprocess.Popen], out: Path, timeout_s: float =
     while True:
         failed = [i for i, p in enumerate(procs) if p.poll()]
         if failed:
-            raise PointFailed(f"peer h{failed[0]} exited with {procs[failed[0]].returncode}; see {out}/h{failed[0]}.log")
+            i = failed[0]
+            raise PointFailed(f"peer h{i} exited with {procs[i].returncode}; see {out}/h{i}.log")
         if all(p.returncode is not None for p in procs):
             return
         if time.monotonic() > deadline:

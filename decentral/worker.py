@@ -358,9 +358,9 @@ def _check_same_setup(transport: Transport, ours: dict, run: str) -> None:
         theirs = card.get("setup")
         if isinstance(theirs, dict) and theirs != ours:
             raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} averages {_describe_setup(theirs)}, "
-                             f"this peer {_describe_setup(ours)}: the members of a run use one protocol and round length, and either all "
-                             "are islands sharded over the same number of ranks or none is (--island-mode leader "
-                             "mixes islands of any size with single processes)")
+                             f"this peer {_describe_setup(ours)}: the members of a run use one protocol and round "
+                             "length, and either all are islands sharded over the same number of ranks or none is "
+                             "(--island-mode leader mixes islands of any size with single processes)")
 
 
 def _check_finite(what: str, value: float, step: int) -> float:
