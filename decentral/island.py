@@ -253,7 +253,7 @@ class IslandTransport:
         except RuntimeError as e:  # a rank gone, or one that met us at the rendezvous with another --world-size
             raise IslandError(f"rank {self.rank}: sending the island's starting state to the other ranks failed: a "
                               f"rank is gone, hung, or started with another --world-size than {self.world_size} "
-                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+                              f"({_said(e)})") from e
         return box[0]
 
     def close(self) -> None:
@@ -265,7 +265,12 @@ class IslandTransport:
 
 def _failed(rank: int, error: Exception) -> IslandError:
     return IslandError(f"rank {rank}: the all-reduce with the other ranks failed, a rank is gone or hung "
-                       f"({str(error).splitlines()[0] if str(error) else type(error).__name__})")
+                       f"({_said(error)})")
+
+
+def _said(error: Exception) -> str:
+    """The first line of what a failed collective raised (its type when it says nothing)."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _mean(values: torch.Tensor, summed: torch.Tensor, ids: list[str], tag: str) -> AverageResult:

@@ -68,14 +68,13 @@ class LoopbackHub:
             raise ValueError(f"{peer} averages over a group it is not in: {group}")
         flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu", copy=True)
         members = tuple(sorted(set(group)))
-        with self._cond:
-            if round is not None:  # an average of our own too, as the swarm's averager counts it
-                self._begun[peer] = max(round, self._begun.get(peer, round))
-        if members == (peer,):
-            return finished(AverageResult(flat, flat.clone(), [peer], True, 1, notes=own_note(peer, note)))
         key = (tag, members)
         future: Future[AverageResult] = Future()
         with self._cond:
+            if round is not None:  # an average of our own too, as the swarm's averager counts it
+                self._begun[peer] = max(round, self._begun.get(peer, round))
+            if members == (peer,):
+                return finished(AverageResult(flat, flat.clone(), [peer], True, 1, notes=own_note(peer, note)))
             if self._not_in(peer, round):  # as the swarm's averager: the others average a round we take no part in
                 others = [m for m in members if m != peer]  # without us
                 return finished(AverageResult(flat, flat.clone(), list(members), False, 1, absent=others, left_out=others))

@@ -30,29 +30,34 @@ def _rank_main(fn, rank: int, world_size: int, port: int, queue, timeout: float 
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_island(fn, world_size: int, sizes: list[int] | None = None, timeout: float = 20.0) -> list:
-    """Run fn(transport, rank) on every rank of a fresh island; their return values, by rank. `sizes`: the
-    world size each rank is given (all `world_size` by default); then (status, value) by rank, "error" with
-    the traceback of a rank that raised."""
+def run_ranks(fn, sizes: list[int], timeout: float = 20.0) -> list[tuple[str, object]]:
+    """Run fn(transport, rank) on a rank per entry of `sizes` (the world size that rank is given) of a fresh
+    island; by rank, ("ok", what fn returned) or ("error", the traceback of what it raised)."""
     ctx = mp.get_context("forkserver")  # a clean process imports torch once; ranks fork from it
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "decentral.sync", __name__])  # optimizers load dynamo
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, size, port, queue, timeout))
-             for r, size in enumerate(sizes or [world_size] * world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, size, port, queue, timeout)) for r, size in enumerate(sizes)]
     for p in procs:
         p.start()
     try:
-        results: dict[int, object] = {}
+        results: dict[int, tuple[str, object]] = {}
         for _ in procs:
             rank, status, value = queue.get(timeout=TIMEOUT)
-            assert sizes or status == "ok", f"rank {rank} failed:\n{value}"
-            results[rank] = (status, value) if sizes else value
+            results[rank] = (status, value)
         return [results[r] for r in range(len(procs))]
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def run_island(fn, world_size: int) -> list:
+    """Run fn(transport, rank) on every rank of a fresh island; their return values, by rank."""
+    results = run_ranks(fn, [world_size] * world_size)
+    for rank, (status, value) in enumerate(results):
+        assert status == "ok", f"rank {rank} failed:\n{value}"
+    return [value for _, value in results]
 
 
 # ----- average and its group check (one 3-rank island) -----
@@ -227,7 +232,7 @@ def test_a_rank_started_with_another_world_size_is_named_in_one_line_not_gloos_t
     """Rank 1 given --world-size 3, rank 0 --world-size 2: where rank 0 met it at the rendezvous, its broadcast of
     the starting state timed out in gloo's raw RuntimeError (exit 1, a traceback); where the rendezvous itself
     timed out, that was said in one line already."""
-    (status0, said0), (status1, said1) = run_island(_offer_a_state, 2, sizes=[2, 3], timeout=2.0)
+    (status0, said0), (status1, said1) = run_ranks(_offer_a_state, [2, 3], timeout=2.0)
     assert ((status0 == "ok" and "started with another --world-size than 2" in said0)
             or (status0 == "error" and "RendezvousError: rank 0 of 2 could not join the island" in said0)), said0
     assert status1 == "error" and "RendezvousError: rank 1 of 3 could not join the island" in said1, said1

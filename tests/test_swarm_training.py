@@ -14,13 +14,13 @@ import pytest
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN, running, wait_until
+from decentral.checkpoint import load_checkpoint
 from decentral.config import RecipeError, parse_recipe
+from decentral.cpu import descendants
 from decentral.loopback import LoopbackHub
 from decentral.swarm import SwarmError
-from decentral.worker import WorkerOptions, _check_same_setup, _swarm_setup, run_worker
-from decentral.checkpoint import load_checkpoint
-from decentral.cpu import descendants
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
+from decentral.worker import WorkerOptions, _check_same_setup, _swarm_setup, run_worker
 
 
 PROTOCOLS = {
