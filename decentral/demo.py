@@ -109,7 +109,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
         stop_processes(procs)
-        print("demo: interrupted; each worker saved its checkpoint", flush=True)
+        print("demo: interrupted; each worker that trained saved its checkpoint (its line above says)", flush=True)
         return 130
     for r in relays:
         r.join(timeout=5)

@@ -404,6 +404,14 @@ def _left_alone(protocol: SyncProtocol, previous: SyncReport | None, report: Syn
     return protocol.identical_replicas and previous is not None and len(previous.group) > 1 and len(report.group) == 1
 
 
+def _alone_from_the_start(opts: WorkerOptions, transport: Transport, previous: SyncReport | None,
+                          report: SyncReport) -> bool:
+    """Whether this is our first sync, with nobody else, though we joined a swarm (`--join`) and see no other
+    member of our run: the peers we joined through run another --run (swarm.run), or none of ours is up."""
+    return (previous is None and bool(opts.join) and not opts.island_mode and len(report.group) == 1
+            and set(transport.progress(max_age_s=60.0)) <= {transport.peer_id})
+
+
 def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
     line = (f"[{name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
             f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {record['wait_s']:.1f}s")
@@ -429,6 +437,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     log = MetricsLog(path, sink=TensorBoardSink(opts.tensorboard) if opts.tensorboard else None)
     val_loss = None
     last_sync = None
+    trained_from = None  # the step this process's training began at, once it did
     try:
         if opts.on_ready and transport.multiaddrs():
             opts.on_ready(transport.multiaddrs())
@@ -456,6 +465,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                              f"{protocol.round + 1} on)" if protocol.onlooking else "")
                           + (f"; {protocol.name} keeps {len(copies)} model-sized copies ({', '.join(copies)})"
                              if copies else ""))
+            trained_from = protocol.step
             while protocol.step < last_step:
                 for group in optimizer.param_groups:
                     group["lr"] = inner_lr(protocol.step, recipe)
@@ -474,6 +484,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                     if _left_alone(protocol, last_sync, report):
                         opts.print_fn(f"[{opts.name}] step {protocol.step} round {protocol.round}: no other member "
                                       f"took part (they ended, left or did not answer); training on alone until one does")
+                    elif _alone_from_the_start(opts, transport, last_sync, report):
+                        opts.print_fn(f"[{opts.name}] step {protocol.step} round {protocol.round}: no member of run "
+                                      f"{recipe.swarm.run!r} is in the swarm joined through --join: training alone "
+                                      "until one joins (do its members run another --run, swarm.run?)")
                     last_sync = report
                 if protocol.step % t.eval_every == 0:
                     val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)
@@ -499,6 +513,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
             else "no checkpoint was saved"))
         raise
     except KeyboardInterrupt:
+        if trained_from is None or protocol.step == trained_from:  # (a checkpoint of it would block a rerun)
+            opts.print_fn(f"[{opts.name}] interrupted before training a step; nothing saved" +
+                          (f" (the checkpoint in {opts.out / 'checkpoint'} is as it was)" if opts.resume else ""))
+            raise
         _save(protocol, opts, recipe, lineage)
         opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in "
                       f"{opts.out / 'checkpoint'} (--resume goes on from it)")

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN, running, wait_until
-from decentral.checkpoint import load_checkpoint
+from decentral.checkpoint import checkpoint_present, load_checkpoint
 from decentral.config import RecipeError, parse_recipe
 from decentral.cpu import descendants
 from decentral.loopback import LoopbackHub
-from decentral.swarm import SwarmError
+from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
 from decentral.worker import WorkerOptions, _check_same_setup, _swarm_setup, run_worker
 
@@ -267,6 +267,23 @@ def test_a_stopped_worker_saves_its_checkpoint_once_and_exits_without_a_tracebac
     assert load_checkpoint(w.root / "w0" / "checkpoint")[1]["sync"]["step"] == step >= 3
 
 
+def test_a_worker_stopped_while_it_waits_for_peers_saves_nothing_and_its_rerun_starts(workers):
+    """Stopped before its first step (here while it waits for --min-peers), a worker saved a checkpoint of step 0,
+    and the same command run again was refused: the --out held an earlier run. Nothing trained, nothing saved."""
+    w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=2)
+    proc = w.start(0, min_peers=2)
+    try:
+        wait_until(lambda: "waiting for 2 peers" in w.log(0) or proc.poll() is not None, 120, "the wait for peers")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130, w.log(0)
+    finally:
+        w.kill_all()
+    assert "interrupted before training a step; nothing saved" in w.log(0), w.log(0)
+    assert not checkpoint_present(w.root / "w0" / "checkpoint")
+    w.start(0, steps=5, min_peers=1, join=[])  # (not through the address it had)
+    assert w.wait(timeout=120) == {0: 0}, w.log(0)
+
+
 def test_corrupt_checkpoint_is_a_clear_error(workers):
     w = workers({"name": "diloco", "every": 10}, steps=10, num_workers=1)
     w.start(0)
@@ -324,6 +341,20 @@ def test_a_newcomer_whose_last_step_the_swarm_has_passed_trains_nothing_and_says
         newcomer_done.set()
         first.join(timeout=120)
     assert not (tmp_path / "w1" / "checkpoint").exists()
+
+
+def test_a_peer_of_another_run_joining_a_swarm_says_it_trains_alone(make_swarm, tmp_path, small_corpus):
+    """A peer given another --run than the swarm it joins through (a typo) trained alone without a word. Real
+    swarm peers: a member of one run, and a worker of another joining through it, who says so at its first sync."""
+    member = make_swarm(1)[0]
+    recipe = parse_recipe({"protocol": {"name": "diloco", "every": 5}, "train": {**TINY_TRAIN, "steps": 5},
+                           "model": TINY_MODEL, "swarm": {"run": "another"}})
+    join = [str(m) for m in member.multiaddrs()]
+    stranger = SwarmTransport("another", join, timeout=10.0, heartbeat_s=0.5)
+    said = []
+    run_worker(recipe, WorkerOptions(out=tmp_path, data=[str(small_corpus)], join=join, print_fn=said.append,
+                                     transport=stranger))
+    assert [line for line in said if "no member of run 'another' is in the swarm joined through --join" in line], said
 
 
 def test_a_member_of_another_round_length_is_refused_in_one_line(make_swarm, tmp_path):
