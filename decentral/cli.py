@@ -212,6 +212,9 @@ def cmd_train(args) -> int:
         raise RecipeError("--island averages what the protocol averages over torch.distributed; local averages "
                           "nothing: give another protocol")
     launched = None if args.island else rank_from_env()  # torchrun (or --island-size) started us as a rank
+    if args.island_mode and launched is None and recipe.island.size == 1:
+        raise RecipeError(f"--island-mode {args.island_mode} says how an island averages with the swarm, and this run "
+                          "is no island: give --island-size N too, or start its ranks with torchrun")
     if launched is None and recipe.island.size > 1 and not args.island:
         if recipe.protocol == "local":
             raise RecipeError("an island (island.size > 1) is one member of a swarm: give it an outer protocol, "

@@ -618,6 +618,9 @@ def main(args: argparse.Namespace) -> int:
                 print(f"h0 -> h1: {rate / 1e6:.1f} Mbit/s, {cap}", flush=True)
             if cmd:
                 status = _run_everywhere(lab, cmd)
+            elif not args.measure:
+                print("netlab: the lab was set up and is torn down; give --measure to measure a link, or -- CMD to "
+                      "run a command on every host", file=sys.stderr, flush=True)
             return status
     except KeyboardInterrupt:
         return 130

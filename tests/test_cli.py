@@ -206,6 +206,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"], "--rank 2: must be in [0, 2)"),
     ([*TRAIN, "--rank", "1", "--world-size", "2"], "--rank and --world-size go with --island"),
     ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--island-size", "2"], "give one or the other"),
+    ([*TRAIN, "--island-mode", "sharded"], "--island-mode sharded says how an island averages with the swarm, and this run is no island"),  # it was taken silently
     (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
     (["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
     (["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),

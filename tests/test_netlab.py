@@ -208,6 +208,15 @@ def test_cli_runs_command_in_every_host(lab_name, capsys):
     assert leftovers(lab_name) == []
 
 
+def test_cli_with_nothing_to_run_says_so(lab_name, capsys):
+    """A lab with neither a command nor --measure is set up and torn down: said, not done silently."""
+    parser = argparse.ArgumentParser()
+    netlab.add_arguments(parser)
+    assert netlab.main(parser.parse_args(["--hosts", "2", "--name", lab_name, "--mode", "loopback"])) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("h0 ") and "give --measure to measure a link, or -- CMD" in err, (out, err)
+
+
 @needs_netns
 def test_a_signal_the_process_ignores_stays_ignored(lab_name):
     """A background job starts with SIGINT ignored; a lab must not turn that SIGINT into a teardown
