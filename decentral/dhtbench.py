@@ -7,8 +7,9 @@ packet with its headers, each byte once):
   of a round's announcements, made one after another by one peer (regular heartbeats off);
 - idle: for each heartbeat period of `--heartbeats`, a fresh swarm doing nothing but beat for
   `--seconds`, in bytes per second per peer.
-Loopback carries whatever else this machine sends to itself: run it on a quiet machine. Writes
-OUT/results.json and OUT/dht.png and prints the table.
+Loopback carries whatever else this machine sends to itself: run it on a quiet machine, or in a network
+namespace of its own (`decentral netlab --hosts 1 --bandwidth none -- decentral bench dht ...`, as root).
+Writes OUT/results.json and OUT/dht.png and prints the table.
 """
 
 from __future__ import annotations
