@@ -136,7 +136,7 @@ def tiny_recipes(folder):
     for name, protocol in {"local": {"name": "local"}, "ddp": {"name": "ddp"}, "diloco": {"name": "diloco", "every": 10},
                            "co2": {"name": "co2", "every": 10}}.items():  # hivemind's baseline borrows diloco.yaml
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(
-            {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 20, "heartbeat_s": 0.5}}))
+            {"protocol": protocol, "train": train, "model": TINY_MODEL, "swarm": {"timeout": 10, "heartbeat_s": 0.5}}))
     return folder
 
 
