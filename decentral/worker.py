@@ -264,13 +264,16 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     if opts.stop_at is not None and opts.stop_at > t.steps:
         raise RecipeError(f"--stop-at {opts.stop_at} is past the end of the {t.steps}-step schedule (train.steps): "
                           f"give --steps {opts.stop_at} or more, or an earlier --stop-at")
-    if opts.resume and not (opts.island_mode and opts.rank > 0):  # (those take their leader's checkpoint)
-        _check_left_to_train(opts.out / "checkpoint", t.steps, opts.stop_at)
+    own_checkpoint = opts.resume and not (opts.island_mode and opts.rank > 0)  # (those take their leader's)
+    if own_checkpoint and not opts.out.is_dir():
+        raise CheckpointError(f"--resume: no run to resume in {opts.out} (the folder does not exist)")
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
     if start is not None:
         _check_stop_at_past(opts.stop_at, start.source, start.step, RegistryError)
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
-    with sole_writer(opts.out):
+    with sole_writer(opts.out):  # (before reading its checkpoint: a live run's is not ours to judge)
+        if own_checkpoint:
+            _check_left_to_train(opts.out / "checkpoint", t.steps, opts.stop_at)
         if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
             raise CheckpointError(f"{opts.out / 'checkpoint'} holds an earlier run: --resume goes on from it; to "
                                   "start over, remove it or give another --out")

@@ -206,6 +206,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"], "--rank 2: must be in [0, 2)"),
     ([*TRAIN, "--rank", "1", "--world-size", "2"], "--rank and --world-size go with --island"),
     ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--island-size", "2"], "give one or the other"),
+    ([*train_into("nowhere"), "--resume"], "--resume: no run to resume in nowhere (the folder does not exist)"),
     ([*TRAIN, "--island-mode", "sharded"], "--island-mode sharded says how an island averages with the swarm, and this run is no island"),  # it was taken silently
     (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
     (["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
@@ -287,18 +288,19 @@ def test_a_run_into_an_out_with_a_checkpoint_it_does_not_resume_is_refused_and_t
 
 
 def test_a_second_process_given_the_same_out_stops_at_once_and_the_first_trains_on(tmp_path, small_corpus, prefork):
-    """Two island ranks (or a run started twice) with one --out wrote over each other's checkpoint and crashed."""
+    """Two island ranks (or a run started twice) with one --out wrote over each other's checkpoint and crashed.
+    A --resume into it is refused the same way, not by what the live run's checkpoint says (it read it first)."""
     recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=100_000)
     run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", "run"]
     first = prefork.spawn(run, tmp_path / "first.log", cwd=tmp_path)
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # it trains
+        while not (tmp_path / "run" / "checkpoint" / "meta.json").exists():  # it trains, and saved once
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
             time.sleep(0.1)
-        done = prefork.run(run, tmp_path, timeout=120)
-        assert done.returncode == 2 and "another process is writing to run" in done.stderr, done.stderr
+        for again in (run, [*run, "--resume", "--stop-at", "1"]):
+            done = prefork.run(again, tmp_path, timeout=120)
+            assert done.returncode == 2 and "another process is writing to run" in done.stderr, done.stderr
         assert first.poll() is None
     finally:
         first.kill()
