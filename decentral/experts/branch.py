@@ -41,6 +41,7 @@ class StartPoint:
     tokens: int  # tokens the start model has seen
     model_config: dict[str, Any]  # what the model is (decentral.models.describe_model): the run's must be the same
     source: str
+    no_optimizer: str = ""  # why `optimizer` is None, where it is (said when AdamW starts fresh)
 
 
 def load_start_point(path: str | Path) -> StartPoint:
@@ -55,8 +56,13 @@ def load_start_point(path: str | Path) -> StartPoint:
             optimizer = optimizer_state_dict(load_file(expert.optimizer_file), expert.optimizer["param_groups"])
         model, config = (_hf_model(path) if expert.is_hf else
                          (load_file(expert.model_file), gpt_description(expert.model)))
+        if expert.merge:  # a branch from several parents starts from their average, a merge
+            source = (f"the {expert.merge['method']} merge of {', '.join(e['name'] for e in expert.merge['experts'])} "
+                      f"at {path}")
+            return StartPoint(model, optimizer, expert.steps, expert.sha256, expert.tokens, config, source,
+                              "a merge keeps none")
         return StartPoint(model, optimizer, expert.steps, expert.sha256, expert.tokens, config,
-                          f"expert {expert.name!r} at {path}")
+                          f"expert {expert.name!r} at {path}", "an expert keeps it only when written with --with-optimizer")
     try:
         tensors, meta = load_checkpoint(path)  # checks every file's sha256, a Hugging Face layout's included
     except CheckpointError as e:
@@ -75,7 +81,7 @@ def load_start_point(path: str | Path) -> StartPoint:
         optimizer = optimizer_state_dict({k: v for k, v in tensors.items() if k.startswith("inner.")},
                                          meta["inner_optimizer"]["param_groups"])
     return StartPoint(model, optimizer, int(meta["sync"]["step"]), parent,
-                      int(meta.get("lineage", {}).get("tokens", 0)), config, f"checkpoint {path}")
+                      int(meta.get("lineage", {}).get("tokens", 0)), config, f"checkpoint {path}", "its run saved none")
 
 
 def _hf_model(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from decentral.cli import (
     _recipe, add_network_arguments, add_worker_arguments, example, positive_int, serve_until_stopped, train_worker,
 )
+from decentral.checkpoint import CheckpointError, checkpoint_present
 from decentral.config import RecipeError, parse_recipe, parse_settings
 from decentral.metrics import format_table
 from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError, verify_expert
@@ -52,12 +53,23 @@ def _registry_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", default=DEFAULT_REGISTRY, help=f"folder of experts (default: {DEFAULT_REGISTRY})")
 
 
-def _check_new_expert(registry: Registry, name: str, replace: bool) -> None:
+def _check_new_expert(registry: Registry, name: str, replace: bool, resuming: bool = False) -> None:
     """RegistryError when `name` is not a valid expert name, or is taken in `registry` and not `replace`: checked
-    before any work, so that neither a run's training nor an expert others branched from is lost."""
+    before any work, so that neither a run's training nor an expert others branched from is lost. `resuming`: the
+    run goes on from its checkpoint, whose part up to a --stop-at may be the expert of that name."""
     if (registry.folder(name) / META_FILE).is_file() and not replace:
-        raise RegistryError(f"expert {name!r} is already in {registry.root}: give another name, or --replace to "
-                            "replace it")
+        raise RegistryError(f"expert {name!r} is already in {registry.root}" + (
+            " (a run stopped at its --stop-at adds what it trained so far)" if resuming else "") +
+            ": give another name, or --replace to replace it")
+
+
+def _check_run_folder(args) -> None:
+    """CheckpointError, before any work, when the run folder (`args.out`) holds an earlier run that this one does
+    not --resume: --replace replaces the registry's expert, not the run that trained it."""
+    if not args.resume and checkpoint_present(Path(args.out) / "checkpoint"):
+        raise CheckpointError(f"{args.out} holds the run of an earlier {args.expert!r}: --resume goes on from it; to "
+                              f"train it again, remove {args.out} or give another --out" +
+                              (" (--replace replaces the registry's expert, not its run)" if args.replace else ""))
 
 
 def _distinct(names: list[str], what: str) -> list[str]:
@@ -85,10 +97,11 @@ def cmd_seed(args) -> int:
         raise RegistryError("a seed trains on all domains: give two or more --domain")
     if not 0 < args.share <= 1:
         raise RegistryError(f"--share must be in (0, 1], got {args.share}")
-    _check_new_expert(Registry(args.registry), args.expert, args.replace)
+    _check_new_expert(Registry(args.registry), args.expert, args.replace, args.resume)
     recipe = _recipe(args)
     stop_at = args.stop_at or max(1, round(args.share * recipe.train.steps))
     args.out = args.out or f"runs/btm/{args.expert}"
+    _check_run_folder(args)
     print(f"experts: seed on {', '.join(args.domain)} (balanced) until step {stop_at} of a "
           f"{recipe.train.steps}-step schedule", flush=True)
     return _run_worker(recipe, args, args.expert, ",".join(args.domain), True, stop_at=stop_at)
@@ -122,7 +135,7 @@ def _take_parents_model(recipe, args, parent) -> None:
 
 def cmd_branch(args) -> int:
     registry = Registry(args.registry)
-    _check_new_expert(registry, args.expert, args.replace)
+    _check_new_expert(registry, args.expert, args.replace, args.resume)
     parents = [registry.get(name) for name in _distinct(args.parent, "--from")]
     if not args.domain:
         raise RegistryError("an expert trains on its own domain: give --domain")
@@ -141,6 +154,7 @@ def cmd_branch(args) -> int:
               f"this run's ({recipe.train.steps} steps in all, from its step {first.steps})", flush=True)
     _take_parents_model(recipe, args, first)
     args.out = args.out or f"runs/btm/{args.expert}"
+    _check_run_folder(args)
     if len(parents) == 1:
         start = first.folder
     else:

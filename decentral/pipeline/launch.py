@@ -273,7 +273,7 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         missing = [node.name for node in network.nodes if node.name not in saved]
         if missing:
             raise PipelineError(f"--resume: no stage checkpoint of node(s) {', '.join(missing)} in {out} (nodes "
-                                "checkpoint every train.eval_every iterations): start over without --resume")
+                                "checkpoint every train.eval_every iterations): to start over, remove it or give another --out")
         try:
             run_metrics(out)  # what the progress reads while the nodes train, and the lead keeps up to its checkpoint
         except ValueError as e:  # (read_metrics names the file and line)
