@@ -585,7 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     from decentral.swarm import AdmissionError, SwarmError
     from decentral.transport import StateUnavailable
 
-    out = getattr(args, "out", None) if args.command in ("bench", "syncbench", "train", "demo") else None
+    writes_a_folder = (args.command in ("bench", "syncbench", "train", "demo")
+                       or getattr(args, "pipeline_command", None) == "train"
+                       or getattr(args, "experts_command", None) in ("seed", "branch"))
+    out = getattr(args, "out", None) if writes_a_folder else None
     if out and Path(out).exists() and not Path(out).is_dir():  # each writes a folder there
         print(f"decentral: --out {out} is a file, not a folder", file=sys.stderr)
         return 2

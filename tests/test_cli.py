@@ -193,6 +193,8 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["merge", "binary.yaml", "--out", "merged"], "binary.yaml: not a text file in UTF-8"),
     (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "--out afile is a file, not a folder"),
     ([*train_into("afile")], "--out afile is a file, not a folder"),
+    (["pipeline", "train", "--out", "afile"], "--out afile is a file, not a folder"),  # errno's text
+    (["experts", "seed", "--domain", "code", "--domain", "legal", "--out", "afile"], "--out afile is a file, not a folder"),
     (["train", "--protocol", "empty.yaml"], "empty.yaml: empty: a recipe names its protocol"),  # NoLoCo's defaults ran
     (["train", "--protocol", "noname.yaml"], "noname.yaml: no protocol.name"),
     (["train", "--protocol", "folder.yaml"], "recipe folder.yaml is a folder, not a file"),

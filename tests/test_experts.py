@@ -223,6 +223,8 @@ def test_a_registry_that_cannot_be_read_is_one_line_and_the_rest_is_listed(tmp_p
                         "--batches", "1"], tmp_path, timeout=120)
     assert done.returncode == 2 and "torn'" in done.stderr and "does not match its recorded sha256" in done.stderr
     assert "Traceback" not in done.stderr
+    done = prefork.run(["experts", "list", "--registry", "nowhere"], tmp_path, timeout=60)  # a typo: said as empty
+    assert done.returncode == 0 and done.stdout == "no experts in nowhere (the folder does not exist)\n", done.stdout
 
 
 def test_an_expert_changed_since_it_was_written_is_refused_before_eval_or_branch_use_it(tmp_path, prefork):

@@ -206,7 +206,8 @@ def cmd_list(args) -> int:
                 unreadable.append(str(e))
         if experts or not unreadable:
             print(format_table([header] + [_describe(e) for e in experts], numeric=False) if experts
-                  else f"no experts in {args.registry}")
+                  else f"no experts in {args.registry}" + ("" if Path(args.registry).is_dir() else
+                                                            " (the folder does not exist)"))
         for problem in unreadable:
             print(f"decentral: {' '.join(problem.split())}", file=sys.stderr)
         return 2 if unreadable else 0
