@@ -286,6 +286,8 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
                         "--steps", "12", "--resume"], tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumes stage 0 at iteration 4" in (out / "h.log").read_text()
+    said = [line for line in done.stdout.splitlines() if ": iteration " in line]
+    assert said[0] == "pipeline train: iteration 4 of 12" and said[-1].endswith("12 of 12"), said  # (it began at 0)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     assert [r["loss"] for r in records[:4]] == [r["loss"] for r in killed[:4]]  # kept

@@ -426,7 +426,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         return p
 
     seed = command("seed", "train the seed model on all domains with balanced batches, for a share of the budget",
-                   "decentral experts seed --domain code --domain legal --domain manuals --steps 800 --share 0.5", cmd_seed)
+                   "decentral experts seed --domain code --domain legal --domain manuals --steps 600 --batch-size 48",
+                   cmd_seed)
     seed.add_argument("--share", type=float, default=0.5, help="the seed's share of the schedule (default 0.5)")
     seed.add_argument("--as", dest="expert", default="seed", help="its name in the registry (default: seed)")
 
@@ -450,7 +451,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = command("add", "add a `decentral train` checkpoint to the registry",
                   "decentral experts add runs/train/checkpoint --name code --domain-name code", cmd_add)
     add.add_argument("checkpoint")
-    add.add_argument("--name", required=True)
+    add.add_argument("--name", required=True, help="its name in the registry")
     add.add_argument("--domain-name", help="the domain it was trained on")
     add.add_argument("--with-optimizer", action="store_true", help="keep the inner optimizer state too")
     _registry_argument(add)

@@ -273,7 +273,8 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         missing = [node.name for node in network.nodes if node.name not in saved]
         if missing:
             raise PipelineError(f"--resume: no stage checkpoint of node(s) {', '.join(missing)} in {out} (nodes "
-                                "checkpoint every train.eval_every iterations): to start over, remove it or give another --out")
+                                "checkpoint every train.eval_every iterations): to start over, remove it or give "
+                                "another --out")
         try:
             run_metrics(out)  # what the progress reads while the nodes train, and the lead keeps up to its checkpoint
         except ValueError as e:  # (read_metrics names the file and line)
@@ -287,15 +288,18 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
     else:
         network = pinned(node_network(recipe, network_path), seed=recipe.recipe.train.seed,
                          effort=recipe.pipeline.effort)
+        done = None
     out.mkdir(parents=True, exist_ok=True)
     with sole_writer(out):
         return _train_locked(recipe, Path(recipe_path), network, out, netlab=netlab, latency_ms=latency_ms,
-                             steps=steps, data=data, drop=drop, timeout_s=timeout_s, evaluate=evaluate, resume=resume)
+                             steps=steps, data=data, drop=drop, timeout_s=timeout_s, evaluate=evaluate,
+                             resume_from=done)
 
 
 def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, netlab, latency_ms, steps, data, drop,
-                  timeout_s, evaluate, resume) -> dict:
-    """`train_run` once its inputs are checked and it alone writes to `out`."""
+                  timeout_s, evaluate, resume_from: int | None) -> dict:
+    """`train_run` once its inputs are checked and it alone writes to `out`; `resume_from`: the iteration its
+    nodes' checkpoints are at (None: a run that starts)."""
     from decentral.pipeline.evaluate import evaluate_run
     from decentral.swarm.admission import SwarmKey
 
@@ -304,7 +308,7 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
     if not key.exists():
         SwarmKey.generate(key)
     node_args = ["--swarm-key", str(key)] + [a for path in data or () for a in ("--data", str(path))]
-    node_args += ["--resume"] if resume else []
+    node_args += ["--resume"] if resume_from is not None else []
     lab = None
     if netlab:
         from decentral.netlab import NetLab
@@ -315,8 +319,9 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
                            env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
             print(f"pipeline train: starting {len(network.nodes)} nodes (their logs: {out}/<node>.log)", flush=True)
             run.start(min(START_S, timeout_s))
-            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", file=sys.stdout,
-                              line="{desc}: iteration {n} of {total}") as bar:  # on stdout, as a worker's steps are
+            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", file=sys.stdout,  # (as a
+                              line="{desc}: iteration {n} of {total}",  # worker's steps are)
+                              initial=resume_from or 0) as bar:
                 def tick() -> None:
                     bar.update(run.iterations_done() - bar.n)
 
