@@ -26,7 +26,7 @@ from decentral.models.gpt import GPT
 from decentral.pipeline.cli import add_pipeline_parser
 from decentral.pipeline.coordinator import Coordinator
 from decentral.pipeline.discovery import new_server
-from decentral.pipeline.launch import run_metrics, stage_checkpoints
+from decentral.pipeline.launch import _note_another_recipe, run_metrics, stage_checkpoints
 from decentral.pipeline.network import NetworkError, PipelineError, load_network, parse_network
 from decentral.pipeline.node import StageNode, microbatch
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe, shaped_network
@@ -259,7 +259,7 @@ def test_four_stage_processes_recover_from_a_killed_node(tmp_path, small_corpus,
 
 
 def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tmp_path, small_corpus, local_pipeline,
-                                                                              prefork):
+                                                                              prefork, capsys):
     """The lead of a 2-stage run (its only head) is killed after its checkpoint at iteration 4: no head
     can take over, so the other node says so in one line and exits 2. `pipeline train --resume` goes on
     from there with every node's weights and AdamW state: its iterations 5.. have the losses the killed
@@ -296,6 +296,14 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
     for name in ("h", "a"):
         tensors, meta = load_checkpoint(out / name / "stage")
         assert meta["iteration"] == 12 and any(k.startswith("inner.") for k in tensors)
+    assert "another recipe" not in done.stderr  # resumed with its own
+    # resumed with another recipe (the shipped one, when --recipe is left out): its settings go on, as said
+    other = recipe.to_dict()
+    other["train"] = {**other["train"], "eval_every": 100, "steps": 400}
+    _note_another_recipe(out / "h" / "stage", other, "other.yaml")
+    assert capsys.readouterr().err == (f"note: the run in {out} was trained with another recipe than other.yaml "
+                                       "(train.eval_every 4 there, 100 here): it goes on with this one's; give the "
+                                       "run's --recipe to go on as it was\n")
 
     # a lead whose metrics file is malformed cannot keep its records up to its checkpoint: said before any node
     # starts, naming the line, the file left as it was (the run's progress ended in a traceback; the lead, run by

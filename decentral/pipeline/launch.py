@@ -281,6 +281,7 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
             raise PipelineError(f"--resume: {e}: the lead keeps the run's records up to its checkpoint; mend that "
                                 "file, or move it aside") from None
         done, target = min((i for i in saved.values() if i is not None), default=0), steps or recipe.recipe.train.steps
+        _note_another_recipe(out / sorted(saved)[0] / "stage", recipe.to_dict(), recipe_path)
         if done >= target:
             raise PipelineError(f"--resume: the nodes' checkpoints in {out} are at iteration {done}, {target} were "
                                 f"asked for: nothing to train (give more --steps; `decentral pipeline eval {out}` "
@@ -294,6 +295,33 @@ def train_run(recipe_path: str | Path, out: str | Path, *, network_path: str | P
         return _train_locked(recipe, Path(recipe_path), network, out, netlab=netlab, latency_ms=latency_ms,
                              steps=steps, data=data, drop=drop, timeout_s=timeout_s, evaluate=evaluate,
                              resume_from=done)
+
+
+def _note_another_recipe(stage: Path, ours: dict, recipe_path: str | Path) -> None:
+    """A note on stderr when the recipe the stage checkpoint `stage` was trained with differs from `ours` (besides
+    train.steps, which --steps sets): a resume without the run's --recipe goes on with the shipped one's settings."""
+    from decentral.checkpoint import CheckpointError, read_checkpoint_meta
+
+    try:
+        theirs = read_checkpoint_meta(stage).get("recipe")
+    except CheckpointError:  # (loading the stage says what is wrong with it)
+        return
+    if not isinstance(theirs, dict):
+        return
+
+    def leaves(tree: dict, prefix: str = "") -> dict:  # {"train.lr": 0.001, ...}
+        found = {}
+        for key, value in tree.items():
+            found.update(leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return found
+
+    a, b = leaves(theirs), leaves(ours)
+    differ = sorted(k for k in {*a, *b} if a.get(k) != b.get(k) and k != "train.steps")
+    if differ:
+        print(f"note: the run in {stage.parent.parent} was trained with another recipe than {recipe_path} ("
+              + "; ".join(f"{k} {a.get(k)!r} there, {b.get(k)!r} here" for k in differ[:4])
+              + ("; ..." if len(differ) > 4 else "") + "): it goes on with this one's; give the run's --recipe to go "
+              "on as it was", file=sys.stderr, flush=True)
 
 
 def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, netlab, latency_ms, steps, data, drop,
