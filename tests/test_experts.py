@@ -383,7 +383,9 @@ def test_duplicates_run_folders_and_unknown_names_are_one_line_before_any_work(t
                         "meta.json is missing (did you mean runs/hf/run1/checkpoint?)"),
                        (["experts", "add", "reg/code", "--name", "x"],
                         "reg/code is an expert folder (expert.json), not a `decentral train` checkpoint"),
-                       (["experts", "publish", "code", "nosuch"], "no expert 'nosuch'")):
+                       (["experts", "publish", "code", "nosuch"], "no expert 'nosuch'"),
+                       (["experts", "eval", "--experts", "code,", "--domain", "code"],  # ("expert name ''")
+                        "--experts 'code,': an empty name (names are separated by single commas)")):
         done = prefork.run([*args, "--registry", "reg"], tmp_path, timeout=60)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no open-swarm note before it

@@ -313,6 +313,8 @@ def cmd_eval(args) -> int:
     from decentral.experts.evaluate import EvalConfig, ensemble_report, format_report, score_experts
 
     registry = Registry(args.registry)
+    if args.experts is not None and "" in args.experts.split(","):
+        raise RegistryError(f"--experts {args.experts!r}: an empty name (names are separated by single commas)")
     names = _distinct(args.experts.split(","), "--experts") if args.experts is not None else registry.names()
     experts = [registry.get(name) for name in names]
     if not experts:
