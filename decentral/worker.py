@@ -172,8 +172,8 @@ def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.opti
     if start.optimizer is not None:
         optimizer.load_state_dict(start.optimizer)
     else:
-        opts.print_fn(f"[{opts.name}] the start, {start.source}, holds no inner optimizer state ({start.no_optimizer}): "
-                      f"AdamW starts fresh at step {start.step}")
+        opts.print_fn(f"[{opts.name}] the start, {start.source}, holds no inner optimizer state "
+                      f"({start.no_optimizer}): AdamW starts fresh at step {start.step}")
 
 
 def make_transport(recipe: Recipe, opts: WorkerOptions, device: torch.device) -> Transport:

@@ -194,7 +194,8 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["demo", "--out", "afile", "--workers", "1", "--steps", "1"], "--out afile is a file, not a folder"),
     ([*train_into("afile")], "--out afile is a file, not a folder"),
     (["pipeline", "train", "--out", "afile"], "--out afile is a file, not a folder"),  # errno's text
-    (["experts", "seed", "--domain", "code", "--domain", "legal", "--out", "afile"], "--out afile is a file, not a folder"),
+    (["experts", "seed", "--domain", "code", "--domain", "legal", "--out", "afile"],
+     "--out afile is a file, not a folder"),
     (["train", "--protocol", "empty.yaml"], "empty.yaml: empty: a recipe names its protocol"),  # NoLoCo's defaults ran
     (["train", "--protocol", "noname.yaml"], "noname.yaml: no protocol.name"),
     (["train", "--protocol", "folder.yaml"], "recipe folder.yaml is a folder, not a file"),
@@ -209,7 +210,8 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     ([*TRAIN, "--rank", "1", "--world-size", "2"], "--rank and --world-size go with --island"),
     ([*TRAIN, "--island", "tcp://127.0.0.1:1", "--island-size", "2"], "give one or the other"),
     ([*train_into("nowhere"), "--resume"], "--resume: no run to resume in nowhere (the folder does not exist)"),
-    ([*TRAIN, "--island-mode", "sharded"], "--island-mode sharded says how an island averages with the swarm, and this run is no island"),  # it was taken silently
+    ([*TRAIN, "--island-mode", "sharded"],  # it was taken, and did nothing
+     "--island-mode sharded says how an island averages with the swarm, and this run is no island"),
     (["merge", "missing.yaml", "--out", "merged"], "merge recipe missing.yaml does not"),
     (["experts", "list", "--registry", "registry"], "code/expert.json: not valid JSON"),
     (["pipeline", "plan", "net.json"], "net.json: not valid JSON (line 2, column 1"),

@@ -146,7 +146,7 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
     out = run_cli(prefork, "experts", "branch", "legal2", "--from", "code", "--from", "legal", "--domain", "legal",
                   *common, cwd=tmp_path)
     assert "the start, the posterior merge of code, legal at " in out and "holds no inner optimizer state (a merge " \
-        "keeps none): AdamW starts fresh at step 40" in out  # said (it named --init-from and --with-optimizer), and done:
+        "keeps none): AdamW starts fresh at step 40" in out  # said (it named --init-from, --with-optimizer); done:
     assert int(load_checkpoint(tmp_path / "runs/btm/legal2/checkpoint")[0]["inner.0.step"]) == 40  # 40 steps taken
     start = read_expert(tmp_path / "runs/btm/legal2/init")
     weights = {e["name"]: e["weight"] for e in start.merge["experts"]}
@@ -186,8 +186,8 @@ def test_a_taken_name_or_a_stop_at_that_trains_nothing_is_refused_before_trainin
 
     refused("experts", "seed", "--domain", "code", "--domain", "legal", *common, says="'seed' is already in")
     refused("experts", "seed", "--domain", "code", "--domain", "legal", *common, "--replace",  # (was the worker's line)
-            says="runs/btm/seed holds the run of an earlier 'seed': --resume goes on from it; to train it again, remove "
-                 "runs/btm/seed or give another --out (--replace replaces the registry's expert, not its run)")
+            says="runs/btm/seed holds the run of an earlier 'seed': --resume goes on from it; to train it again, "
+                 "remove runs/btm/seed or give another --out (--replace replaces the registry's expert, not its run)")
     refused("experts", "branch", "seed", "--from", "seed", "--domain", "code", *common, says="--replace")
     refused("experts", "branch", "bad/name", "--from", "seed", "--domain", "code", *common, says="expert name")
     refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--stop-at", "10", *common,

@@ -41,7 +41,7 @@ class StartPoint:
     tokens: int  # tokens the start model has seen
     model_config: dict[str, Any]  # what the model is (decentral.models.describe_model): the run's must be the same
     source: str
-    no_optimizer: str = ""  # why `optimizer` is None, where it is (said when AdamW starts fresh)
+    no_optimizer: str  # why `optimizer` would be None (said when it is: AdamW starts fresh)
 
 
 def load_start_point(path: str | Path) -> StartPoint:
@@ -62,7 +62,8 @@ def load_start_point(path: str | Path) -> StartPoint:
             return StartPoint(model, optimizer, expert.steps, expert.sha256, expert.tokens, config, source,
                               "a merge keeps none")
         return StartPoint(model, optimizer, expert.steps, expert.sha256, expert.tokens, config,
-                          f"expert {expert.name!r} at {path}", "an expert keeps it only when written with --with-optimizer")
+                          f"expert {expert.name!r} at {path}",
+                          "an expert keeps it only when written with --with-optimizer")
     try:
         tensors, meta = load_checkpoint(path)  # checks every file's sha256, a Hugging Face layout's included
     except CheckpointError as e:

@@ -287,8 +287,8 @@ def verify_expert(expert: Expert, with_optimizer: bool = True) -> None:
         path = expert.folder / name
         if not path.is_file() or path.stat().st_size != size or file_sha256(path) != sha256:
             raise RegistryError(f"expert {expert.name!r}: {path} does not match its recorded sha256 (missing, corrupt or "
-                                "changed since it was written): make it again as it was made (seed, branch, add, fetch or merge) with "
-                                "--replace")
+                                "changed since it was written): make it again as it was made (seed, branch, add, "
+                                "fetch or merge) with --replace")
 
 
 @contextlib.contextmanager

@@ -347,9 +347,9 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
                            env={"DECENTRAL_LINK_LATENCY_MS": f"{latency_ms:g}"}) as run:
             print(f"pipeline train: starting {len(network.nodes)} nodes (their logs: {out}/<node>.log)", flush=True)
             run.start(min(START_S, timeout_s))
-            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", file=sys.stdout,  # (as a
-                              line="{desc}: iteration {n} of {total}",  # worker's steps are)
-                              initial=resume_from or 0) as bar:
+            # on stdout, as a worker's steps are; a resumed run's from its checkpoints' iteration
+            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", file=sys.stdout,
+                              line="{desc}: iteration {n} of {total}", initial=resume_from or 0) as bar:
                 def tick() -> None:
                     bar.update(run.iterations_done() - bar.n)
 
