@@ -263,8 +263,11 @@ def test_an_hf_seed_branches_with_its_weights_adamw_state_and_schedule(tmp_path,
     assert load_checkpoint(tmp_path / "again" / "checkpoint")[1]["lineage"]["parent"] == seed.sha256
 
     # two parents: their average weighted by the domain's posterior, at the step they branched at, AdamW fresh
+    capsys.readouterr()
     assert main(["experts", "branch", "avg", "--from", "seed", "--from", "text", "--domain", domain, *registry,
                  "--stop-at", "1", "--out", str(tmp_path / "avg")]) == 0
+    assert ("at step 0, the earliest step its parents branched at (seed 0, text 20): it trains the schedule from "
+            "there") in capsys.readouterr().out  # (it said "where the parents branched")
     start = read_expert(tmp_path / "avg" / "init")
     assert start.is_hf and start.merge["method"] == "posterior" and start.steps == 0
     val = balanced_eval_batches(load_domains([domain]), "dev", batch_size=TINY_TRAIN["batch_size"],

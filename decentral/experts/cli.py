@@ -164,9 +164,13 @@ def cmd_branch(args) -> int:
             raise RegistryError("branching from several experts weights them by one new domain's posterior: "
                                 "give exactly one --domain")
         average = averaged_start(parents, args.domain[0], Path(args.out) / "init")
+        branched = {p.start_step for p in parents}
         print("experts: starts from the average weighted by the domain's posterior: " +
               ", ".join(f"{e['name']} {e['weight']:.3f}" for e in average.merge["experts"]) +
-              f", at step {average.steps}, where the parents branched", flush=True)
+              f", at step {average.steps}, " + ("where the parents branched" if len(branched) == 1 else
+                                                "the earliest step its parents branched at (" +
+                                                ", ".join(f"{p.name} {p.start_step}" for p in parents) +
+                                                "): it trains the schedule from there"), flush=True)
         start = average.folder
     print(f"experts: {args.expert} branches from {', '.join(p.name for p in parents)} and trains on "
           f"{', '.join(args.domain)}", flush=True)
