@@ -1,6 +1,6 @@
 """A process that imports what `decentral train` imports, once, then forks one worker per request.
 
-A worker forked here is a process of its own that runs `decentral.cli.main(argv)` from its first line, as
+A worker forked here is a process of its own that runs `decentral.__main__.run()` from its first line, as
 `python -m decentral ARGV` does, but without the 4-5 CPU seconds a fresh interpreter spends importing
 torch and hivemind, and the 1-2 more that torch._dynamo's import takes at the first optimizer step:
 most of a swarm test's start-up on a 2-core machine. (Our workers already fork after
@@ -24,7 +24,8 @@ from hivemind.utils.mpfuture import MPFuture
 
 import decentral.pipeline.serve  # noqa: F401
 import decentral.worker  # noqa: F401
-from decentral.cli import main
+import decentral.cli  # noqa: F401
+from decentral.__main__ import run
 from decentral.swarm import wire
 
 
@@ -59,7 +60,7 @@ def become_worker(request: dict, selector: selectors.BaseSelector) -> None:
     MPFuture.reset_backend()  # hivemind's process-shared locks, made at its import: this worker's own, as in a
     # fresh interpreter (shared with every worker forked here, one that died holding one blocked all later ones)
     sys.argv = ["decentral", *request["argv"]]
-    sys.exit(main(request["argv"]))
+    sys.exit(run())
 
 
 def serve() -> None:

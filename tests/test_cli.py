@@ -4,6 +4,7 @@ what a user can get wrong ends in one line on stderr and exit code 2, not a trac
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from conftest import needs_netns, wait_until, write_recipe
+from decentral.__main__ import run as entry_point
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import build_parser, main
 from decentral.metrics import read_metrics
@@ -51,6 +53,23 @@ def test_every_help_ends_with_an_example_of_its_own_command_that_parses():
         assert any(f"{c} ".startswith(parser.prog + " ") for c in commands), (parser.prog, commands)
         for command in commands:
             build_parser().parse_args(shlex.split(command, comments=True)[1:])  # SystemExit if it does not parse
+
+
+def test_the_command_leaves_its_exit_no_garbage_collection_to_run(tmp_path, monkeypatch):
+    """`decentral`'s entry point freezes every object out of the collector's reach before the interpreter exits
+    (gc.freeze), whether the command returns its exit code or raises: its shutdown's collections walked every
+    object torch and hivemind made (a `decentral train` process took 0.8 CPU seconds to exit, 0.1 with it)."""
+    monkeypatch.setattr(sys, "argv", ["decentral", "swarm", "keygen", str(tmp_path / "swarm.key")])
+    try:
+        assert entry_point() == 0 and (tmp_path / "swarm.key").is_file()
+        assert gc.get_freeze_count() > 0
+        gc.unfreeze()
+        monkeypatch.setattr(sys, "argv", ["decentral", "--no-such-option"])
+        with pytest.raises(SystemExit):
+            entry_point()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_top_level_help_documents_the_exit_codes():
