@@ -190,7 +190,7 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
         if node.ended:  # the lead's stop did not reach us
             opts.print_fn(f"[{opts.name}] the run ended at iteration {node.iterations_done}; its lead is gone; leaving")
             return 0
-        successor = _successor(node, view(), gone)
+        successor = _successor(node, view(), gone, address)
         if successor is None:
             opts.print_fn(f"[{opts.name}] the lead ({gone}) is gone and no head is left to take over; leaving "
                           f"(checkpoint: {opts.out / 'stage'}, iteration {node.iterations_done})")
@@ -204,10 +204,14 @@ def _lead_gone(node: StageNode) -> str | None:
     return lead if lead and ping(node.links, lead) is None else None
 
 
-def _successor(node: StageNode, view: ServerView, gone: str) -> str | None:
-    """The head with the lowest name that is announced, is not at `gone` and answers; None when none does."""
-    heads = sorted((s.name, s.address) for s in view.get().values() if s.stage == 0 and s.address != gone)
-    return next((name for name, address in heads if ping(node.links, address) is not None), None)
+def _successor(node: StageNode, view: ServerView, gone: str, address: str) -> str | None:
+    """The head with the lowest name that is announced, is not at `gone` and answers; None when none does.
+    A head at `address` counts itself whatever the view says: the DHT nodes that hold its record may be the
+    lead's, gone with it (a view without it left the run with no lead while this head answered)."""
+    heads = {(s.name, s.address) for s in view.get().values() if s.stage == 0 and s.address != gone}
+    if node.stage.index == 0:
+        heads.add((node.name, address))
+    return next((name for name, at in sorted(heads) if ping(node.links, at) is not None), None)
 
 
 def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, closers: list,
