@@ -23,7 +23,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is import
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # before grpc: a port it cannot bind reaches us as an exception
 
-from decentral.config import RecipeError, load_recipe, parse_settings, recipe_path
+from decentral.config import Recipe, RecipeError, load_recipe, parse_settings, recipe_path
 from decentral.models import GPT_SOURCE, ModelError, absolute_source, check_source
 
 
@@ -184,6 +184,25 @@ def train_worker(recipe, args, **overrides) -> int:
     return 0
 
 
+def schedule_notes(recipe: Recipe) -> list[str]:
+    """What the run's step count does to its schedule that its user may not mean: a warmup that lasts the
+    whole run, no outer step at all, or steps after the last one that no average counts."""
+    t, notes = recipe.train, []
+    if t.warmup_steps >= t.steps:
+        notes.append(f"train.warmup_steps is {t.warmup_steps} and the run has {t.steps} steps: the learning rate warms "
+                     f"up for the whole run, reaches {t.steps / t.warmup_steps:.2g} of train.lr at most and never "
+                     f"decays; give --set train.warmup_steps=N below {t.steps}")
+    every = recipe.round_length()
+    if every is not None and t.steps < every:
+        notes.append(f"{t.steps} steps are less than one round (every {every} steps): no outer step will run, so "
+                     f"this trains as `local` would; give --steps {every} or more, or --set every=N")
+    elif every is not None and t.steps % every:
+        last = t.steps - t.steps % every
+        notes.append(f"{t.steps} steps are not a multiple of every ({every}): the last {t.steps % every} come after "
+                     f"the run's last outer step, and no average counts them; give --steps {last} or {last + every}")
+    return notes
+
+
 def cmd_train(args) -> int:
     from decentral.codec import TOPK_NOTICE, make_codec
     from decentral.ranks import rank_from_env, spawn_ranks
@@ -232,16 +251,9 @@ def cmd_train(args) -> int:
         swarm_key(recipe.swarm.key_file, notice=False)  # a bad key file fails here, before any training
         if make_codec(recipe.swarm.codec).error_feedback:
             print(TOPK_NOTICE, file=sys.stderr, flush=True)
-        every = recipe.round_length()
-        if every is not None and recipe.train.steps < every:
-            print(f"note: {recipe.train.steps} steps are less than one round (every {every} steps): no outer step "
-                  f"will run, so this trains as `local` would; give --steps {every} or more, or --set every=N",
-                  file=sys.stderr, flush=True)
-        elif every is not None and recipe.train.steps % every:
-            print(f"note: {recipe.train.steps} steps are not a multiple of every ({every}): the last "
-                  f"{recipe.train.steps % every} come after the run's last outer step, and no average counts them; "
-                  f"give --steps {recipe.train.steps - recipe.train.steps % every}"
-                  f" or {recipe.train.steps - recipe.train.steps % every + every}", file=sys.stderr, flush=True)
+    if not args.island and (launched is None or launched.rank == 0):
+        for note in schedule_notes(recipe):
+            print(f"note: {note}", file=sys.stderr, flush=True)
     return train_worker(recipe, args, **overrides)
 
 

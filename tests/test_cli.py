@@ -25,7 +25,8 @@ from conftest import needs_netns, wait_until, write_recipe
 import decentral.cli
 from decentral.__main__ import run as entry_point
 from decentral.checkpoint import load_checkpoint
-from decentral.cli import build_parser, main
+from decentral.cli import build_parser, main, schedule_notes
+from decentral.config import parse_recipe
 from decentral.metrics import read_metrics
 from decentral.netlab import NetLab
 from decentral.swarm.admission import AdmissionError, SwarmKey, ensure_identity
@@ -86,6 +87,23 @@ def test_the_entry_point_keeps_the_garbage_collector_off_what_lives_as_long_as_t
         assert gc.get_freeze_count() >= 1000
     finally:
         gc.unfreeze()
+
+
+def test_a_step_count_the_schedule_does_not_fit_is_noted():
+    """A warmup as long as the run, a run shorter than a round, steps after the last outer step: each said;
+    a step count that fits, nothing."""
+    def notes(protocol, steps, warmup=5):
+        return schedule_notes(parse_recipe({"protocol": protocol, "train": {"steps": steps, "warmup_steps": warmup}}))
+
+    assert notes({"name": "diloco", "every": 10}, 40) == [] and notes({"name": "local"}, 7) == []
+    warm, = notes({"name": "local"}, 10, warmup=20)
+    assert "warmup_steps is 20 and the run has 10 steps" in warm and "reaches 0.5 of train.lr" in warm
+    assert "below 10" in warm
+    assert notes({"name": "diloco", "every": 10}, 10, warmup=10)[0].startswith("train.warmup_steps is 10")
+    short, = notes({"name": "diloco", "every": 10}, 8)
+    assert short.startswith("8 steps are less than one round (every 10 steps)") and "--steps 10 or more" in short
+    past, = notes({"name": "diloco", "every": 10}, 25)
+    assert past.startswith("25 steps are not a multiple of every (10): the last 5") and "--steps 20 or 30" in past
 
 
 def test_top_level_help_documents_the_exit_codes():
