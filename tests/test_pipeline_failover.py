@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from decentral.pipeline.coordinator import Coordinator, Deposed
 from decentral.pipeline.evaluate import load_run
 from decentral.pipeline.launch import run_metrics
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
-from decentral.pipeline.discovery import ServerView
+from decentral.pipeline.discovery import RECORD_TTL_S, Announcer, ServerView, new_server
 from decentral.pipeline.serve import NodeOptions, _serve, _successor
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.peer import SwarmPeer
@@ -109,6 +110,41 @@ def test_a_head_counts_itself_a_successor_when_the_dht_view_lacks_its_record(sma
     finally:
         view.close()
         peer.shutdown()
+        pipeline.close()
+
+
+def test_a_node_whose_lead_is_gone_leaves_only_once_no_head_was_in_view_for_a_records_lifetime(tmp_path, small_corpus):
+    """A live head's record may lapse (renewed through a DHT with a frozen member): a node that finds its lead
+    gone and no head in view looks again for RECORD_TTL_S before it says none is left and exits 2 (it left at
+    once). Here the head h1 is announced 1.5 s after the lead h0 closed: a stays past that wait, following h1."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    pipeline = InProcessPipeline(recipe, {"h0": 0, "h1": 0, "a": 1}, load_corpus([small_corpus]).train)
+    dht = SwarmPeer(f"t{time.monotonic_ns()}")
+    member = SwarmPeer(dht.run, dht.multiaddrs())
+    said: list[str] = []
+    announcer = None
+    try:
+        h0, h1, a = (pipeline.nodes[name] for name in ("h0", "h1", "a"))
+        pipeline.coordinator.run_iteration(0)  # a follows h0
+        h0.close()
+        closed = time.monotonic()
+        opts = NodeOptions("a", recipe, pipeline.coordinator.network, tmp_path, print_fn=said.append)
+        with ThreadPoolExecutor(1) as pool:
+            serving = pool.submit(_serve, a, dht, a.address, opts, [])
+            time.sleep(1.5)  # no head in view for a while
+            assert not serving.done(), said
+            announcer = Announcer(member, new_server("h1", h1.address, 0))
+            while time.monotonic() < closed + RECORD_TTL_S + 3 and not serving.done():
+                time.sleep(0.1)  # past the wait for a head: a node that found none would have returned 2 by now
+            assert not serving.done(), said
+            a.stopped.set()  # (as the new lead's stop would)
+            assert serving.result(timeout=10) == 0, said
+        assert not [line for line in said if "no head is left" in line], said
+    finally:
+        if announcer:
+            announcer.close()
+        member.shutdown()
+        dht.shutdown()
         pipeline.close()
 
 

@@ -20,6 +20,8 @@ from decentral.swarm.peer import SwarmPeer
 log = logging.getLogger(__name__)
 
 KEY = "pipeline/servers"
+ANNOUNCE_EVERY_S = 2.0  # how often a node renews its record, which lives 3 times as long
+RECORD_TTL_S = 3 * ANNOUNCE_EVERY_S
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ def new_server(name: str, address: str, stage: int) -> Server:
 class Announcer:
     """Keeps `server`'s record in the DHT (a background thread) until `close`."""
 
-    def __init__(self, peer: SwarmPeer, server: Server, every: float = 2.0):
+    def __init__(self, peer: SwarmPeer, server: Server, every: float = ANNOUNCE_EVERY_S):
         self.peer, self.server, self.every = peer, server, every
         self._stop = threading.Event()
         self.peer.publish(KEY, self.peer.peer_id, asdict(server), ttl=3 * every)

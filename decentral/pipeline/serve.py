@@ -21,7 +21,9 @@ that is announced in the DHT and answers a ping: every node finds the same one, 
 The successor takes over (Coordinator.take_over: a new term) and leads from the iteration the nodes
 last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
 record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no
-head is left, every node says so in one line and exits 2: the stage checkpoints stay, for `resume`
+head is left (none has been in view for a record's lifetime, RECORD_TTL_S: a live head's record may lapse
+while it renews it through a DHT with a frozen member), every node says so in one line and exits 2: the
+stage checkpoints stay, for `resume`
 (a node that stepped the run's last iteration and then finds its lead gone leaves as done, exit 0).
 A lead that finds the nodes following a newer term (it was only slow) stands by as a head. A node
 leaves when told to, or when no command came for `idle_s` seconds.
@@ -43,7 +45,7 @@ from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, keep_records_until
 from decentral.pipeline.auth import CallKey
 from decentral.pipeline.coordinator import Coordinator, Deposed, ping
-from decentral.pipeline.discovery import Announcer, ServerView, lookup_servers, new_server
+from decentral.pipeline.discovery import RECORD_TTL_S, Announcer, ServerView, lookup_servers, new_server
 from decentral.pipeline.network import Network, PipelineError
 from decentral.pipeline.node import StageNode
 from decentral.pipeline.recipe import PipelineRecipe
@@ -171,7 +173,7 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
             closers.insert(0, views[0].close)
         return views[0]
 
-    lead, gone = opts.lead, None
+    lead, gone, headless_since = opts.lead, None, None
     while True:
         if lead:
             try:
@@ -186,15 +188,20 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
             return 1
         gone = _lead_gone(node)
         if gone is None:
+            headless_since = None
             continue
         if node.ended:  # the lead's stop did not reach us
             opts.print_fn(f"[{opts.name}] the run ended at iteration {node.iterations_done}; its lead is gone; leaving")
             return 0
         successor = _successor(node, view(), gone, address)
         if successor is None:
+            headless_since = headless_since or time.monotonic()
+            if time.monotonic() - headless_since < RECORD_TTL_S:
+                continue
             opts.print_fn(f"[{opts.name}] the lead ({gone}) is gone and no head is left to take over; leaving "
                           f"(checkpoint: {opts.out / 'stage'}, iteration {node.iterations_done})")
             return 2
+        headless_since = None
         lead = successor == opts.name
 
 
