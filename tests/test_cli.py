@@ -60,8 +60,8 @@ def test_every_help_ends_with_an_example_of_its_own_command_that_parses():
 def test_the_entry_point_keeps_the_garbage_collector_off_what_lives_as_long_as_the_process(monkeypatch):
     """`decentral`'s entry point freezes (gc.freeze) what its imports made before the command runs, the collector
     on, and what the command made before the interpreter exits, whether it returns its exit code or raises:
-    collections walked every object of torch and hivemind (0.8 of a `decentral train` process's exit's 0.9
-    CPU seconds here, and 0.1 of each command's start)."""
+    collections walked every object of torch and hivemind (0.7 of the 0.8 CPU seconds a `decentral train`
+    process took to exit here, and 0.1 of each command's start)."""
     seen, made = [], []
 
     def command():
