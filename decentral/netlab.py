@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import fcntl
 import ipaddress
 import json
 import os
@@ -47,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -295,7 +297,9 @@ class NetLab:
         self.hosts: list[Host] = []
         self._closed = self._signalled = False
         self._prev_handlers: dict[int, object] = {}
+        self._name_lock = None
         if mode == "netns":
+            self._name_lock = _hold_lab_name(name)  # before anything of a lab of that name is removed
             try:
                 self._setup_netns(hosts)
             except BaseException as exc:
@@ -303,6 +307,7 @@ class NetLab:
                     cleanup_stale(name)
                 except NetLabError as cleanup_exc:
                     exc.add_note(str(cleanup_exc))
+                self._name_lock.close()
                 raise
         else:
             self.hosts = [self._host(i, "127.0.0.1", None) for i in range(hosts)]
@@ -437,13 +442,31 @@ class NetLab:
             while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
                 time.sleep(0.05)  # the signalled processes exiting (after SIGKILL: milliseconds)
         if self.mode == "netns":
-            cleanup_stale(self.name)
+            try:
+                cleanup_stale(self.name)
+            finally:
+                self._name_lock.close()
 
     def __enter__(self) -> NetLab:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _hold_lab_name(name: str):
+    """The open lock file of lab name `name`, locked (flock) while this process's lab of that name runs: a second
+    lab of the name is refused (its set-up would remove the first's namespaces and kill its processes, as
+    what a crashed lab left). Released when closed or when the process ends, however it ends."""
+    lock = open(os.path.join(tempfile.gettempdir(), f"decentral-netlab-{name}.lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise NetLabError(f"a lab named {name!r} is running on this machine (another `decentral netlab`, or a bench, "
+                          "which names its lab itself): wait for it to end, or give this one another name "
+                          "(netlab --name, bench islands --lab-name)") from None
+    return lock
 
 
 def _exited(proc: subprocess.Popen) -> bool:

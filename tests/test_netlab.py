@@ -111,6 +111,21 @@ def test_hosts_reach_each_other_and_objects_exist_while_open(lab_name):
 
 
 @needs_netns
+def test_a_second_lab_of_a_running_labs_name_is_refused_and_the_first_goes_on(lab_name):
+    """Its set-up removed what a lab of that name left, as after a crash: the running lab's namespaces and
+    processes (two benches at once each killed the other's workers)."""
+    with NetLab(2, None, name=lab_name, mode="netns") as first:
+        sleeper = first.hosts[1].popen(["sleep", "30"])
+        with pytest.raises(NetLabError, match=f"a lab named '{lab_name}' is running on this machine"):
+            NetLab(2, None, name=lab_name, mode="netns")
+        assert sleeper.poll() is None
+        assert sorted(leftovers(lab_name)) == sorted([f"{lab_name}-h0", f"{lab_name}-h1", f"{lab_name}-v0",
+                                                      f"{lab_name}-v1", f"{lab_name}br"])
+    with NetLab(1, None, name=lab_name, mode="netns"):  # the name is free once the first lab ended
+        pass
+
+
+@needs_netns
 def test_popen_passes_env_inside_namespace(lab_name):
     with NetLab(2, "20mbit", latency_ms=12.5, name=lab_name, mode="netns") as lab:
         out = lab.hosts[1].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "y"}).stdout
