@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import subprocess
@@ -430,6 +429,11 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"bench: --out {out} holds a previous bench (results.json): give another --out, or redraw its "
               f"results with --report {out}", file=sys.stderr)
         return 2
+    taken = [m for m in [REFERENCE, *methods] if (out / m).exists()]
+    if taken:  # (a run of the user's, `train --out runs/diloco`, beside a `bench --out runs`)
+        print(f"bench: --out {out} holds {', '.join(taken)}: the bench writes a folder of that name for each "
+              "method, and keeps what is there; give another --out", file=sys.stderr)
+        return 2
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
     tokens_per_step = base.train.batch_size * base.train.context
@@ -462,7 +466,6 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"bench: {method} on {args.hosts} hosts ...", flush=True)
                 started = time.monotonic()
                 method_out = out / method
-                shutil.rmtree(method_out, ignore_errors=True)
                 raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
                 res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
                 results["methods"][method] = res

@@ -194,6 +194,17 @@ def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
     assert again.returncode == 2 and "is not a `decentral bench` run's results" in again.stderr, again.stderr
 
 
+def test_an_out_holding_a_folder_of_a_methods_name_is_refused_and_kept(tmp_path, capsys):
+    """`train --out runs/diloco`, then `bench --out runs`: the bench removed runs/diloco to write its own there."""
+    (tmp_path / "runs" / "diloco").mkdir(parents=True)
+    (tmp_path / "runs" / "diloco" / "notes.txt").write_text("precious")
+    code = cli_main(["bench", "--protocols", "diloco,noloco", "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out {tmp_path / 'runs'} holds diloco: the bench writes a folder" in err, err
+    assert (tmp_path / "runs" / "diloco" / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["diloco"]
+
+
 def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anything_runs(tmp_path, capsys):
     for methods, why in (("ddp+int8", "unknown method"), ("diloco+int3", "unknown codec"),
                          ("noloco+topk", "error feedback"), ("ddp@0", "positive integer"),
