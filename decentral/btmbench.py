@@ -247,7 +247,13 @@ def run_btm_bench(args: argparse.Namespace) -> int:
         results = Path(args.report) / "results.json"
         if not results.is_file():
             raise RecipeError(f"bench btm: --report {args.report}: no results.json there (a run that did not finish?)")
-        return report(json.loads(results.read_text()), Path(args.report))
+        try:
+            saved = json.loads(results.read_text())
+        except (OSError, ValueError) as e:
+            raise RecipeError(f"bench btm: cannot read {results}: {e}") from None
+        if not isinstance(saved, dict) or not {"summary", "ratios", "heldout", "wall_s"} <= saved.keys():
+            raise RecipeError(f"bench btm: {results} is not a `decentral bench btm` run's results")
+        return report(saved, Path(args.report))
     out = Path(args.out)
     domains = args.domains.split(",")
     check_domains(domains, args.heldout)

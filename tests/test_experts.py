@@ -271,7 +271,13 @@ def test_experts_of_different_contexts_are_evaluated_on_the_shortest_in_either_o
 def test_bench_btm_refuses_impossible_settings_before_anything_starts(tmp_path, monkeypatch, capsys):
     (tmp_path / "used" / "seed0").mkdir(parents=True)
     (tmp_path / "empty").mkdir()
+    for name, text in (("other", '{"methods": {}}'), ("list", "[1, 2]"), ("garbled", "{not json")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(text)  # another bench's, ... (it was a traceback)
     for args, says in ((["--heldout", "code"], "--heldout code is one of --domains"),
+                       (["--report", "other"], "is not a `decentral bench btm` run's results"),
+                       (["--report", "list"], "is not a `decentral bench btm` run's results"),
+                       (["--report", "garbled"], "cannot read"),
                        (["--domains", "code"], "two or more domains"),
                        (["--domains", "code,code"], "names a domain twice"),
                        (["--domains", "code,nope"], "unknown domain 'nope'"),

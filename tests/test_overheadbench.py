@@ -42,3 +42,17 @@ def test_ddp_and_mismatched_recipes_are_refused(tmp_path, capsys):
     for protocols, why in (("ddp", "averages every step"), (f"diloco,{other}", "differ from diloco's")):
         assert main(["bench", "overhead", "--protocols", protocols, "--out", str(tmp_path / "out")]) == 2
         assert why in capsys.readouterr().err
+
+
+def test_a_count_out_of_range_is_refused_before_anything_runs(tmp_path, capsys):
+    """--threads 0 was torch's traceback after the --out folder was made; --block 0 meant the default."""
+    for args, says in ((["--threads", "0"], "--threads: must be at least 1"), (["--block", "0"], "--block: must be at least 1"),
+                       (["--warmup", "-1"], "--warmup: must be at least 0"),
+                       (["--steps", "20", "--block", "50"], "--steps (20) must be at least --block (50)")):
+        try:
+            code = main(["bench", "overhead", *args, "--out", str(tmp_path / "out")])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and "Traceback" not in err, (args, err)
+        assert not (tmp_path / "out").exists()
