@@ -37,7 +37,7 @@ from decentral.config import RecipeError, default_recipe_path, load_recipe, pars
 from decentral.data import load_corpus
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import build_model
-from decentral.netlab import Host, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, Host, NetLab, bandwidth_argument
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
@@ -522,7 +522,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help="uplink cap per host (tc rate) or 'none'")
+                        help=BANDWIDTH_HELP)
     parser.add_argument("--protocols", default=",".join(METHODS),
                         help=f"comma-separated, from {','.join(METHODS)} (local, the reference, always runs first); "
                              "METHOD+CODEC runs a method with another "

@@ -46,7 +46,7 @@ from decentral.config import default_recipe_path, load_recipe
 from decentral.data import load_corpus
 from decentral.hierarchy import MODES
 from decentral.metrics import format_table, human_bytes
-from decentral.netlab import NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
 
 A_METHODS = (REFERENCE, "flat", "hierarchical")
 A_HOSTS = 2
@@ -403,7 +403,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="a,b", help="a (utilisation, hierarchical vs flat), b (sharded vs leader "
                         "sync) or a,b")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help="uplink cap per host (tc rate) or 'none'")
+                        help=BANDWIDTH_HELP)
     parser.add_argument("--steps", type=positive_int, default=200, help="(A) inner steps per process")
     parser.add_argument("--rounds", type=_rounds, default=8,
                         help="(B) averages timed per point, at least 2 (the first is dropped)")

@@ -99,6 +99,10 @@ def rate_argument(text: str) -> str:
     return text
 
 
+BANDWIDTH_HELP = ("uplink cap per host, in bits per second: 20mbit, 512kbit, 1gbit (20Mbps is 20 Mbit/s too, where tc "
+                  "reads mbps as bytes), or 'none'")
+
+
 def bandwidth_argument(text: str) -> str | None:
     """argparse type of every `--bandwidth`: a `parse_rate` string, or None for 'none' (uncapped links)."""
     if text.strip().lower() == "none":
@@ -581,7 +585,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--hosts", type=int, default=2, help="number of emulated hosts")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help="uplink cap per host, e.g. 20mbit, or 'none'")
+                        help=BANDWIDTH_HELP)
     parser.add_argument("--latency-ms", type=number_type(float, 0), default=0.0,
                         help="link latency passed to apps (not kernel-enforced)")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")

@@ -48,7 +48,7 @@ import yaml
 from decentral.cli import stop_processes
 from decentral.config import load_recipe, recipe_path
 from decentral.metrics import format_table
-from decentral.netlab import NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
@@ -354,7 +354,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--hosts", type=int, default=6)
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help="uplink cap per host (tc rate) or 'none'")
+                        help=BANDWIDTH_HELP)
     parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
     parser.add_argument("--steps", type=positive_int, default=3000,
                         help="the swarm's inner steps (default: ~20 min on 2 cores)")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from decentral.config import SwarmConfig
-from decentral.netlab import NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
 
 METHODS = ("diloco", "noloco")
 
@@ -184,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int_list_type(2, "every point needs at least 2 hosts to sync"), default="2,4,8",
                         help="comma-separated host counts")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help="uplink cap per host (tc rate) or 'none'")
+                        help=BANDWIDTH_HELP)
     parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")
     parser.add_argument("--rounds", type=_rounds, default=4, help="syncs per point, at least 2: the first warms "
                         "up and is not counted")
