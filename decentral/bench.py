@@ -37,7 +37,7 @@ from decentral.config import RecipeError, default_recipe_path, load_recipe, pars
 from decentral.data import load_corpus
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import build_model
-from decentral.netlab import BANDWIDTH_HELP, Host, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, bandwidth_argument
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
@@ -418,6 +418,13 @@ def run_bench(args: argparse.Namespace) -> int:
         print("bench: --protocols names no method besides local, the reference, which runs with any",
               file=sys.stderr)
         return 2
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:
+        print(f"bench: --protocols names {', '.join(twice)} more than once", file=sys.stderr)
+        return 2
+    if args.hosts > MAX_HOSTS:
+        print(f"bench: --hosts {args.hosts}: a lab has at most {MAX_HOSTS}", file=sys.stderr)
+        return 2
     unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS or m.endswith(("+", "@"))
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
@@ -520,7 +527,7 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type
 
-    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--hosts", type=number_type(int, 1), default=4, help=f"hosts, 1 to {MAX_HOSTS} (default: 4)")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help=BANDWIDTH_HELP)
     parser.add_argument("--protocols", default=",".join(METHODS),
@@ -528,7 +535,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "METHOD+CODEC runs a method with another "
                              "swarm.codec (e.g. diloco+topk, diloco+float16); METHOD@STEPS gives a method its own "
                              "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target)")
-    parser.add_argument("--steps", type=int, default=300,
+    parser.add_argument("--steps", type=number_type(int, 1), default=300,
                         help="inner steps per worker (the same for every method without @STEPS)")
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
@@ -536,7 +543,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
-    parser.add_argument("--target-loss", type=float, help="target validation loss when ddp is not run")
+    parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),
+                        help="target validation loss when ddp is not run")
     parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True), default=1200.0,
                         help="seconds before a method is killed")
     parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison, table and plot "

@@ -209,8 +209,11 @@ def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anythin
     for methods, why in (("ddp+int8", "unknown method"), ("diloco+int3", "unknown codec"),
                          ("noloco+topk", "error feedback"), ("ddp@0", "positive integer"),
                          ("diloco+", "unknown method"), (",", "names no method"),
-                         ("local", "names no method besides local"), ("local,diloco+int3", "unknown codec")):
-        code = cli_main(["bench", "--protocols", methods, "--out", str(tmp_path / "out")])
+                         ("local", "names no method besides local"), ("local,diloco+int3", "unknown codec"),
+                         ("diloco,noloco,diloco", "names diloco more than once"),
+                         ("diloco --hosts 254", "--hosts 254: a lab has at most 253")):
+        methods, *more = methods.split()
+        code = cli_main(["bench", "--protocols", methods, "--out", str(tmp_path / "out"), *more])
         err = capsys.readouterr().err
         assert code == 2 and why in err, (methods, err)
         assert not (tmp_path / "out").exists()  # no lab, no worker, no results
