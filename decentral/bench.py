@@ -270,7 +270,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         "bytes_sent_per_worker": mean(counted),
         "bytes_sent_per_worker_per_step": (mean(counted) / steps) if counted else None,
         "stream_bytes_sent_per_worker": mean(streams),
-        "peak_stream_bytes_per_s": median_or_none([peak_rate(recs) for recs in by_worker.values()]),
+        "peak_stream_bytes_per_s": median_or_none([rate for recs in by_worker.values()
+                                                   if (rate := peak_rate(recs)) is not None]),
         "stream_bytes_per_round": median_or_none([b for recs in by_worker.values() if (b := round_bytes(recs))]),
         "training_thread_cpu_s": mean(spent("thread_cpu_s")),
         "other_threads_cpu_s": mean([max(process - thread, 0.0)  # the two clocks are read a moment apart
@@ -297,17 +298,19 @@ def median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def peak_rate(records: list[dict], window_s: float = 1.0) -> float:
+def peak_rate(records: list[dict], window_s: float = 1.0) -> float | None:
     """The most bytes per second a worker's streams sent over any span of its step records at least
     `window_s` long (records are the worker's own, one per step, with cumulative `bytes_sent`): what a
-    link must carry for the worker's bursts, where the total over the run says nothing of bursts."""
+    link must carry for the worker's bursts, where the total over the run says nothing of bursts. None
+    when the records span less than `window_s` (a run that short has no rate to tell)."""
     points = sorted((r["wall_s"], r.get("bytes_sent") or 0) for r in records)
-    best, j = 0.0, 0
+    best, j = None, 0
     for t, sent in points:
         j = max(j, bisect.bisect_left(points, (t + window_s, -1)))
         if j == len(points):
             break
-        best = max(best, (points[j][1] - sent) / (points[j][0] - t))
+        rate = (points[j][1] - sent) / (points[j][0] - t)
+        best = rate if best is None else max(best, rate)
     return best
 
 
