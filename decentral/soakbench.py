@@ -346,7 +346,25 @@ def run_soak(args: argparse.Namespace) -> int:
     plot_soak(runs["steady"], runs["churn"], args.keep, out / "soak.png")
     print(format_summary(summary))
     print(f"soak: results in {out / 'results.json'}, plot {out / 'soak.png'}")
-    return 0 if all(c == 0 for run in runs.values() for c in run.codes.values()) else 1
+    failed = failures(runs.values(), out)
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failures(runs, out: Path) -> list[str]:
+    """A line for each worker of `runs` that exited with another code than 0: which, its code and its log's last
+    line (a restart that found the swarm ended exits 2: the module docstring)."""
+    said = []
+    for run in runs:
+        for index, code in run.codes.items():
+            if code != 0:
+                log = out / run.name / f"w{index}.log"
+                lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] \
+                    if log.exists() else []
+                said.append(f"soak: the {run.name} run's w{index} exited with {code}"
+                            + (f": {lines[-1]}" if lines else "") + f" (see {log})")
+    return said
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

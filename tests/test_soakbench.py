@@ -3,7 +3,7 @@
 
 import pytest
 
-from decentral.soakbench import Restart, Run, digest_agreement, round_seconds, summarize, sync_waits
+from decentral.soakbench import Restart, Run, digest_agreement, failures, round_seconds, summarize, sync_waits
 
 
 def life(start_wait, syncs, step_s=1.0, every=2, digests=None, final=2.0):
@@ -69,3 +69,15 @@ def test_settings_that_would_kill_nobody_are_refused_before_anything_runs(tmp_pa
     assert cli_main(["bench", "soak", "--hosts", "1", "--out", str(out)]) == 2
     assert "--hosts must be at least 2" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_each_worker_that_did_not_exit_0_is_named_with_its_logs_last_line(tmp_path):
+    """The soak exited 1 with only `exit codes {0: 0, 1: 0, 2: 2}` in its output."""
+    (tmp_path / "churn").mkdir()
+    (tmp_path / "churn" / "w2.log").write_text("[w2] starts\ndecentral: could not reach any peer at X\n\n")
+    runs = [Run("steady", 10.0, {0: 0, 1: 0}, {}), Run("churn", 12.0, {0: 0, 1: -9, 2: 2}, {})]
+    assert failures(runs, tmp_path) == [
+        f"soak: the churn run's w1 exited with -9 (see {tmp_path / 'churn' / 'w1.log'})",
+        f"soak: the churn run's w2 exited with 2: decentral: could not reach any peer at X "
+        f"(see {tmp_path / 'churn' / 'w2.log'})"]
+    assert failures(runs[:1], tmp_path) == []
