@@ -154,7 +154,11 @@ def run_sweep(args: argparse.Namespace) -> int:
             local = {"protocol": {"name": "local"}, **{k: v for k, v in base.items() if k != "protocol"}}
             labelled.append(("local (no communication)", {}, local))
         for label, settings, recipe in labelled:  # every point is a valid recipe before anything trains
-            parse_recipe(with_settings(recipe, {**settings, "train.steps": args.steps}), f"{path} ({label})")
+            every = parse_recipe(with_settings(recipe, {**settings, "train.steps": args.steps}),
+                                 f"{path} ({label})").round_length()
+            if every is not None and args.steps < every:
+                raise RecipeError(f"{label}: --steps {args.steps} is less than one of its rounds (every {every} "
+                                  f"steps): it would average nothing; give --steps {every} or more")
         load_corpus(args.data)  # what every point's workers read
     except (RecipeError, DataError) as e:
         print(f"bench sweep: {e}", file=sys.stderr)

@@ -34,6 +34,8 @@ def test_bad_data_or_local_recipe_is_one_line_and_exit_2_before_any_point_trains
         (["--data", str(tmp_path / "nonexistent")], f"corpus path does not exist or is not a file or folder: "
                                                     f"{tmp_path / 'nonexistent'}"),
         (["--data", str(small_corpus), "--with-local"], "(local (no communication)): swarm.codec: topk sends"),
+        (["--data", str(small_corpus), "--set", "every=5,20"],  # (the main bench refused this; the sweep ran it)
+         "every=20: --steps 10 is less than one of its rounds (every 20 steps): it would average nothing"),
     ]:
         assert main([*sweep, *extra, "--out", str(tmp_path / "sweep")]) == 2, extra
         err = capsys.readouterr().err
