@@ -200,9 +200,11 @@ def targets(summary: dict, train_domains: list[str]) -> dict[str, dict[str, floa
 
 def format_results(summary: dict, ratios: dict, heldout: str) -> str:
     domains = list(summary["dense"])
-    header = ["test perplexity (mean ± std)"] + [f"{d} (held out)" if d == heldout else d for d in domains]
-    rows = [header] + [[m] + [f"{summary[m][d]['mean']:.3f} ± {summary[m][d]['std']:.3f}" for d in domains]
-                       for m in summary]
+    seeds = len(summary["dense"][domains[0]]["values"])
+    cell = (lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}") if seeds > 1 else (lambda s: f"{s['mean']:.3f}")
+    header = [f"test perplexity ({'mean ± std' if seeds > 1 else 'one seed'})"] + [
+        f"{d} (held out)" if d == heldout else d for d in domains]
+    rows = [header] + [[m] + [cell(summary[m][d]) for d in domains] for m in summary]
     rows += [[name] + [f"{values[d]:.3f}" for d in domains] for name, values in ratios.items()]
     return format_table(rows)
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_MODEL, TINY_TRAIN, kill_leftovers
+from decentral.btmbench import aggregate, format_results
 from decentral.checkpoint import load_checkpoint
 from decentral.cli import main
 from decentral.data.domains import balanced_eval_batches, load_domains
@@ -431,3 +432,13 @@ def test_a_train_context_longer_than_the_models_is_one_line_before_any_work(tmp_
         assert "train.context 32 is longer than the model's context 16" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "runs").exists()  # nothing trained
+
+
+def test_the_btm_table_shows_a_spread_only_over_two_seeds_or_more():
+    """One seed printed `± 0.000` in every cell: a spread that was never measured."""
+    seed = {"dense": {"code": 10.0, "legal": 20.0}, "ensemble": {"code": 9.0, "legal": 19.0}}
+    other = {"dense": {"code": 12.0, "legal": 20.0}, "ensemble": {"code": 9.0, "legal": 21.0}}
+    one = format_results(aggregate([seed]), {}, "legal")
+    assert "±" not in one and "one seed" in one and "10.000" in one
+    two = format_results(aggregate([seed, other]), {}, "legal")
+    assert "mean ± std" in two and "11.000 ± 1.414" in two

@@ -65,7 +65,7 @@ def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 
           f"effort {effort}; simulated iteration times")
     print(format_table(table))
     met = {key: (median[key] <= limit) for key, limit in TARGETS.items()}
-    print("targets (median): " + ", ".join(f"{key} {median[key]:.2f} {'<=' if ok else '>'} {TARGETS[key]} "
+    print("targets (median): " + ", ".join(f"{key} {median[key]:.3f} {'<=' if ok else '>'} {TARGETS[key]} "
                                            f"{'met' if ok else 'MISSED'}" for key, ok in met.items()))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
