@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from decentral.metrics import format_table
+from decentral.metrics import check_no_earlier_results, format_table
 
 OFF = 1e6  # a heartbeat period that never comes in a measurement
 SETTLE_S = 0.5
@@ -115,6 +115,7 @@ def format_results(results: dict) -> str:
 
 def run_dhtbench(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    check_no_earlier_results(out, "bench dht")
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": {"peers": args.peers, "calls": args.calls, "seconds": args.seconds,
                           "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}"}}

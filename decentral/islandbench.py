@@ -45,7 +45,7 @@ from decentral.bench import (ISLAND_PORT, REFERENCE, Launch, _command, _recipe_f
 from decentral.config import default_recipe_path, load_recipe
 from decentral.data import load_corpus
 from decentral.hierarchy import MODES
-from decentral.metrics import format_table, human_bytes
+from decentral.metrics import check_no_earlier_results, format_table, human_bytes
 from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
 
 A_METHODS = (REFERENCE, "flat", "hierarchical")
@@ -368,6 +368,7 @@ def run_islands(args: argparse.Namespace) -> int:
                   f"{every} or more", file=sys.stderr)
             return 2
     out = Path(args.out)
+    check_no_earlier_results(out, "bench islands")
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": {"parts": sorted(parts), "bandwidth": args.bandwidth, "date": dt.date.today().isoformat(),
                           "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",

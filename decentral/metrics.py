@@ -254,6 +254,13 @@ def format_table(rows: list, numeric: bool = True) -> str:
     )
 
 
+def check_no_earlier_results(out: Path, command: str) -> None:
+    """FileExistsError when `out` holds an earlier run's results.json, which `command` would write over."""
+    if (Path(out) / "results.json").is_file():
+        raise FileExistsError(f"{command}: --out {out} holds an earlier run's results.json, which this run would write "
+                              "over: give another --out")
+
+
 def human_bytes(count: float | None) -> str:
     """`1536` -> `1.5 KiB`; None -> `-`."""
     if count is None:

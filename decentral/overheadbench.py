@@ -48,7 +48,7 @@ import torch
 from decentral.config import Recipe, RecipeError, load_recipe, protocol_params, recipe_path
 from decentral.data.batches import train_batches
 from decentral.data.corpus import load_corpus
-from decentral.metrics import MetricsLog, format_table
+from decentral.metrics import MetricsLog, check_no_earlier_results, format_table
 from decentral.models import GPT
 from decentral.swarm.monitor import StatusCard
 from decentral.sync import PROTOCOLS, SyncProtocol
@@ -298,6 +298,7 @@ def run_overhead(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     out = Path(args.out)
+    check_no_earlier_results(out, "bench overhead")
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

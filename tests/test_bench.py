@@ -244,6 +244,11 @@ def test_bad_data_timeout_steps_and_out_are_refused_before_any_worker_starts(tmp
     for suite in ("soak", "dht", "overhead", "islands", "btm", "merge", "pipeline", "sweep"):  # was a raw errno
         assert cli_main(["bench", suite, "--out", str(tmp_path / "afile")]) == 2, suite
         assert capsys.readouterr().err == f"decentral: --out {tmp_path / 'afile'} is a file, not a folder\n", suite
+    for suite in ("dht", "overhead", "islands", "merge"):  # (they wrote over it; the others refused it already)
+        assert cli_main(["bench", suite, "--out", str(tmp_path / "earlier")]) == 2, suite
+        assert capsys.readouterr().err == (f"decentral: bench {suite}: --out {tmp_path / 'earlier'} holds an earlier "
+                                           "run's results.json, which this run would write over: give another --out\n")
+    assert (tmp_path / "earlier" / "results.json").read_text() == "{}"
 
 
 def test_an_interrupted_bench_keeps_what_finished_and_says_what_did_not_run(tmp_path, small_corpus, prefork):

@@ -41,7 +41,7 @@ import torch
 from decentral.experts.registry import MODEL_FILE, Expert, write_expert
 from decentral.merge import METHODS, MergeError
 from decentral.merge.tensors import SafetensorsWriter
-from decentral.metrics import human_bytes
+from decentral.metrics import check_no_earlier_results, human_bytes
 from decentral.models import GPT, GPTConfig
 
 MEMORY_TARGET = 1.5  # peak RSS above baseline, in models
@@ -199,6 +199,7 @@ def run_merge_bench(out: Path, *, params: int = 100_000_000, experts: int | None
     if repeats < 1:
         raise MergeError(f"merge bench: repeats must be at least 1, got {repeats}")
     out = Path(out)
+    check_no_earlier_results(out, "bench merge")
     out.mkdir(parents=True, exist_ok=True)
     config = bench_config(params)
     data = out / f".merge-bench-{uuid.uuid4().hex[:8]}"
