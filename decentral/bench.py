@@ -428,6 +428,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.hosts > MAX_HOSTS:
         print(f"bench: --hosts {args.hosts}: a lab has at most {MAX_HOSTS}", file=sys.stderr)
         return 2
+    if args.hosts == 1:
+        print("bench: note: one host: each method's worker averages with nobody (its cost alone is compared)",
+              file=sys.stderr)
     unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS or m.endswith(("+", "@"))
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
@@ -473,7 +476,7 @@ def run_bench(args: argparse.Namespace) -> int:
         with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
             results["config"]["mode"] = lab.mode
             for method, recipe in run_recipes.items():
-                print(f"bench: {method} on {args.hosts} hosts ...", flush=True)
+                print(f"bench: {method} on {args.hosts} host{'s' if args.hosts > 1 else ''} ...", flush=True)
                 started = time.monotonic()
                 method_out = out / method
                 raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])

@@ -298,12 +298,12 @@ def format_merge_bench(results: dict) -> str:
 
 def add_arguments(parser) -> None:
     """`decentral bench merge`."""
-    from decentral.cli import positive_int
+    from decentral.cli import number_type, positive_int
 
     parser.add_argument("--params", type=positive_int, default=100_000_000,
                         help="parameters per model (default 100M; at least the smallest model's, about 91k)")
-    parser.add_argument("--experts", type=positive_int, help="models merged (default: 4, or the number the method "
-                        "merges: slerp 2)")
+    parser.add_argument("--experts", type=number_type(int, 2), help="models merged, 2 or more (default: 4, or the "
+                        "number the method merges: slerp 2)")
     parser.add_argument("--method", default="linear", choices=sorted(m for m in METHODS if not METHODS[m].weights_from))
     parser.add_argument("--repeats", type=positive_int, default=2, help="passes of each kind; the fastest counts")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each pass (Linux, root): "
