@@ -428,9 +428,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.hosts > MAX_HOSTS:
         print(f"bench: --hosts {args.hosts}: a lab has at most {MAX_HOSTS}", file=sys.stderr)
         return 2
-    if args.hosts == 1:
-        print("bench: note: one host: each method's worker averages with nobody (its cost alone is compared)",
-              file=sys.stderr)
     unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS or m.endswith(("+", "@"))
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
     if unknown:
@@ -471,6 +468,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"bench: {method}'s recipe has a different {section} section than local.yaml; "
                       "methods must train the same model on the same data", file=sys.stderr)
                 return 2
+    if args.hosts == 1:  # (once every refusal has passed: a refusal comes alone)
+        print("bench: note: one host: each method's worker averages with nobody (its cost alone is compared)",
+              file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     try:
         with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
