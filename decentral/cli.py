@@ -251,11 +251,8 @@ def cmd_train(args) -> int:
         swarm_key(recipe.swarm.key_file, notice=False)  # a bad key file fails here, before any training
         if make_codec(recipe.swarm.codec).error_feedback:
             print(TOPK_NOTICE, file=sys.stderr, flush=True)
-    if not getattr(args, "init_from", None):  # (a start point's model is checked once it is read)
-        recipe.check_context()  # a refusal comes alone, not after the notes below
     if not args.island and (launched is None or launched.rank == 0):
-        for note in schedule_notes(recipe):
-            print(f"note: {note}", file=sys.stderr, flush=True)
+        overrides["notes"] = schedule_notes(recipe)
     return train_worker(recipe, args, **overrides)
 
 

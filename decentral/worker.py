@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class WorkerOptions:
     tensorboard: Path | None = None  # also write the metrics as TensorBoard scalars into this folder
     on_ready: Callable[[list[str]], None] | None = None  # gets our multiaddrs once we have joined
     print_fn: Callable[[str], None] = print
+    notes: Sequence[str] = ()  # said on stderr ("note: ...") once the run's own checks have passed
     transport: Transport | None = None  # given, the worker uses it (and closes it) instead of making one
 
 
@@ -434,6 +436,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     DistributedDataParallel wrapper in an island."""
     t = recipe.train
     last_step = t.steps if opts.stop_at is None else min(t.steps, opts.stop_at)
+    for note in opts.notes:  # (after the refusals: a refusal comes alone)
+        print(f"note: {note}", file=sys.stderr, flush=True)
     model, optimizer = protocol.model, protocol.optimizer
     path = opts.out / "metrics.jsonl"  # resumed: its records past the checkpoint are redone, its counters go on
     carried = counters_reached(keep_records_until(path, protocol.step)) if opts.resume else {}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import needs_netns, wait_until, write_recipe
 import decentral.cli
@@ -104,6 +105,16 @@ def test_a_step_count_the_schedule_does_not_fit_is_noted():
     assert short.startswith("8 steps are less than one round (every 10 steps)") and "--steps 10 or more" in short
     past, = notes({"name": "diloco", "every": 10}, 25)
     assert past.startswith("25 steps are not a multiple of every (10): the last 5") and "--steps 20 or 30" in past
+
+
+def test_the_schedules_notes_come_once_the_run_trains_and_not_before_a_refusal(tmp_path, small_corpus, capsys):
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=3)  # warmup_steps 5
+    train = ["train", "--protocol", str(recipe), "--out", str(tmp_path / "out"), "--data", str(small_corpus)]
+    assert main(train) == 0
+    assert capsys.readouterr().err == f"note: {schedule_notes(parse_recipe(yaml.safe_load(recipe.read_text())))[0]}\n"
+    assert main(train) == 2  # its checkpoint holds an earlier run: the refusal alone
+    err = capsys.readouterr().err
+    assert err.startswith("decentral: ") and "holds an earlier run" in err and len(err.splitlines()) == 1, err
 
 
 def test_top_level_help_documents_the_exit_codes():
