@@ -2,7 +2,7 @@
 
 Every node announces `{name, address, stage, incarnation}` under `pipeline/servers`, with its peer
 id as the subkey, so the record is signed by the peer it names (decentral.swarm.admission) and,
-with a swarm key, sealed. It renews the record every `every` seconds for `3 * every`; a killed
+with a swarm key, sealed. It renews the record every ANNOUNCE_EVERY_S seconds for RECORD_TTL_S; a killed
 node's record lingers that long, which is why the coordinator also remembers the incarnations it
 found dead. `incarnation` is new on every start, so a restarted node is told apart from its ghost.
 """
@@ -40,23 +40,23 @@ def new_server(name: str, address: str, stage: int) -> Server:
 class Announcer:
     """Keeps `server`'s record in the DHT (a background thread) until `close`."""
 
-    def __init__(self, peer: SwarmPeer, server: Server, every: float = ANNOUNCE_EVERY_S):
-        self.peer, self.server, self.every = peer, server, every
+    def __init__(self, peer: SwarmPeer, server: Server):
+        self.peer, self.server = peer, server
         self._stop = threading.Event()
-        self.peer.publish(KEY, self.peer.peer_id, asdict(server), ttl=3 * every)
+        self.peer.publish(KEY, self.peer.peer_id, asdict(server), ttl=RECORD_TTL_S)
         self._thread = threading.Thread(target=self._run, name="announce", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every):
+        while not self._stop.wait(ANNOUNCE_EVERY_S):
             try:
-                self.peer.publish(KEY, self.peer.peer_id, asdict(self.server), ttl=3 * self.every)
+                self.peer.publish(KEY, self.peer.peer_id, asdict(self.server), ttl=RECORD_TTL_S)
             except Exception as e:  # the DHT may be shutting down; the next renewal tries again
                 log.debug("announcing %s failed: %s", self.server.name, e)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.every + 5)
+        self._thread.join(timeout=ANNOUNCE_EVERY_S + 5)
 
 
 def lookup_servers(peer: SwarmPeer) -> dict[str, Server]:
