@@ -2,9 +2,13 @@
 
 Every node announces `{name, address, stage, incarnation}` under `pipeline/servers`, with its peer
 id as the subkey, so the record is signed by the peer it names (decentral.swarm.admission) and,
-with a swarm key, sealed. It renews the record every ANNOUNCE_EVERY_S seconds for RECORD_TTL_S; a killed
-node's record lingers that long, which is why the coordinator also remembers the incarnations it
-found dead. `incarnation` is new on every start, so a restarted node is told apart from its ghost.
+with a swarm key, sealed. It renews the record every ANNOUNCE_EVERY_S seconds for RECORD_TTL_S, each renewal
+sent on time whether or not the last has finished: a store waits out the RPC timeout of each DHT node that
+hangs, and renewals that waited for the one before left every node's record lapsed for seconds while a member
+was frozen (SIGSTOP). A renewal lands here once the key's nodes are found (one RPC timeout at worst), so
+RECORD_TTL_S leaves room for two. A killed node's record lingers that long, which is why the coordinator also
+remembers the incarnations it found dead. `incarnation` is new on every start, so a restarted node is told
+apart from its ghost.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from decentral.swarm.peer import SwarmPeer
+from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmPeer
 
 log = logging.getLogger(__name__)
 
 KEY = "pipeline/servers"
-ANNOUNCE_EVERY_S = 2.0  # how often a node renews its record, which lives 3 times as long
-RECORD_TTL_S = 3 * ANNOUNCE_EVERY_S
+ANNOUNCE_EVERY_S = 2.0  # how often a node renews its record
+RECORD_TTL_S = ANNOUNCE_EVERY_S + 2 * DHT_RPC_TIMEOUT_S  # the next renewal lands in time even when it waits
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Announcer:
     def _run(self) -> None:
         while not self._stop.wait(ANNOUNCE_EVERY_S):
             try:
-                self.peer.publish(KEY, self.peer.peer_id, asdict(self.server), ttl=RECORD_TTL_S)
+                self.peer.publish_nowait(KEY, self.peer.peer_id, asdict(self.server), ttl=RECORD_TTL_S)
             except Exception as e:  # the DHT may be shutting down; the next renewal tries again
                 log.debug("announcing %s failed: %s", self.server.name, e)
 

@@ -21,8 +21,8 @@ that is announced in the DHT and answers a ping: every node finds the same one, 
 The successor takes over (Coordinator.take_over: a new term) and leads from the iteration the nodes
 last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
 record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no
-head is left (none has been in view for a record's lifetime, RECORD_TTL_S: a live head's record may lapse
-while it renews it through a DHT with a frozen member), every node says so in one line and exits 2: the
+head is left (none has been in view for a record's lifetime, RECORD_TTL_S: a view may miss a live head's
+record for a moment), every node says so in one line and exits 2: the
 stage checkpoints stay, for `resume`
 (a node that stepped the run's last iteration and then finds its lead gone leaves as done, exit 0).
 A lead that finds the nodes following a newer term (it was only slow) stands by as a head. A node

@@ -310,17 +310,22 @@ class SwarmPeer:
         return self._loop
 
     # ----- addresses and records -----
-    def _dht_call(self, send: Callable[[], MPFuture]) -> Any:
-        """The result of the DHT call that `send` starts (under the DHT lock). SwarmError when the DHT
-        process is dead or dies during the call: its answer would never come, and the caller would hang."""
+    def _dht_send(self, send: Callable[[], MPFuture]) -> MPFuture:
+        """Start the DHT call that `send` makes: only the send holds the DHT lock, so a call that waits out
+        a node that hangs does not hold up the others (a record's renewal behind a lookup lapsed)."""
         with self._dht_lock:
             self._check_dht()
-            future = send()
-            while True:
-                try:
-                    return future.result(timeout=DHT_CHECK_S)
-                except TimeoutError:
-                    self._check_dht()
+            return send()
+
+    def _dht_call(self, send: Callable[[], MPFuture]) -> Any:
+        """The result of the DHT call that `send` starts. SwarmError when the DHT process is dead or dies
+        during the call: its answer would never come, and the caller would hang."""
+        future = self._dht_send(send)
+        while True:
+            try:
+                return future.result(timeout=DHT_CHECK_S)
+            except TimeoutError:
+                self._check_dht()
 
     def _check_dht(self) -> None:
         if not self.dht.is_alive():
@@ -333,8 +338,17 @@ class SwarmPeer:
 
     def publish(self, key: str, subkey: str, value: Any, ttl: float) -> bool:
         """Store `value` under `run/key` for `ttl` seconds, one entry per `subkey`."""
-        return bool(self._dht_call(lambda: self.dht.store(
-            f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)))
+        return bool(self._dht_call(self._store(key, subkey, value, ttl)))
+
+    def publish_nowait(self, key: str, subkey: str, value: Any, ttl: float) -> None:
+        """`publish`, returning once the store is sent: for a record renewed on a schedule, which a store
+        must not hold up (one waits out the RPC timeout of each DHT node that hangs, twice: finding the
+        key's nodes, then storing on them; the record lands on this node after the first)."""
+        self._dht_send(self._store(key, subkey, value, ttl))
+
+    def _store(self, key: str, subkey: str, value: Any, ttl: float) -> Callable[[], MPFuture]:
+        return lambda: self.dht.store(f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey,
+                                      return_future=True)
 
     def lookup(self, key: str) -> dict[str, Any]:
         """All unexpired entries under `run/key`, as {subkey: value}."""
@@ -438,8 +452,8 @@ class SwarmPeer:
             log.debug("cancelling the loop's tasks: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        # a call in flight lets go of the lock within DHT_CHECK_S of its DHT process dying; one that is alive
-        # but stuck (its loop blocked) may hold it for good: shut down without it then
+        # a call holds the lock only while it sends; one sending to a DHT process that is alive but stuck (its
+        # pipe full) may hold it for good: shut down without it then
         held = self._dht_lock.acquire(timeout=10)
         try:
             self.dht.shutdown()
