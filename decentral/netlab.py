@@ -483,6 +483,9 @@ def _exited(proc: subprocess.Popen) -> bool:
         return True
 
 
+RECV_SILENCE_S = 5.0  # a measured stream silent this long is over
+
+
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     """Next stdout line of `proc` (text mode, line-buffered), or "" if none arrives within `timeout`."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
@@ -535,21 +538,27 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _recv_main(address: str, port: int, seconds: float) -> None:
-    """Receiver: accept one stream, time it from its first byte for `seconds`, print {"bytes", "seconds"}."""
+    """Receiver: accept one stream, time it from its first byte for `seconds`, print {"bytes", "seconds"}.
+    A stream silent for RECV_SILENCE_S ends the measurement, its silence counted (a cap too low to carry
+    a packet in that time measures as about 0)."""
     with socket.create_server((address, port)) as server:
         server.settimeout(10.0)
         print("ready", flush=True)
         conn, _ = server.accept()
         with conn:
-            conn.settimeout(5.0)
-            conn.recv(1 << 16)  # the first chunk only starts the clock
+            conn.settimeout(RECV_SILENCE_S)
             start = last = time.monotonic()
             total = 0
-            while last - start < seconds:
-                chunk = conn.recv(1 << 16)
-                if not chunk:
-                    break
-                total += len(chunk)
+            try:
+                conn.recv(1 << 16)  # the first chunk only starts the clock
+                start = last = time.monotonic()
+                while last - start < seconds:
+                    chunk = conn.recv(1 << 16)
+                    if not chunk:
+                        break
+                    total += len(chunk)
+                    last = time.monotonic()
+            except TimeoutError:
                 last = time.monotonic()
     print(json.dumps({"bytes": total, "seconds": max(last - start, 1e-9)}), flush=True)
 

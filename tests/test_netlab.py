@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -84,6 +88,32 @@ def test_capped_link_measures_near_its_cap(lab_name):
     print(f"20mbit cap: {capped / 1e6:.1f} Mbit/s, 200mbit cap: {fast / 1e6:.1f} Mbit/s")
     assert 0.7 * 20e6 <= capped <= 1.05 * 20e6
     assert fast > 4 * capped
+
+
+def test_a_measured_stream_that_falls_silent_ends_the_measurement_with_what_arrived(monkeypatch, capsys):
+    """A cap too low to carry a packet in RECV_SILENCE_S (`--bandwidth 8bit --measure`): the receiver timed out
+    and `netlab` ended in its flattened traceback. Now the silence ends the measurement, counted in its time."""
+    monkeypatch.setattr(netlab, "RECV_SILENCE_S", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    receiver = threading.Thread(target=netlab._recv_main, args=("127.0.0.1", port, 30.0))
+    receiver.start()
+    sender = None
+    deadline = time.monotonic() + 10
+    while sender is None:
+        try:
+            sender = socket.create_connection(("127.0.0.1", port), timeout=1)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # the receiver is not listening yet
+    with sender:
+        sender.sendall(b"x" * 1000)  # starts the clock
+        sender.sendall(b"y" * 3000)
+        receiver.join(timeout=10)
+        assert not receiver.is_alive()
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["bytes"] <= 3000 and result["seconds"] >= 0.5, result
 
 
 @needs_netns
