@@ -183,7 +183,7 @@ def test_a_newcomer_that_cannot_get_the_swarms_state_stops_with_an_error_and_tra
     entry peer (DHT only) sees the swarm ahead of it and cannot download its state. It asks again until
     that heartbeat expires, then stops with exit code 2 and a line that says why, having trained nothing
     (before, it went on from step 0 and trained the whole run on its own: the last restart of a soak)."""
-    timeout = 15.0  # the swarm's timeout: how long the newcomer asks, and about how long a heartbeat lives
+    timeout = 9.0  # the swarm's timeout: how long the newcomer asks, and about how long a heartbeat lives
     w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=2, timeout=timeout)
     run = yaml.safe_load(w.recipe.read_text())["swarm"]["run"]
     entry_log = tmp_path / "entry.log"
