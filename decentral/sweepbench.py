@@ -103,13 +103,13 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
 
 
 def format_sweep(results: dict) -> str:
-    keys = list(results["config"]["grid"])
-    rows = [(*keys, "final val", "vs best", "status")]
+    """The points by final loss, each named by its label (its settings; `--with-local`'s row by what it is)."""
+    rows = [("point", "final val", "vs best", "status")]
     done = [p for p in results["points"] if p["final_val_loss"] is not None]
     best = min((p["final_val_loss"] for p in done), default=None)
     for p in sorted(results["points"], key=lambda p: (p["final_val_loss"] is None, p["final_val_loss"] or 0)):
         final = p["final_val_loss"]
-        rows.append((*(str(p["settings"].get(k, "-")) for k in keys),
+        rows.append((p["label"],
                      "-" if final is None else f"{final:.3f}",
                      "-" if final is None else f"{final / best - 1:+.1%}",
                      "ok" if p["error"] is None else p["error"][:60]))

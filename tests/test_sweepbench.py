@@ -2,6 +2,7 @@
 and the workers of a point really average (loopback hub) while `local`'s do not."""
 
 import json
+import re
 
 import pytest
 
@@ -83,7 +84,8 @@ def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, sm
     first_val = [read_metrics(out / "point3" / f"w{i}" / "metrics.jsonl")[0]["val_loss"] for i in range(2)]
     assert first_val[0] == first_val[1]
     assert (out / "sweep.png").stat().st_size > 0
-    assert "final val" in run.stdout
+    table = run.stdout[run.stdout.index("final val"):]
+    assert re.search(r"^local \(no communication\) +\d\.\d{3} ", table, re.M), table  # a row of dashes before
 
 
 def test_a_point_that_diverges_is_reported_failed_not_ranked(tmp_path, small_corpus, prefork):
