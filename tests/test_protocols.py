@@ -314,6 +314,35 @@ def test_a_protocol_resumed_from_a_state_saved_mid_round_keeps_what_its_model_tr
         assert torch.equal(flat(resumed), trained) and torch.equal(again.slow, sync.slow) and again.step == 6
 
 
+@pytest.mark.parametrize("cls, settings", [(DiLoCo, {"every": 4}), (NoLoCo, {"every": 4}), (CO2, {"every": 4}),
+                                           (StreamingDiLoCo, {"every": 8, "fragments": 2})])
+def test_a_run_resumed_mid_round_syncs_at_the_same_steps_as_one_never_stopped_and_ends_on_its_weights(cls, settings):
+    """The resumed protocol began a new round at its resume step (step 6 of a round of 4: outer steps at 10, 14, ...
+    instead of 8, 12, ...; `decentral train --resume` and a Trainer's resume_from_checkpoint after a mid-round
+    checkpoint ended a round short). Stopped at step 6 and resumed, 16 steps end where 16 straight ones do."""
+    x = torch.randn(8, 5)
+
+    def train(model, sync, steps):
+        with sync:
+            for _ in range(steps):
+                loss_step(sync, x)
+            return sync.state_dict(), flat(model), (sync.step, sync.round)  # before `finish`: as a stopped run saves
+
+    whole = tiny_model(0)
+    _, expected, where = train(whole, cls(whole, torch.optim.SGD(whole.parameters(), lr=0.1), SoloTransport(),
+                                          **settings), 16)
+    first = tiny_model(0)
+    state, weights, _ = train(first, cls(first, torch.optim.SGD(first.parameters(), lr=0.1), SoloTransport(),
+                                         **settings), 6)
+    resumed = tiny_model(1)
+    set_flat(resumed, weights)
+    again = cls(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), SoloTransport(), **settings)
+    again.load_state_dict(state)
+    _, ended, at = train(resumed, again, 10)
+    assert at == where and (cls is StreamingDiLoCo or where == (16, 16 // settings["every"])), (at, where)
+    assert torch.allclose(ended, expected, atol=1e-6), (ended - expected).abs().max()
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, NoLoCo, CO2])
 def test_a_saved_state_of_another_model_is_refused_before_any_of_it_is_taken(cls):
     """It raised ForeignState, which speaks of the swarm's model and recipes, once the saved step and round were

@@ -135,7 +135,7 @@ class SyncProtocol:
         self._asked: set[str] = set()  # members we averaged with in this round (replicas only)
         self._left_out: set[str] = set()  # those of them that said they averaged without us, or averaged over
         # another member list (neither counted the other's part)
-        self._round_start = 0  # the inner step at which the current round began
+        self._round_start: int | None = None  # the inner step at which the current round began (set by `start`)
         self.join_within_steps = 0  # a newcomer joins a round its donor is at most this many steps into
         self.donor: str | None = None  # the peer whose state we joined the swarm with, if any
         self.onlooking = False  # a newcomer training the round under way without being a member of it
@@ -202,8 +202,10 @@ class SyncProtocol:
     # ----- what protocols override -----
     def start(self) -> None:
         """Join the swarm: catch up with its state, round and inner step (so the LR schedule and `--steps`
-        are the swarm's), offer our own, announce the coming rounds."""
-        self._round_start = self.step
+        are the swarm's), offer our own, announce the coming rounds. A round begins at our step unless a saved
+        state (`load_state_dict`) said where ours began."""
+        if self._round_start is None:
+            self._round_start = self.step
         if self.shares_state:
             self._take_swarm_state(onlook=True, keep_asking_s=self.join_timeout_s)
             self._offer()
@@ -274,14 +276,16 @@ class SyncProtocol:
 
     def state_dict(self) -> dict:
         """Everything besides model and inner optimizer needed to resume (JSON meta + tensors)."""
-        return {"meta": {"protocol": self.name, "step": self.step, "round": self.round}, "tensors": {}}
+        return {"meta": {"protocol": self.name, "step": self.step, "round": self.round,
+                         "round_start": self._round_start}, "tensors": {}}
 
     def load_state_dict(self, state: dict) -> None:
         meta = state["meta"]
         if meta.get("protocol") != self.name:
             raise ValueError(f"state is for protocol {meta.get('protocol')!r}, this is {self.name!r}")
         self.step, self.round = int(meta["step"]), int(meta["round"])
-        self._round_start = self.step
+        began = meta.get("round_start")  # None: saved before its start, or before the round's start was kept
+        self._round_start = self.step if began is None else int(began)
 
     # ----- helpers -----
     def _timed_average(self, flat: torch.Tensor, group: list[str], tag: str, note: dict | None = None
