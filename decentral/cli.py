@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch: c10d's failures reach us as exceptions
@@ -117,13 +117,28 @@ _interrupted = threading.Event()
 
 
 def _interrupt_once(signum, frame) -> None:
-    """The first SIGINT or SIGTERM raises KeyboardInterrupt (the worker saves its checkpoint and leaves the
+    """The first SIGINT, SIGTERM or SIGHUP raises KeyboardInterrupt (the worker saves its checkpoint and leaves the
     swarm); later ones do nothing, so that they cannot cut the save or the goodbye short: a terminal's Ctrl-C
     reaches a launcher (`demo`, an island's ranks) and its workers alike, and the launcher then stops them too.
     (Not SIG_IGN: a signal already pending when its handler became SIG_IGN raises OSError in Python.)"""
     if not _interrupted.is_set():
         _interrupted.set()
         raise KeyboardInterrupt
+
+
+def _print_while_read(records: Path) -> Callable[[str], None]:
+    """`print` for a worker's lines until stdout is closed under it (`| head`, a `tee` or terminal gone): then
+    one line on stderr, and the run trains on without them (its records go on in `records`): a closed pipe
+    raised BrokenPipeError out of the training loop, which stopped without saving its checkpoint."""
+    def print_line(line: str) -> None:
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes too
+            with contextlib.suppress(OSError):  # stderr may be the same closed pipe
+                print(f"decentral: stdout was closed; training goes on without its lines (records: {records})",
+                      file=sys.stderr, flush=True)
+    return print_line
 
 
 def train_worker(recipe, args, **overrides) -> int:
@@ -134,12 +149,14 @@ def train_worker(recipe, args, **overrides) -> int:
     from decentral.sync import DivergedError
     from decentral.worker import WorkerOptions, run_worker
 
+    print_line = _print_while_read(Path(args.out) / "metrics.jsonl")
+
     def ready(maddrs: list[str]) -> None:
         if not recipe.swarm.key_file and not args.island and overrides.get("rank", 0) == 0:
             from decentral.swarm.admission import OPEN_SWARM_NOTICE
 
             print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
-        print(f"[{args.name}] others join with --join {maddrs[0]}", flush=True)
+        print_line(f"[{args.name}] others join with --join {maddrs[0]}")
         if args.maddr_file:
             tmp = Path(args.maddr_file + ".tmp")
             tmp.write_text("\n".join(maddrs) + "\n")
@@ -150,14 +167,14 @@ def train_worker(recipe, args, **overrides) -> int:
         num_workers=args.num_workers, host=args.host, port=args.port, announce_host=args.announce_host,
         resume=args.resume, name=args.name, min_peers=args.min_peers, domains=args.domain,
         init_from=Path(args.init_from) if getattr(args, "init_from", None) else None, stop_at=args.stop_at,
-        island=args.island, rank=args.rank, world_size=args.world_size, on_ready=ready, print_fn=lambda line: print(line, flush=True),
+        island=args.island, rank=args.rank, world_size=args.world_size, on_ready=ready, print_fn=print_line,
         tensorboard=Path(args.tensorboard) if args.tensorboard else None,
     )
     if args.tensorboard:
         from decentral.metrics import summary_writer_class
 
         summary_writer_class()  # a missing tensorboard fails here, before joining the swarm
-    for sig in (signal.SIGINT, signal.SIGTERM):  # for the rest of the process: its exit is the worker's too
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # for the rest of the process: its exit is the worker's
         if signal.getsignal(sig) is not signal.SIG_IGN:  # a background job's SIGINT stays ignored
             signal.signal(sig, _interrupt_once)
     try:
@@ -170,17 +187,16 @@ def train_worker(recipe, args, **overrides) -> int:
         again = (f"with --resume (checkpoint in {args.out})" if checkpoint_present(Path(args.out) / "checkpoint") else
                  "without --resume (no checkpoint was saved yet)")
         if args.island:
-            print(f"[{who}] stopped: {e}. The run's ranks cannot go on without it; restart every rank {again}",
-                  flush=True)
+            print_line(f"[{who}] stopped: {e}. The run's ranks cannot go on without it; restart every rank {again}")
         else:
-            print(f"[{who}] stopped: {e}. The island left the swarm, whose other members go on; restart the island "
-                  f"{again} to rejoin", flush=True)
+            print_line(f"[{who}] stopped: {e}. The island left the swarm, whose other members go on; restart the "
+                       f"island {again} to rejoin")
         return 4
     except KeyboardInterrupt:
         return 130
-    print(f"[{summary['worker']}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
-          f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s, peak memory "
-          f"{summary['peak_rss_mib']:.0f} MiB", flush=True)
+    print_line(f"[{summary['worker']}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
+               f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s, peak memory "
+               f"{summary['peak_rss_mib']:.0f} MiB")
     return 0
 
 
@@ -417,7 +433,7 @@ EXIT_CODES = """exit codes:
        island rendezvous, netlab setup)
   3    training diverged (train)
   4    an island stopped: one of its ranks failed or left (train); the rest of the swarm goes on
-  130  interrupted (Ctrl-C; SIGTERM makes train save its checkpoint first)"""
+  130  interrupted (Ctrl-C; SIGTERM or SIGHUP makes train save its checkpoint first)"""
 
 
 def example(*lines: str, before: str = "") -> dict:

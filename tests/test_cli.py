@@ -4,11 +4,13 @@ what a user can get wrong ends in one line on stderr and exit code 2, not a trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
 import os
 import re
+import select
 import shlex
 import signal
 import socket
@@ -25,7 +27,7 @@ import yaml
 from conftest import needs_netns, wait_until, write_recipe
 import decentral.cli
 from decentral.__main__ import run as entry_point
-from decentral.checkpoint import load_checkpoint
+from decentral.checkpoint import checkpoint_present, load_checkpoint
 from decentral.cli import build_parser, main, schedule_notes
 from decentral.config import parse_recipe
 from decentral.metrics import read_metrics
@@ -420,6 +422,31 @@ def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_ti
     assert all(r.get("loss") != 9.0 for r in records)
     resumed = [r["wall_s"] for r in records[len(first):]]
     assert resumed[0] == reached and resumed == sorted(resumed) and resumed[-1] > reached
+
+
+def test_a_train_whose_stdout_is_closed_trains_to_its_end_and_saves_its_checkpoint(tmp_path, small_corpus, prefork):
+    """`decentral train ... | head -1`: the next progress line raised BrokenPipeError out of the training loop,
+    which stopped (exit 1) without saving a checkpoint. Now the run says so once on stderr and trains on."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=200)  # a line every 10 steps
+    out, stdout, stderr = tmp_path / "run", tmp_path / "stdout", tmp_path / "stderr"
+    os.mkfifo(stdout)
+    reader = os.open(stdout, os.O_RDONLY | os.O_NONBLOCK)  # the worker's open for writing then does not block
+    worker = prefork.spawn(["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", str(out)],
+                           stdout, err=stderr)
+    try:
+        got = b""
+        while b"\n" not in got:  # `head -1`
+            assert worker.poll() is None, stderr.read_text()
+            select.select([reader], [], [], 1.0)
+            with contextlib.suppress(BlockingIOError):
+                got += os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+    assert worker.wait(120) == 0, stderr.read_text()
+    assert "decentral: stdout was closed; training goes on without its lines" in stderr.read_text()
+    assert "Traceback" not in stderr.read_text()
+    assert checkpoint_present(out / "checkpoint")
+    assert read_metrics(out / "metrics.jsonl")[-1]["step"] == 200
 
 
 def test_resuming_a_run_whose_metrics_file_is_malformed_is_one_line_and_leaves_it_as_it_was(tmp_path, small_corpus,

@@ -269,12 +269,13 @@ def test_a_stopped_worker_saves_its_checkpoint_once_and_exits_without_a_tracebac
 
 def test_a_worker_stopped_while_it_waits_for_peers_saves_nothing_and_its_rerun_starts(workers):
     """Stopped before its first step (here while it waits for --min-peers), a worker saved a checkpoint of step 0,
-    and the same command run again was refused: the --out held an earlier run. Nothing trained, nothing saved."""
+    and the same command run again was refused: the --out held an earlier run. Nothing trained, nothing saved.
+    Stopped by SIGHUP (its terminal closed), which ended it at once with 129 (SIGTERM: the test above)."""
     w = workers({"name": "diloco", "every": 5}, steps=100_000, num_workers=2)
     proc = w.start(0, min_peers=2)
     try:
         wait_until(lambda: "waiting for 2 peers" in w.log(0) or proc.poll() is not None, 120, "the wait for peers")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGHUP)
         assert proc.wait(timeout=60) == 130, w.log(0)
     finally:
         w.kill_all()
