@@ -441,6 +441,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
     model, optimizer = protocol.model, protocol.optimizer
     path = opts.out / "metrics.jsonl"  # resumed: its records past the checkpoint are redone, its counters go on
     carried = counters_reached(keep_records_until(path, protocol.step)) if opts.resume else {}
+    if not opts.resume and path.is_file() and path.stat().st_size:  # (an --out with a checkpoint was refused)
+        path.unlink()
+        print(f"note: {path} held the records of an earlier run that saved no checkpoint; they are replaced",
+              file=sys.stderr, flush=True)
     log = MetricsLog(path, sink=TensorBoardSink(opts.tensorboard) if opts.tensorboard else None)
     val_loss = None
     last_sync = None

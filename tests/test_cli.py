@@ -357,6 +357,21 @@ def test_a_run_into_an_out_with_a_checkpoint_it_does_not_resume_is_refused_and_t
     assert (tmp_path / "run" / "checkpoint" / "meta.json").read_bytes() == saved
 
 
+def test_a_run_into_an_out_whose_earlier_run_saved_no_checkpoint_replaces_its_records(tmp_path, small_corpus, capsys):
+    """A run that diverged before its first checkpoint, then a fresh run into the same --out: the new records
+    were appended to the diverged run's (steps 1, 2, ..., 1, 2, ...), and `report` drew both as one run."""
+    recipe = write_recipe(tmp_path / "local.yaml", {"name": "local"}, steps=8)
+    run = ["train", "--protocol", str(recipe), "--data", str(small_corpus), "--out", str(tmp_path / "run")]
+    assert main([*run, "--set", "train.lr=1e6"]) == 3
+    path = tmp_path / "run" / "metrics.jsonl"
+    assert read_metrics(path) and not checkpoint_present(tmp_path / "run" / "checkpoint")
+    capsys.readouterr()
+    assert main(run) == 0
+    assert f"note: {path} held the records of an earlier run that saved no checkpoint; they are replaced" in \
+        capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(path) if "loss" in r] == list(range(1, 9))
+
+
 def test_a_second_process_given_the_same_out_stops_at_once_and_the_first_trains_on(tmp_path, small_corpus, prefork):
     """Two island ranks (or a run started twice) with one --out wrote over each other's checkpoint and crashed.
     A --resume into it is refused the same way, not by what the live run's checkpoint says (it read it first)."""
