@@ -104,12 +104,7 @@ def load_checkpoint(directory: str | Path, files: Callable[[Path], Mapping[str, 
     data = tensors_path.read_bytes()
     if hashlib.sha256(data).hexdigest() != meta["tensors_sha256"]:
         raise CheckpointError(f"corrupt checkpoint {tensors_path} (checksum mismatch)")
-    for name, digest in meta.get("files_sha256", {}).items():
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"incomplete checkpoint {directory}: {name} is missing")
-        if _file_sha256(path) != digest:
-            raise CheckpointError(f"corrupt checkpoint {path} (checksum mismatch)")
+    _check_files(directory, meta)
     try:
         tensors = load_tensors(data)
     except SafetensorError as e:
@@ -117,6 +112,22 @@ def load_checkpoint(directory: str | Path, files: Callable[[Path], Mapping[str, 
     if files is not None:
         tensors.update(files(directory))
     return tensors, {k: v for k, v in meta.items() if k not in _RESERVED}
+
+
+def check_saved_files(directory: str | Path) -> None:
+    """The checksums of the files a save's `files` wrote, as `load_checkpoint` checks them, for a reader that
+    opens those files alone (`--model CHECKPOINT` reads a Hugging Face model's save_pretrained files);
+    CheckpointError as `load_checkpoint`."""
+    _check_files(*_read_meta(directory))
+
+
+def _check_files(directory: Path, meta: dict) -> None:
+    for name, digest in meta.get("files_sha256", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"incomplete checkpoint {directory}: {name} is missing")
+        if _file_sha256(path) != digest:
+            raise CheckpointError(f"corrupt checkpoint {path} (checksum mismatch)")
 
 
 def read_checkpoint_meta(directory: str | Path) -> dict:

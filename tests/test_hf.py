@@ -173,7 +173,7 @@ def test_without_transformers_one_line_says_what_to_install(tmp_path, small_corp
 
 def test_resume_and_a_new_run_from_the_checkpoint_folder(tmp_path, small_corpus, capsys, llama_config):
     """--resume goes on at the saved step with the saved weights; --model CHECKPOINT starts a new run from them;
-    resuming with another model, or from a damaged model file, is one line and exit code 2."""
+    resuming with another model, or from a damaged model file, and a new run from it, are one line and exit code 2."""
     out = tmp_path / "out"
     args = ["train", "--protocol", local_recipe(tmp_path / "r.yaml", f"hf:{llama_config}"), "--out", str(out),
             "--data", str(small_corpus)]
@@ -203,5 +203,10 @@ def test_resume_and_a_new_run_from_the_checkpoint_folder(tmp_path, small_corpus,
     weights.write_bytes(bytes(data))
     capsys.readouterr()
     assert main([*args, "--resume", "--steps", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors (checksum mismatch)" in err and len(err.strip().splitlines()) == 1, err
+    # so is --model of the damaged checkpoint (it trained on, or was called no causal LM)
+    assert main([*args[:3], "--out", str(tmp_path / "branch2"), "--data", str(small_corpus), "--model",
+                 str(out / "checkpoint"), "--stop-at", "1"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors (checksum mismatch)" in err and len(err.strip().splitlines()) == 1, err

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decentral.checkpoint import META_FILE, check_saved_files
 from decentral.data.tokenizer import ByteTokenizer
 from decentral.models import HF_CONFIG_PREFIX, HF_SOURCE, ModelError
 from decentral.models.gpt import next_token_loss
@@ -163,6 +164,8 @@ def load_causal_lm(source: str, context: int) -> HFCausalLM:
             raise ModelError(f"model {source}: {config_file} is no valid config: {' '.join(str(e).split())}") from None
         check_config(config, context, f"model {source}")
         if not from_config:
+            if (path / META_FILE).is_file():  # a decentral checkpoint: its files' checksums first
+                check_saved_files(path)
             model = HFCausalLM(read_pretrained_layout(path))
         else:
             try:
