@@ -25,6 +25,26 @@ def test_every_peer_sees_the_same_members_for_a_round(make_swarm):
         assert p.members(8) == []
 
 
+async def forget_every_neighbour(dht, node) -> int:
+    """(In a DHT process) what a request to each neighbour that timed out does: drop it from the routing table."""
+    table = node.protocol.routing_table
+    for node_id in list(table.uid_to_peer_id):
+        del table[node_id]
+    return len(table.uid_to_peer_id)
+
+
+def test_two_peers_whose_dht_nodes_dropped_each_other_find_each_other_again(make_swarm):
+    """hivemind drops a DHT neighbour at its first unanswered request: two peers that each timed out once on the
+    other (a busy moment) stopped seeing each other's records for good: two resumed peers trained apart to the
+    end, each alone in its rounds. The membership's heartbeat now pings the peer it joined through again."""
+    peers = make_swarm(2)
+    assert [p.peer.dht.run_coroutine(forget_every_neighbour) for p in peers] == [0, 0]
+    for p in peers:
+        p.join_rounds(5)
+    both = sorted(p.peer_id for p in peers)
+    wait_until(lambda: all(p.members(5) == both for p in peers), 15, "each peer seeing the other's round again")
+
+
 def test_a_peer_that_closes_drops_out_at_once(make_swarm):
     peers = make_swarm(3)
     for p in peers:

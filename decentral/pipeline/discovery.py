@@ -91,6 +91,7 @@ class ServerView:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
+                self.peer.keep_in_touch()  # (SwarmPeer.keep_in_touch: two nodes' DHT views can split for good)
                 servers = lookup_servers(self.peer)
             except Exception as e:
                 log.debug("looking up servers failed: %s", e)

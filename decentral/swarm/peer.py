@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -260,6 +261,7 @@ class SwarmPeer:
             if fresh_dir:
                 shutil.rmtree(fresh_dir, ignore_errors=True)
         self.peer_id = str(self.dht.peer_id)
+        self._entries = [str(m) for m in initial_peers]  # what `keep_in_touch` dials again when they fall out of view
         self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"swarm-{self.peer_id[-6:]}", daemon=True)
@@ -349,6 +351,16 @@ class SwarmPeer:
     def _store(self, key: str, subkey: str, value: Any, ttl: float) -> Callable[[], MPFuture]:
         return lambda: self.dht.store(f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey,
                                       return_future=True)
+
+    def keep_in_touch(self) -> int:
+        """Ping each peer we joined through that our DHT node no longer counts as a neighbour; how many answered.
+        hivemind drops a node from the routing table at its first request that goes unanswered (one timeout:
+        a busy peer's), and two nodes that dropped each other never talk again: a swarm of two resumed
+        peers split into two swarms of one for good, each seeing only its own records. Answering a ping puts
+        each back in the other's table. Call it now and then (the membership's heartbeat does)."""
+        if not self._entries:
+            return 0
+        return self._dht_call(lambda: self.dht.run_coroutine(partial(_ping_absent, self._entries), return_future=True))
 
     def lookup(self, key: str) -> dict[str, Any]:
         """All unexpired entries under `run/key`, as {subkey: value}."""
@@ -460,6 +472,20 @@ class SwarmPeer:
         finally:
             if held:
                 self._dht_lock.release()
+
+
+async def _ping_absent(maddrs: list[str], dht: DHT, node) -> int:
+    """(In the DHT process) ping each peer of `maddrs` that `node`'s routing table lacks, dialling its address
+    first (libp2p may have dropped the connection); how many answered."""
+    answered = 0
+    for maddr in maddrs:
+        peer_id = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+        if node.protocol.routing_table.get(peer_id=peer_id) is not None:
+            continue
+        with contextlib.suppress(Exception):  # unreachable now: the next call tries again
+            await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(maddr)]), DHT_RPC_TIMEOUT_S)
+        answered += await node.protocol.call_ping(peer_id) is not None
+    return answered
 
 
 async def _cancel_pending() -> None:
