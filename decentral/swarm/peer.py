@@ -355,9 +355,9 @@ class SwarmPeer:
     def keep_in_touch(self) -> int:
         """Ping each peer we joined through that our DHT node no longer counts as a neighbour; how many answered.
         hivemind drops a node from the routing table at its first request that goes unanswered (one timeout:
-        a busy peer's), and two nodes that dropped each other never talk again: a swarm of two resumed
-        peers split into two swarms of one for good, each seeing only its own records. Answering a ping puts
-        each back in the other's table. Call it now and then (the membership's heartbeat does)."""
+        a busy peer's), and two nodes that dropped each other never talk again: each sees only its own records,
+        for good (a swarm of two is then two swarms of one). Answering a ping puts each back in the other's
+        table. Call it now and then (the membership's heartbeat does)."""
         if not self._entries:
             return 0
         return self._dht_call(lambda: self.dht.run_coroutine(partial(_ping_absent, self._entries), return_future=True))
