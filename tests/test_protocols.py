@@ -228,6 +228,29 @@ def test_late_joiner_downloads_slow_weights_momentum_and_round(make_peers):
     assert torch.equal(flat(late.model), protocols[0].slow)
 
 
+def test_a_peer_that_waited_for_the_others_joins_one_that_came_rounds_ahead(make_loopback):
+    """Resumed peers: the first waits for --min-peers with its older checkpoint, and one resumed later from a newer
+    one comes rounds ahead and waits for nobody. The first trained on from its own round and the two never shared
+    a round again (each averaged alone to the end). After the wait, `catch_up` joins the one ahead as a newcomer
+    does; a peer at the swarm's round keeps its own state."""
+    transports = make_loopback(3)
+    (ahead,) = make_protocols(transports[:1], DiLoCo, every=10)
+    two_random_rounds([ahead], torch.Generator().manual_seed(2))
+    model = tiny_model(7)
+    level = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=10)
+    level.round, level._round_start = ahead.round, 0  # (as `start` leaves a peer that found nobody ahead)
+    mine = level.slow.clone()
+    level.catch_up()
+    assert level.round == ahead.round and torch.equal(level.slow, mine)
+    model = tiny_model(5)
+    behind = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[1], every=10)
+    behind._round_start = 0
+    behind.catch_up()
+    assert (behind.round, ahead.round) == (2, 2)
+    assert torch.equal(behind.slow, ahead.slow) and torch.equal(behind.momentum, ahead.momentum)
+    assert torch.equal(flat(behind.model), ahead.slow)
+
+
 def test_a_newcomer_joins_the_round_under_way_when_at_most_half_of_it_is_done_else_trains_it_as_an_onlooker(
         make_swarm, caplog):
     transports = make_swarm(4)

@@ -263,6 +263,11 @@ class SyncProtocol:
         float32 vector (on `outer_device`; the offered copies on the CPU; the worker prints them at start)."""
         return []
 
+    def catch_up(self) -> None:
+        """Called after waiting for peers (a worker's `--min-peers`), inside the `with` block before the first
+        step: a protocol whose members share one state joins the ones that came since `start` when they are
+        rounds ahead (what `start` does when they are there first)."""
+
     def finish(self) -> None:
         """Called when training ends without an error (leaving the `with` block): a protocol with work
         in the background completes it here, so the model holds everything trained."""
@@ -839,6 +844,13 @@ class OuterProtocol(SyncProtocol):
     def _on_rejoined(self) -> None:
         """θ starts the round from the members' state, as every round starts."""
         self._load_fast(self.round_start_weights())
+
+    def catch_up(self) -> None:
+        """A peer resumed first (waiting for the others) beside one resumed later from a newer checkpoint,
+        which waits for nobody: it trained on from its older round, behind the other's, and they never shared
+        a round again. Joined as a newcomer joins (`_rejoin`)."""
+        if self.shares_state and self._past_our_round(set(self.transport.progress()) - {self.transport.peer_id}):
+            self._rejoin()
 
     def after_step(self) -> SyncReport | None:
         left = self._round_start + self.every - self.step
