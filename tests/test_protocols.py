@@ -234,19 +234,23 @@ def test_a_peer_that_waited_for_the_others_joins_one_that_came_rounds_ahead(make
     a round again (each averaged alone to the end). After the wait, `catch_up` joins the one ahead as a newcomer
     does; a peer at the swarm's round keeps its own state."""
     transports = make_loopback(3)
-    (ahead,) = make_protocols(transports[:1], DiLoCo, every=10)
+    model = tiny_model(0)
+    ahead = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[0], every=10)
+    ahead.round, ahead.step = 3, 30  # resumed from a later checkpoint: it announces rounds from 3 on
+    ahead.start()
     two_random_rounds([ahead], torch.Generator().manual_seed(2))
     model = tiny_model(7)
     level = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=10)
-    level.round, level._round_start = ahead.round, 0  # (as `start` leaves a peer that found nobody ahead)
+    level.round, level.step = ahead.round, 50
+    level.start()  # at the swarm's round: ahead is a member of it
     mine = level.slow.clone()
     level.catch_up()
     assert level.round == ahead.round and torch.equal(level.slow, mine)
     model = tiny_model(5)
     behind = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[1], every=10)
-    behind._round_start = 0
+    behind._round_start = 0  # (as `start` leaves a peer that found nobody ahead: ahead came later)
     behind.catch_up()
-    assert (behind.round, ahead.round) == (2, 2)
+    assert (behind.round, ahead.round) == (5, 5)
     assert torch.equal(behind.slow, ahead.slow) and torch.equal(behind.momentum, ahead.momentum)
     assert torch.equal(flat(behind.model), ahead.slow)
 

@@ -848,8 +848,13 @@ class OuterProtocol(SyncProtocol):
     def catch_up(self) -> None:
         """A peer resumed first (waiting for the others) beside one resumed later from a newer checkpoint,
         which waits for nobody: it trained on from its older round, behind the other's, and they never shared
-        a round again. Joined as a newcomer joins (`_rejoin`)."""
-        if self.shares_state and self._past_our_round(set(self.transport.progress()) - {self.transport.peer_id}):
+        a round again. A peer past our round that is no member of our first one (it will never average with us)
+        is joined as a newcomer joins (`_rejoin`); one that is (a round ahead while its average with us is in
+        flight, as CO2's are) is not."""
+        if not self.shares_state:
+            return
+        apart = set(self.transport.progress()) - set(self.transport.members(self.first_round)) - {self.transport.peer_id}
+        if self._past_our_round(apart):
             self._rejoin()
 
     def after_step(self) -> SyncReport | None:
