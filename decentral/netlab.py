@@ -59,6 +59,7 @@ MAX_HOSTS = 253  # .1 .. .253; .254 is left for a bridge address nobody gets
 _BURST_FLOOR = 16 * 1024  # bytes
 _TBF_LATENCY = "50ms"  # longest a packet may wait in the tbf queue before it is dropped
 _KILL_GRACE_S = 1.0
+RECV_SILENCE_S = 5.0  # a measured stream (`measure_throughput`) silent this long is over
 
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -481,9 +482,6 @@ def _exited(proc: subprocess.Popen) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # reaped already
         return True
-
-
-RECV_SILENCE_S = 5.0  # a measured stream silent this long is over
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

@@ -334,12 +334,12 @@ def _island_failures(opts: WorkerOptions):
         raise IslandError(f"the island's gradient all-reduce failed, a rank is gone: {str(e).splitlines()[0]}") from e
 
 
-def _wait_for_peers(transport: Transport, opts: WorkerOptions, round: int) -> bool:
-    """Wait for `--min-peers`; whether it did."""
+def _wait_for_peers(transport: Transport, opts: WorkerOptions, protocol: SyncProtocol) -> None:
+    """Wait for `--min-peers` ready for our first round, then join any that came rounds ahead (`catch_up`)."""
     if opts.min_peers > 1:
         opts.print_fn(f"[{opts.name}] waiting for {opts.min_peers} peers")
-        transport.wait_for_peers(opts.min_peers, opts.wait_peers_s, round)
-    return opts.min_peers > 1
+        transport.wait_for_peers(opts.min_peers, opts.wait_peers_s, protocol.first_round)
+        protocol.catch_up()
 
 
 def _swarm_setup(recipe: Recipe, opts: WorkerOptions) -> dict:
@@ -458,8 +458,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         setup = _swarm_setup(recipe, opts)
         transport.set_card(False, setup=setup)
         with protocol:  # joins the swarm: its state, round and step, and announces the round
-            if _wait_for_peers(transport, opts, protocol.first_round):
-                protocol.catch_up()
+            _wait_for_peers(transport, opts, protocol)
             _check_same_setup(transport, setup, recipe.swarm.run)
             if protocol.donor is not None and protocol.step >= last_step:
                 raise RecipeError(f"the swarm is at step {protocol.step}, and this run ends at step {last_step} "
