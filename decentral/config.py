@@ -353,11 +353,11 @@ def with_settings(data: dict, settings: dict[str, Any]) -> dict:
     return recipe
 
 
-SHIPPED = Path(__file__).resolve().parent.parent  # the repository: protocols/ and merges/ hold its recipes
+SHIPPED = Path(__file__).resolve().parent  # the package: protocols/ and merges/ hold the shipped recipes
 
 
 def default_recipe_path(protocol: str) -> Path:
-    """protocols/<name>.yaml shipped with the repository."""
+    """protocols/<name>.yaml shipped with the package (the repository's protocols/ links to it)."""
     return SHIPPED / "protocols" / f"{protocol}.yaml"
 
 

@@ -318,6 +318,16 @@ def test_every_shipped_recipe_parses_and_names_a_known_method():
         assert set(recipe.parameters) == set(recipe.method.params)
 
 
+def test_a_shipped_recipe_is_found_by_its_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert Path(load_merge_recipe("ties").source).samefile(REPO / "merges" / "ties.yaml")
+    with pytest.raises(MergeError, match=r"no merge recipe 'tie': give one of dare, linear, .*ties or a recipe file"):
+        load_merge_recipe("tie")
+    with pytest.raises(MergeError, match=r"merges/ties.yaml does not exist \(relative to .*\); the shipped one is named "
+                                         r"ties \("):
+        load_merge_recipe("merges/ties.yaml")
+
+
 def test_recipe_resolves_names_paths_weights_and_registry_override(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("method: ties\nregistry: runs/x\nbase: seed\nexperts:\n  - {name: code, weight: 1e-3}\n"

@@ -9,7 +9,7 @@ example:
   decentral experts branch legal --from seed --domain legal --batch-size 16
   decentral experts branch manuals --from seed --domain manuals --batch-size 16
   decentral experts eval --experts code,legal,manuals --domain code --domain legal --domain manuals
-  decentral merge merges/linear.yaml --out runs/btm/experts/uniform
+  decentral merge linear --out runs/btm/experts/uniform
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ not the models; the output is an expert folder, written to a temporary folder an
 place, so nothing is left half-written.
 
 example:
-  decentral merge merges/ties.yaml --out runs/btm/experts/ties
+  decentral merge ties --out runs/btm/experts/ties
   decentral experts eval --experts ties --domain code --domain legal --domain manuals"""
 
 
@@ -414,7 +414,7 @@ def cmd_merge(args) -> int:
 
 
 def add_merge_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="a merge recipe (merges/*.yaml)")
+    p.add_argument("recipe", help="a shipped merge recipe by name (ties: merges/ties.yaml) or a recipe file")
     p.add_argument("--out", required=True, help="the merged expert's folder (its name is the expert's name)")
     p.add_argument("--registry", help="folder of experts that names in the recipe refer to (default: the recipe's)")
     p.add_argument("--verify", action="store_true", help="check every input's sha256 against its expert.json "
