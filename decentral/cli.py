@@ -615,23 +615,37 @@ def main(argv: list[str] | None = None) -> int:
     writes_a_folder = (args.command in ("bench", "syncbench", "train", "demo")
                        or getattr(args, "pipeline_command", None) == "train"
                        or getattr(args, "experts_command", None) in ("seed", "branch"))
-    out = getattr(args, "out", None) if writes_a_folder else None
-    if out and Path(out).exists() and not Path(out).is_dir():  # each writes a folder there
-        print(f"decentral: --out {out} is a file, not a folder", file=sys.stderr)
-        return 2
+    folders = {"--out": getattr(args, "out", None) if writes_a_folder else None,
+               "--tensorboard": getattr(args, "tensorboard", None)}  # each writes a folder there
+    for option, folder in folders.items():
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            print(f"decentral: {option} {folder} is a file, not a folder", file=sys.stderr)
+            return 2
     try:
         return args.func(args)
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
             AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError,
-            StateUnavailable, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        # (the last four: an --out where no folder can be made, or a file we may not write)
+            StateUnavailable, OSError) as e:
+        if isinstance(e, OSError) and e.filename is None and not isinstance(e, (FileExistsError, PermissionError)):
+            raise  # (an OSError about no path is no user's input: a socket's, a bug's)
         if args.verbose:
             traceback.print_exc()
-        print("decentral: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message
+        print("decentral: " + _one_line(e, folders), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # (commands that say more about where they stopped return 130 themselves)
         print("decentral: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _one_line(error: Exception, folders: dict[str, str | None]) -> str:
+    """`error`'s message on one line; a path the command could not make or write (an --out in /proc, a full
+    disk) as PATH: WHY, naming the option it came from."""
+    if not isinstance(error, OSError) or error.filename is None:
+        return " ".join(str(error).split())
+    path = str(error.filename)
+    option = next((f"{option} " for option, folder in folders.items()
+                   if folder and (path == str(folder) or path.startswith(str(folder).rstrip("/") + "/"))), "")
+    return f"{option}{path}: {error.strerror}"
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ def train_into(out: str) -> list[str]:
 
 
 TRAIN = train_into("run")
+ONE_STEP = ["train", "--protocol", "local", "--steps", "1", "--set", "train.warmup_steps=0"]
 USER_ERRORS = [  # (id, arguments, what the one line says): a process of its own, for those that start a swarm;
     # each its own --out (a run holds its --out while it runs)
     ("missing data", ["train", "--protocol", "local", "--data", "/nonexistent"], "/nonexistent"),
@@ -262,6 +263,9 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["pipeline", "train", "--out", "afile"], "--out afile is a file, not a folder"),  # errno's text
     (["experts", "seed", "--domain", "code", "--domain", "legal", "--out", "afile"],
      "--out afile is a file, not a folder"),
+    ([*TRAIN, "--tensorboard", "afile"], "--tensorboard afile is a file, not a folder"),
+    ([*ONE_STEP, "--out", "/proc/run"], "--out /proc/run: No such file or directory"),  # these two were tracebacks
+    ([*ONE_STEP, "--tensorboard", "/proc/board"], "--tensorboard /proc/board: No such file or directory"),
     (["train", "--protocol", "empty.yaml"], "empty.yaml: empty: a recipe names its protocol"),  # NoLoCo's defaults ran
     (["train", "--protocol", "noname.yaml"], "noname.yaml: no protocol.name"),
     (["train", "--protocol", "folder.yaml"], "recipe folder.yaml is a folder, not a file"),
