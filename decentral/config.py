@@ -353,6 +353,21 @@ def with_settings(data: dict, settings: dict[str, Any]) -> dict:
     return recipe
 
 
+def recipe_differences(theirs: dict, ours: dict) -> str:
+    """The settings in which recipe mapping `theirs` (a checkpoint's, Recipe.to_dict) differs from `ours`, as
+    "KEY THEIRS there, OURS here; ..." (the first 4), besides train.steps, which --steps sets; "" when none."""
+    def leaves(tree: dict, prefix: str = "") -> dict:  # {"train.lr": 0.001, ...}
+        found = {}
+        for key, value in tree.items():
+            found.update(leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return found
+
+    a, b = leaves(theirs), leaves(ours)
+    differ = sorted(k for k in {*a, *b} if a.get(k) != b.get(k) and k != "train.steps")
+    return ("; ".join(f"{k} {a.get(k)!r} there, {b.get(k)!r} here" for k in differ[:4])
+            + ("; ..." if len(differ) > 4 else ""))
+
+
 SHIPPED = Path(__file__).resolve().parent  # the package: protocols/ and merges/ hold the shipped recipes
 
 

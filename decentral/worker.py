@@ -31,7 +31,7 @@ from decentral.checkpoint import (
     CheckpointError, checkpoint_present, load_checkpoint, load_training_state, read_checkpoint_meta, save_checkpoint,
     sole_writer, training_state,
 )
-from decentral.config import Recipe, RecipeError
+from decentral.config import Recipe, RecipeError, recipe_differences
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
@@ -129,10 +129,11 @@ def _check_left_to_train(path: Path, steps: int, stop_at: int | None) -> None:
                               f"{step} (the whole schedule's length)")
 
 
-def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) -> dict:
+def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport, recipe: Recipe) -> dict:
     """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage.
     In an island every rank takes its leader's checkpoint (a rank killed between two saves holds an older
-    one, and the island's replicas must be identical)."""
+    one, and the island's replicas must be identical). A note says which settings differ from the checkpoint's
+    recipe (`recipe` is the run's): they go on with this run's."""
     read = protocol.model.read_files  # the inverse of _save's `write_files`; None for the reference GPT
     files = (lambda folder: {f"model.{k}": v for k, v in read(folder).items()}) if read else None
     path = opts.out / "checkpoint"
@@ -156,6 +157,11 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport) 
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # metadata that passed its checksum-less read
         raise CheckpointError(f"{path}: its metadata does not fit this run ({type(e).__name__}: {e}); resume with the "
                               "recipe it was written with") from None
+    theirs = meta.get("recipe")
+    differ = recipe_differences(theirs, recipe.to_dict()) if isinstance(theirs, dict) and opts.rank == 0 else ""
+    if differ:
+        print(f"note: {path} was trained with other settings ({differ}): the run goes on with this run's; give "
+              "the checkpoint's recipe and --set to go on as it was", file=sys.stderr, flush=True)
     return meta.get("lineage", {"parent": None, "start_step": 0, "start_tokens": 0})
 
 
@@ -298,7 +304,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
             protocol.join_timeout_s = recipe.swarm.timeout  # as long as one average may take
             protocol.step = lineage["start_step"]
             if opts.resume:
-                lineage = _restore(protocol, opts, transport)
+                lineage = _restore(protocol, opts, transport, recipe)
             index = opts.worker_index
             if index is None:  # a stranger joining: its own random windows over all the data
                 index = int(hashlib.sha256(transport.peer_id.encode()).hexdigest()[:8], 16)

@@ -27,7 +27,7 @@ import yaml
 from conftest import needs_netns, wait_until, write_recipe
 import decentral.cli
 from decentral.__main__ import run as entry_point
-from decentral.checkpoint import checkpoint_present, load_checkpoint
+from decentral.checkpoint import checkpoint_present, load_checkpoint, read_checkpoint_meta
 from decentral.cli import build_parser, main, schedule_notes
 from decentral.config import parse_recipe
 from decentral.metrics import read_metrics
@@ -419,6 +419,12 @@ def test_resuming_a_run_at_or_past_its_stop_at_or_steps_is_refused_and_leaves_th
         assert files == {name: (tmp_path / "run" / name).read_bytes() for name in files}
     assert main([*run, "--resume", "--stop-at", "5"]) == 0  # a later --stop-at goes on
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
+    assert "other settings" not in capsys.readouterr().err
+    lr = read_checkpoint_meta(checkpoint)["recipe"]["train"]["lr"]
+    assert main([*run, "--resume", "--stop-at", "6", "--set", f"train.lr={lr / 2}"]) == 0  # was silent
+    assert (f"note: {checkpoint} was trained with other settings (train.lr {lr} there, {lr / 2} here): the run "
+            "goes on with this run's") in capsys.readouterr().err
+    assert read_checkpoint_meta(checkpoint)["recipe"]["train"]["lr"] == lr / 2
 
 
 def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_time_on(tmp_path, small_corpus):

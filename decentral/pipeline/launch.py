@@ -21,6 +21,7 @@ from typing import Callable
 
 from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
+from decentral.config import recipe_differences
 from decentral.pipeline.network import Network, PipelineError, load_network
 from decentral.pipeline.planner import plan
 from decentral.pipeline.recipe import loopback_network, network_shape, shaped_network
@@ -306,22 +307,10 @@ def _note_another_recipe(stage: Path, ours: dict, recipe_path: str | Path) -> No
         theirs = read_checkpoint_meta(stage).get("recipe")
     except CheckpointError:  # (loading the stage says what is wrong with it)
         return
-    if not isinstance(theirs, dict):
-        return
-
-    def leaves(tree: dict, prefix: str = "") -> dict:  # {"train.lr": 0.001, ...}
-        found = {}
-        for key, value in tree.items():
-            found.update(leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-        return found
-
-    a, b = leaves(theirs), leaves(ours)
-    differ = sorted(k for k in {*a, *b} if a.get(k) != b.get(k) and k != "train.steps")
+    differ = recipe_differences(theirs, ours) if isinstance(theirs, dict) else ""
     if differ:
-        print(f"note: the run in {stage.parent.parent} was trained with another recipe than {recipe_path} ("
-              + "; ".join(f"{k} {a.get(k)!r} there, {b.get(k)!r} here" for k in differ[:4])
-              + ("; ..." if len(differ) > 4 else "") + "): it goes on with this one's; give the run's --recipe to go "
-              "on as it was", file=sys.stderr, flush=True)
+        print(f"note: the run in {stage.parent.parent} was trained with another recipe than {recipe_path} ({differ}"
+              "): it goes on with this one's; give the run's --recipe to go on as it was", file=sys.stderr, flush=True)
 
 
 def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, netlab, latency_ms, steps, data, drop,
