@@ -4,6 +4,7 @@ processes whose checkpoints `from_pretrained` opens, clear errors for unusable c
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,26 @@ def test_a_folder_given_as_a_config_or_a_config_as_a_folder_says_which_is_which(
         build_model(f"hf:{llama_config.rsplit('/', 1)[0]}", {}, 32)
     with pytest.raises(ModelError, match="a file, not a save_pretrained folder"):
         build_model(llama_config, {}, 32)
+
+
+def test_a_model_folder_that_is_none_says_what_was_meant(tmp_path, llama_config):
+    """A Hub id, a run's folder, a reference GPT's checkpoint: each was "not a save_pretrained folder (no
+    .../config.json)", which named no way on."""
+    from decentral.models import ModelError
+
+    with pytest.raises(ModelError, match="no such folder .*nothing is downloaded: save a Hub model with save_pretrained"):
+        build_model(str(tmp_path / "gpt2"), {}, 32)
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    shutil.copy(llama_config, run / "checkpoint" / "config.json")
+    with pytest.raises(ModelError, match=f"a run's folder: its model is in {run / 'checkpoint'} "):
+        build_model(str(run), {}, 32)
+    gpt = tmp_path / "gpt" / "checkpoint"
+    gpt.mkdir(parents=True)
+    (gpt / "meta.json").write_text("{}")
+    for given in (gpt, gpt.parent):
+        with pytest.raises(ModelError, match=f"a checkpoint of the reference GPT, .*--init-from {gpt} starts"):
+            build_model(str(given), {}, 32)
 
 
 def test_without_transformers_one_line_says_what_to_install(tmp_path, small_corpus, capsys, monkeypatch,

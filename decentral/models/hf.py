@@ -154,7 +154,7 @@ def load_causal_lm(source: str, context: int) -> HFCausalLM:
                          "config file)")
     if not config_file.is_file():
         raise ModelError(f"model {source}: {config_file} does not exist" if from_config else
-                         f"model {source}: not a save_pretrained folder (no {config_file})")
+                         f"model {source}: {_not_a_model_folder(path)}")
     with _errors_only():
         try:
             config = t.AutoConfig.from_pretrained(config_file)
@@ -174,6 +174,20 @@ def load_causal_lm(source: str, context: int) -> HFCausalLM:
                 raise ModelError(f"model {source}: not a causal LM config: {_first_line(e)}") from None
     check_causal(model, context, f"model {source}")
     return model
+
+
+def _not_a_model_folder(path: Path) -> str:
+    """Why `path`, given as --model, is no save_pretrained folder, and what the user may have meant."""
+    if not path.exists():
+        return ("no such folder (--model takes a save_pretrained folder or hf:CONFIG.json; nothing is downloaded: "
+                "save a Hub model with save_pretrained first)")
+    checkpoint = path / "checkpoint"
+    if (checkpoint / CONFIG_FILE).is_file():
+        return f"a run's folder: its model is in {checkpoint} (--model {checkpoint})"
+    if (path / META_FILE).is_file() or (checkpoint / META_FILE).is_file():
+        return (f"a checkpoint of the reference GPT, no Hugging Face model (--init-from "
+                f"{path if (path / META_FILE).is_file() else checkpoint} starts from its weights)")
+    return f"not a save_pretrained folder (no {path / CONFIG_FILE})"
 
 
 def check_causal(model: HFCausalLM, context: int, where: str) -> None:
