@@ -528,8 +528,10 @@ def test_an_unknown_protocol_name_is_one_clear_error():
 
 
 @pytest.mark.parametrize("protocol, arguments, error, message", [
-    ("diloco", {"evry": 2}, TypeError, "DiLoCo: got an unexpected keyword argument 'evry'"),
-    ("ddp", {"every": 50}, TypeError, "DDP: got an unexpected keyword argument 'every'"),
+    ("diloco", {"evry": 2}, TypeError, "DiLoCo does not take .*: got an unexpected keyword argument 'evry'"),
+    ("ddp", {"every": 50}, TypeError, "DDP does not take .*: got an unexpected keyword argument 'every'"),
+    (object, {}, TypeError, r"object does not take \(model, optimizer, transport\): too many positional"),
+    (3, {}, TypeError, r"protocol: a protocol's name \(co2, ddp, .*\) or a SyncProtocol class .*, got 3"),
     ("diloco", {"peers": 0}, ValueError, "peers: the number of peers"),
     ("diloco", {"peers": "2"}, ValueError, "peers: the number of peers"),
     ("diloco", {"wait_peers_s": 0}, ValueError, "wait_peers_s"),

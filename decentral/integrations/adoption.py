@@ -30,10 +30,14 @@ class Adoption:
             if protocol not in PROTOCOLS:
                 raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(sorted(PROTOCOLS))}")
             protocol = PROTOCOLS[protocol]
+        if not callable(protocol):
+            raise TypeError(f"protocol: a protocol's name ({', '.join(sorted(PROTOCOLS))}) or a SyncProtocol class "
+                            f"(a factory of (model, optimizer, transport, **kwargs)), got {protocol!r}")
         try:
             inspect.signature(protocol).bind(None, None, transport, **kwargs)  # (model, optimizer, transport)
         except TypeError as e:
-            raise TypeError(f"{getattr(protocol, '__name__', protocol)}: {e}") from None
+            raise TypeError(f"{getattr(protocol, '__name__', protocol)} does not take (model, optimizer, transport"
+                            f"{', **kwargs' if kwargs else ''}): {e}") from None
         except ValueError:  # a callable without a signature to read: its call will tell
             pass
         name = next((name for name, cls in PROTOCOLS.items() if cls is protocol), None)
