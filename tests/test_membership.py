@@ -33,6 +33,10 @@ async def forget_every_neighbour(dht, node) -> int:
     return len(table.uid_to_peer_id)
 
 
+async def count_neighbours(dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
 def test_two_peers_whose_dht_nodes_dropped_each_other_find_each_other_again(make_swarm):
     """hivemind drops a DHT neighbour at its first unanswered request: two peers that each timed out once on the
     other (a busy moment) stopped seeing each other's records for good: two resumed peers trained apart to the
@@ -43,6 +47,27 @@ def test_two_peers_whose_dht_nodes_dropped_each_other_find_each_other_again(make
         p.join_rounds(5)
     both = sorted(p.peer_id for p in peers)
     wait_until(lambda: all(p.members(5) == both for p in peers), 15, "each peer seeing the other's round again")
+
+
+def test_pinging_a_frozen_entry_peer_holds_up_no_caller(make_swarm):
+    """keep_in_touch ran on the membership's heartbeat thread and the pipeline's server view, and waited out a
+    frozen entry peer's dial and ping (up to two RPC timeouts): the next beat, the view's refresh, waited too."""
+    entry, peer = make_swarm(2)
+    peer.membership._stop.set()  # no heartbeat's own calls in between
+    peer.membership._thread.join()
+    assert peer.peer.dht.run_coroutine(forget_every_neighbour) == 0
+    os.kill(entry.peer.dht.pid, signal.SIGSTOP)  # its libp2p daemon takes the ping; its DHT node cannot answer
+    try:
+        peer.peer.keep_in_touch()
+        pinging = peer.peer._pinging
+        assert pinging is not None and not pinging.done()  # returned with the ping under way
+        peer.peer.keep_in_touch()
+        assert peer.peer._pinging is pinging  # and sends none while it is
+    finally:
+        os.kill(entry.peer.dht.pid, signal.SIGCONT)
+    pinging.result(timeout=30)
+    wait_until(lambda: peer.peer.keep_in_touch() or peer.peer.dht.run_coroutine(count_neighbours) == 1, 15,
+               "the entry peer in the table again")
 
 
 def test_a_peer_that_closes_drops_out_at_once(make_swarm):

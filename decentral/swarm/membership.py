@@ -111,7 +111,7 @@ class Membership:
                 for round in rounds:
                     self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
                 self.alive()  # a fresh view for `alive(max_age_s)`, looked up off the training thread
-                self.peer.keep_in_touch()  # last: a ping to a frozen entry peer holds up no beat
+                self.peer.keep_in_touch()
             except Exception as e:  # a missed beat is not fatal; the next one may go through
                 with self._lock:
                     self._announcing.update(rounds)

@@ -262,6 +262,7 @@ class SwarmPeer:
                 shutil.rmtree(fresh_dir, ignore_errors=True)
         self.peer_id = str(self.dht.peer_id)
         self._entries = [str(m) for m in initial_peers]  # what `keep_in_touch` dials again when they fall out of view
+        self._pinging: MPFuture | None = None  # keep_in_touch's pings under way
         self._dht_lock = threading.Lock()  # the DHT's command pipe is not thread-safe
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"swarm-{self.peer_id[-6:]}", daemon=True)
@@ -352,15 +353,17 @@ class SwarmPeer:
         return lambda: self.dht.store(f"{self.run}/{key}", value, expiration_time=get_dht_time() + ttl, subkey=subkey,
                                       return_future=True)
 
-    def keep_in_touch(self) -> int:
-        """Ping each peer we joined through that our DHT node no longer counts as a neighbour; how many answered.
-        hivemind drops a node from the routing table at its first request that goes unanswered (one timeout:
-        a busy peer's), and two nodes that dropped each other never talk again: each sees only its own records,
-        for good (a swarm of two is then two swarms of one). Answering a ping puts each back in the other's
-        table. Call it now and then (the membership's heartbeat does)."""
-        if not self._entries:
-            return 0
-        return self._dht_call(lambda: self.dht.run_coroutine(partial(_ping_absent, self._entries), return_future=True))
+    def keep_in_touch(self) -> None:
+        """Ping each peer we joined through that our DHT node no longer counts as a neighbour. hivemind drops a
+        node from the routing table at its first request that goes unanswered (one timeout: a busy peer's), and
+        two nodes that dropped each other never talk again: each sees only its own records, for good (a swarm of
+        two is then two swarms of one). Answering a ping puts each back in the other's table. Call it now and
+        then (the membership's heartbeat does); it returns once the pings are sent, and sends none while the
+        last ones are under way (a frozen peer's take two RPC timeouts: the dial, the ping)."""
+        if not self._entries or (self._pinging is not None and not self._pinging.done()):
+            return
+        self._pinging = self._dht_send(lambda: self.dht.run_coroutine(partial(_ping_absent, self._entries),
+                                                                      return_future=True))
 
     def lookup(self, key: str) -> dict[str, Any]:
         """All unexpired entries under `run/key`, as {subkey: value}."""
@@ -474,18 +477,16 @@ class SwarmPeer:
                 self._dht_lock.release()
 
 
-async def _ping_absent(maddrs: list[str], dht: DHT, node) -> int:
+async def _ping_absent(maddrs: list[str], dht: DHT, node) -> None:
     """(In the DHT process) ping each peer of `maddrs` that `node`'s routing table lacks, dialling its address
-    first (libp2p may have dropped the connection); how many answered."""
-    answered = 0
+    first (libp2p may have dropped the connection); one that answers is in the table again."""
     for maddr in maddrs:
         peer_id = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
         if node.protocol.routing_table.get(peer_id=peer_id) is not None:
             continue
         with contextlib.suppress(Exception):  # unreachable now: the next call tries again
             await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(maddr)]), DHT_RPC_TIMEOUT_S)
-        answered += await node.protocol.call_ping(peer_id) is not None
-    return answered
+        await node.protocol.call_ping(peer_id)
 
 
 async def _cancel_pending() -> None:
