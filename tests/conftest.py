@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -35,6 +36,22 @@ TINY_TRAIN = {"batch_size": 8, "context": 32, "lr": 3.0e-3, "warmup_steps": 5, "
 
 NETNS = netns_available("tprobe")
 needs_netns = pytest.mark.skipif(not NETNS, reason="needs root and a working `ip netns` (network namespaces)")
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_solo(request, tmp_path_factory):
+    """Under pytest-xdist (`-n 2`, pyproject's addopts), a test marked `solo` runs while no other test does: it
+    measures bytes or time against a bound, which the other worker's load would move. A readers-writer lock on
+    a file the workers share: every test holds it shared, a solo test exclusive. A POSIX record lock (lockf),
+    which a process forked during the test does not inherit (flock's would stay held by a DHT process the test
+    left running, and the next solo test would wait for it forever)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    solo = request.node.get_closest_marker("solo") is not None
+    with open(tmp_path_factory.getbasetemp().parent / "solo.lock", "a+") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture

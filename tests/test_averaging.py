@@ -231,6 +231,7 @@ def test_a_member_done_with_an_average_whose_part_to_us_was_lost_is_not_waited_f
     assert not ra.complete and not ra.absent  # B is done with this average, not gone: a redo would count on it
 
 
+@pytest.mark.solo
 def test_a_connection_reset_between_live_members_costs_a_resend_not_the_round(make_swarm, monkeypatch, caplog):
     """The connection between A and B closes while A's part is on its way, and closes again while A sends
     it again (both processes alive, as resets under load do: one reset closes every connection between

@@ -140,6 +140,7 @@ def tiny_recipes(folder):
     return folder
 
 
+@pytest.mark.solo
 def test_small_bench_writes_results_and_plot(tmp_path, small_corpus, prefork):
     """Each kind of method the bench launches: the reference, DDP, hivemind's optimizer (whose two baseline
     processes must learn and average), and an outer protocol with a codec (co2+topk). DDP runs its own number

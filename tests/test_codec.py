@@ -124,6 +124,7 @@ def test_a_swarm_average_in_a_dense_codec_is_within_its_bound_of_the_exact_mean(
     assert float((results[0].tensor - exact).abs().max()) > 0  # the codec really rounded
 
 
+@pytest.mark.solo
 def test_a_topk_swarm_average_is_exactly_the_mean_of_what_it_counted_of_each_member(make_swarm):
     peers = make_swarm(3, codec="topk:0.05")
     gen = torch.Generator().manual_seed(4)

@@ -83,6 +83,7 @@ def test_sharded_is_compared_with_the_leader_of_the_same_k():
 
 
 @needs_netns
+@pytest.mark.solo
 def test_sharded_ranks_each_send_less_over_their_wan_than_the_leader(tmp_path, lab_name, prefork):
     """Part B, tiny: 2 islands of 2 ranks, each rank its own 50 Mbit/s uplink, the island's ranks on a LAN."""
     out = tmp_path / "islands"

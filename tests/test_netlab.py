@@ -80,6 +80,7 @@ def test_loopback_mode_exposes_rate_to_apps(lab_name):
 
 
 @needs_netns
+@pytest.mark.solo
 def test_capped_link_measures_near_its_cap(lab_name):
     with NetLab(2, "20mbit", name=lab_name, mode="netns") as lab:
         capped = measure_throughput(lab, 0, 1, seconds=2.0)

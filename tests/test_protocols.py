@@ -73,6 +73,7 @@ def test_a_newcomer_that_already_holds_the_donors_state_downloads_no_copy(make_s
     assert newcomer.bytes_received - before < 4_000
 
 
+@pytest.mark.solo
 def test_a_donor_that_leaves_first_finishes_the_state_download_under_way(make_swarm, monkeypatch):
     """The swarm's last members ending their run must not cut off a newcomer's download of its final state."""
     monkeypatch.setattr(wire, "LINK", wire.LinkShaper(rate_bps=16e6))  # our streams paced: 4 MB take 2 s

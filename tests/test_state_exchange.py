@@ -2,6 +2,7 @@
 
 import threading
 
+import pytest
 import torch
 
 from conftest import fail_to_open_once, wait_until, wait_until_senders_counted
@@ -88,6 +89,7 @@ def test_a_holder_that_cut_the_same_rounds_into_other_chunks_sends_no_share(make
     assert b.bytes_sent - sent < 0.1 * 4 * n  # b listed its rounds, and sent none of them
 
 
+@pytest.mark.solo
 def test_a_share_waits_for_a_member_a_round_behind_while_the_donor_sends_its_own(make_swarm, monkeypatch):
     """A member ends its round a moment after the donor (their boundaries are not simultaneous): the newcomer
     that asks in between gets half the state from the donor and, once that member publishes the same state,

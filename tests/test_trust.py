@@ -366,6 +366,7 @@ class StallingLink(LinkShaper):
         await super().before_send(nbytes, first)
 
 
+@pytest.mark.solo
 def test_a_state_download_longer_than_the_timeout_goes_on_while_its_bytes_flow(make_swarm, monkeypatch, caplog):
     """The swarm's timeout bounds the wait for each byte of a state download, not the whole download: on a
     slow link a large model's state takes minutes (57M parameters' φ and momentum at 20 Mb/s: 3 min, where
@@ -387,6 +388,7 @@ def test_a_state_download_longer_than_the_timeout_goes_on_while_its_bytes_flow(m
     assert "downloading the state of" in caplog.text
 
 
+@pytest.mark.solo
 def test_a_donor_that_stops_sending_mid_download_fails_it_within_the_timeout(make_swarm, monkeypatch):
     donor, newcomer = make_swarm(2, timeout=1.0)
     donor.offer_state({"protocol": "diloco", "round": 3, "step": 150}, {"slow": torch.randn(400_000)})
@@ -416,6 +418,7 @@ def test_a_requester_that_stops_reading_does_not_hold_the_donors_transfer(make_s
     stream[1].close()
 
 
+@pytest.mark.solo
 def test_an_average_too_large_for_the_link_in_the_timeout_says_to_raise_the_timeout(make_swarm, monkeypatch,
                                                                                         caplog):
     """Members whose parts are still arriving when the average's time runs out are alive, not absent: the

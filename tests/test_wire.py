@@ -112,6 +112,7 @@ def test_a_tensor_message_that_contradicts_its_spec_is_refused_before_anything_i
         asyncio.run(main())
 
 
+@pytest.mark.solo
 def test_shaper_paces_to_its_rate_and_adds_latency():
     async def send(shaper, frames, size):
         start = time.monotonic()
@@ -151,6 +152,7 @@ def test_a_large_frame_is_watched_arriving_piece_by_piece():
     assert calls == [(min(k * PIECE, len(data)), len(data)) for k in range(len(calls))]
 
 
+@pytest.mark.solo
 def test_a_paced_link_lets_a_small_frame_through_between_the_pieces_of_a_large_one(monkeypatch):
     """On a link paced by the application (netlab's loopback mode), a large frame goes out in pieces:
     a probe's answer sent meanwhile on another stream arrives long before the large frame is done, as it
