@@ -355,6 +355,15 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stdout + refused.stderr
     assert "holds an earlier run" in refused.stderr and "--resume" in refused.stderr
     assert {path: path.read_bytes() for path in out.glob("*/stage/*")} == checkpoints
+    kept = (out / lead / "metrics.jsonl").read_bytes()
+    for name in sorted({path.parent.parent.name for path in checkpoints}):  # a node started by hand: it wrote over
+        refused = prefork.run(["pipeline", "node", "--recipe", str(recipe), "--network", str(out / "network.json"),
+                               "--name", name, "--out", str(out / name), "--data", str(small_corpus),
+                               *(["--lead"] if name == lead else [])], tmp_path, timeout=60)
+        assert refused.returncode == 2 and f"{out / name / 'stage'} holds an earlier run's checkpoint" in refused.stderr
+        assert "--resume goes on from it" in refused.stderr, refused.stderr
+    assert {path: path.read_bytes() for path in out.glob("*/stage/*")} == checkpoints
+    assert (out / lead / "metrics.jsonl").read_bytes() == kept
     refused = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--resume"], tmp_path,
                           timeout=60)  # the recipe's 15 steps are done: said at once, not a run that does nothing
     assert refused.returncode == 2 and "at iteration 15, 15 were asked for: nothing to train" in refused.stderr
