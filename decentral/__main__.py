@@ -5,7 +5,8 @@ import sys
 
 
 def run() -> int:
-    """decentral.cli's `main`; exit code 130 when Ctrl-C comes while its imports (torch's) still load.
+    """decentral.cli's `main`; exit code 130 and one line when Ctrl-C comes while its imports (torch's) still
+    load, or before `main` handles it.
 
     What lives as long as the process is kept out of the garbage collector's walks (`gc.freeze`): the objects
     the imports made (the collector off while they run), then, whatever the command ends with, every object
@@ -16,14 +17,21 @@ def run() -> int:
     try:
         from decentral.cli import main
     except KeyboardInterrupt:
-        return 130
+        return _interrupted()
     finally:
         gc.freeze()
         gc.enable()
     try:
         return main()
+    except KeyboardInterrupt:  # before `main` handles it itself: while building the parser imports the benches
+        return _interrupted()
     finally:
         gc.freeze()
+
+
+def _interrupted() -> int:
+    print("decentral: interrupted", file=sys.stderr, flush=True)
+    return 130
 
 
 if __name__ == "__main__":

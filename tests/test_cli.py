@@ -220,6 +220,23 @@ def test_a_command_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, prefork):
     assert err.read_text() == "decentral: interrupted\n"
 
 
+def test_ctrl_c_while_the_command_line_is_read_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    """Building the parser imports the benches: a Ctrl-C then was a traceback."""
+    import decentral.cli
+    from decentral.__main__ import run
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decentral.cli, "build_parser", interrupted)
+    monkeypatch.setattr(sys, "argv", ["decentral", "merge", "linear", "--out", "merged"])
+    try:
+        assert run() == 130
+    finally:
+        gc.unfreeze()  # (run froze this process's objects, as the command's process can afford to)
+    assert capsys.readouterr().err == "decentral: interrupted\n"
+
+
 def test_a_temporary_folder_too_long_for_torchs_shared_memory_socket_is_named_in_one_line(tmp_path):
     """hivemind's DHT shares memory through torch's manager, whose Unix socket under TMPDIR fails on a long
     path (a long pytest tmp_path did it): one line naming the folder, where the manager's C++ stack was."""
