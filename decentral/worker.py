@@ -103,7 +103,7 @@ def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: 
     files = model.write_files  # None for the reference GPT
     tensors, meta = training_state({} if files else model.state_dict(), protocol.optimizer, protocol.state_dict())
     tokens = lineage["start_tokens"] + (protocol.step - lineage["start_step"]) * recipe.train.batch_size * recipe.train.context
-    meta.update(recipe=recipe.to_dict(), lineage={**lineage, "tokens": tokens})
+    meta.update(recipe=recipe.to_dict(), lineage={**lineage, "tokens": tokens}, data=_data_of(opts))
     save_checkpoint(opts.out / "checkpoint", tensors, meta, files=files)
 
 
@@ -157,12 +157,26 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport, 
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # metadata that passed its checksum-less read
         raise CheckpointError(f"{path}: its metadata does not fit this run ({type(e).__name__}: {e}); resume with the "
                               "recipe it was written with") from None
-    theirs = meta.get("recipe")
-    differ = recipe_differences(theirs, recipe.to_dict()) if isinstance(theirs, dict) and opts.rank == 0 else ""
-    if differ:
-        print(f"note: {path} was trained with other settings ({differ}): the run goes on with this run's; give "
-              "the checkpoint's recipe and --set to go on as it was", file=sys.stderr, flush=True)
+    theirs, data = meta.get("recipe"), meta.get("data")
+    differ = [recipe_differences(theirs, recipe.to_dict())] if isinstance(theirs, dict) else []
+    if isinstance(data, dict) and data != _data_of(opts):  # (a checkpoint written before `data` was kept: none)
+        differ.append(f"trained on {_data_said(data)} there, {_data_said(_data_of(opts))} here")
+    if any(differ) and opts.rank == 0:
+        print(f"note: {path} was trained with other settings ({'; '.join(d for d in differ if d)}): the run goes on "
+              "with this run's; give the checkpoint's recipe, --set, --data and --domain to go on as it was",
+              file=sys.stderr, flush=True)
     return meta.get("lineage", {"parent": None, "start_step": 0, "start_tokens": 0})
+
+
+def _data_of(opts: WorkerOptions) -> dict:
+    """What the run trains on, as its checkpoint keeps it."""
+    return {"domains": list(opts.domains or []), "data": [str(Path(p).resolve()) for p in opts.data or []]}
+
+
+def _data_said(data: dict) -> str:
+    if data.get("domains"):
+        return "--domain " + ",".join(map(str, data["domains"]))
+    return "--data " + ",".join(map(str, data["data"])) if data.get("data") else "the standard library"
 
 
 def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: Recipe,

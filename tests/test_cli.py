@@ -12,6 +12,7 @@ import os
 import re
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -442,6 +443,11 @@ def test_resuming_a_run_at_or_past_its_stop_at_or_steps_is_refused_and_leaves_th
     assert (f"note: {checkpoint} was trained with other settings (train.lr {lr} there, {lr / 2} here): the run "
             "goes on with this run's") in capsys.readouterr().err
     assert read_checkpoint_meta(checkpoint)["recipe"]["train"]["lr"] == lr / 2
+    other = shutil.copytree(small_corpus, tmp_path / "other")  # another corpus (the same text)
+    at_6 = [*run[:run.index("--data")], "--data", str(other), *run[run.index("--data") + 2:]]
+    assert main([*at_6, "--resume", "--stop-at", "7", "--set", f"train.lr={lr / 2}"]) == 0
+    assert (f"(trained on --data {Path(small_corpus).resolve()} there, --data {other} here)"
+            in capsys.readouterr().err)
 
 
 def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_time_on(tmp_path, small_corpus):
