@@ -179,6 +179,9 @@ def test_a_taken_name_or_a_stop_at_that_trains_nothing_is_refused_before_trainin
     common = ["--protocol", str(recipe), "--registry", "reg"]
     run_cli(prefork, "experts", "seed", "--domain", "code", "--domain", "legal", *common, cwd=tmp_path)
     seed = Registry(tmp_path / "reg").get("seed")
+    short = prefork.run(["experts", "seed", "--as", "short", "--domain", "code", "--domain", "legal", *common,
+                         "--steps", "4"], tmp_path)  # said by `train`, not by a seed
+    assert short.returncode == 0 and "note: train.warmup_steps is 5 and the run has 4 steps" in short.stderr
 
     def refused(*args, says):
         done = prefork.run(args, tmp_path, timeout=120)

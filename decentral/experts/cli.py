@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from decentral.cli import (
-    _recipe, add_network_arguments, add_worker_arguments, example, positive_int, serve_until_stopped, train_worker,
+    _recipe, add_network_arguments, add_worker_arguments, example, positive_int, schedule_notes, serve_until_stopped,
+    train_worker,
 )
 from decentral.checkpoint import CheckpointError, checkpoint_present
 from decentral.config import RecipeError, parse_recipe, parse_settings
@@ -83,7 +84,7 @@ def _distinct(names: list[str], what: str) -> list[str]:
 def _run_worker(recipe, args, name: str, domain: str | None, with_optimizer: bool, **overrides) -> int:
     """Train, then add the final checkpoint to the registry as `name`."""
     args.name = args.name or name
-    code = train_worker(recipe, args, **overrides)
+    code = train_worker(recipe, args, notes=schedule_notes(recipe), **overrides)
     if code != 0:
         return code
     expert = Registry(args.registry).add_checkpoint(Path(args.out) / "checkpoint", name, domain, with_optimizer)
