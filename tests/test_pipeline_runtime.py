@@ -349,6 +349,7 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
     assert evaluation["full_loss"] < records[0]["loss"] - 0.5 and evaluation["kept_stages"] == 1
     again = prefork.run(["pipeline", "eval", str(out), "--data", str(small_corpus)], tmp_path, timeout=120)
     assert again.returncode == 0 and f"{evaluation['full_loss']:.4f}" in again.stdout
+    assert f"wrote {out / 'eval.json'} (in place of the last evaluation)" in again.stdout  # it was silent
     checkpoints = {path: path.read_bytes() for path in out.glob("*/stage/*")}
     refused = prefork.run(["pipeline", "train", "--recipe", str(recipe), "--out", str(out), "--data",
                            str(small_corpus), "--steps", "2"], tmp_path, timeout=60)  # without --resume: kept

@@ -51,7 +51,7 @@ example:
 EVAL_HELP = """Evaluate a `decentral pipeline train` run: validation loss and perplexity of the whole model and,
 with a share --drop of its stages dropped at inference (stage 0 kept, the others a sorted subset),
 the mean perplexity over subsets (all of them when there are at most 20 or at most --draws, else --draws
-at random).
+at random). Written to RUN/eval.json, in place of the last evaluation (the one its training wrote).
 
 example:
   decentral pipeline eval runs/skippipe --drop 0.5
@@ -177,6 +177,7 @@ def cmd_eval(args) -> int:
 
     result = evaluate_run(args.run, drop=args.drop, draws=args.draws, data=args.data, seed=args.seed)
     print(format_evaluation(result))
+    print(f"wrote {Path(args.run) / 'eval.json'} (in place of the last evaluation)")
     return 0
 
 
