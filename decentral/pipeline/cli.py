@@ -106,7 +106,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--latency-ms", type=number_type(float, 0), default=0.0, help="latency added to every message we send")
     t.add_argument("--drop", type=float, default=0.5, help="share of stages dropped in the evaluation (default 0.5)")
     t.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
-                   help="the longest the run may take, in seconds")
+                   help="the longest the run may take, in seconds, its nodes' start-up included; then the nodes stop "
+                        "(saving their checkpoints takes seconds more) and the command exits 2")
     t.add_argument("--resume", action="store_true", help="go on from the nodes' checkpoints in OUT (a run "
                    "stopped or whose lead died), to --steps")
     t.set_defaults(func=cmd_train)
