@@ -85,6 +85,8 @@ def test_failed_write_leaves_nothing_and_bad_folders_are_clear(tmp_path):
     (tmp_path / "e" / "expert.json").write_text("{not json")
     with pytest.raises(RegistryError, match="not valid JSON"):
         registry.get("e")
+    with pytest.raises(RegistryError, match=f"registry {tmp_path / 'e' / 'expert.json'} is a file, not a folder"):
+        Registry(tmp_path / "e" / "expert.json")
 
 
 def run_cli(prefork, *args, cwd):

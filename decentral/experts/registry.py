@@ -407,6 +407,8 @@ class Registry:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():  # (it was listed as a folder that does not exist)
+            raise RegistryError(f"registry {self.root} is a file, not a folder")
 
     def names(self) -> list[str]:
         if not self.root.is_dir():
