@@ -38,7 +38,7 @@ def test_publish_on_one_peer_fetch_on_the_other(tmp_path, sharing):
     verify_expert(got)
     assert got.sha256 == expert.sha256 and got.folder == tmp_path / "b" / "legal"
     assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
-    with pytest.raises(RegistryError, match="nobody in the swarm publishes expert 'code'"):
+    with pytest.raises(RegistryError, match=r"nobody in the swarm publishes expert 'code' \(it publishes legal\)"):
         fetcher.fetch("code")
 
 
@@ -72,7 +72,11 @@ def test_fetch_checks_every_name_is_published_before_fetching_any(tmp_path, shar
     publisher.publish(["code"])
     join = ["--join", str(publisher.peer.multiaddrs()[0]), "--run", publisher.peer.run]
     done = prefork.run(["experts", "fetch", "code", "nosuch", *join, "--registry", "c"], tmp_path, timeout=120)
-    assert done.returncode == 2 and "nobody in the swarm publishes expert 'nosuch'" in done.stderr, done.stderr
+    assert done.returncode == 2 and "nobody in the swarm publishes expert 'nosuch' (it publishes code)" in done.stderr
+    done = prefork.run(["experts", "fetch", "code", *join[:2], "--run", "typo", "--registry", "c"], tmp_path,
+                       timeout=120)
+    assert done.returncode == 2 and ("nobody publishes any in run 'typo': is it the run they publish in?"
+                                     in done.stderr), done.stderr
     assert "Traceback" not in done.stderr and "fetched" not in done.stdout
     assert not (tmp_path / "c" / "code").exists()  # nothing installed
     done = prefork.run(["experts", "fetch", "code", "code", *join, "--registry", "c"], tmp_path, timeout=120)

@@ -115,12 +115,17 @@ class ExpertSharing:
     def find(self, name: str, sha256: str | None = None) -> Published:
         """The version of expert `name` the swarm publishes now (`sha256`, a prefix, picks one where publishers
         disagree); RegistryError when nobody publishes it, or publishers disagree and `sha256` does not pick."""
-        versions = self.available().get(name, [])
+        available = self.available()
+        versions = available.get(name, [])
         if sha256:
             versions = [v for v in versions if v.expert.sha256.startswith(sha256)]
         if not versions:
+            others = ", ".join(sorted(set(available) - {name}))
             raise RegistryError(f"nobody in the swarm publishes expert {name!r}"
-                                + (f" with sha256 {sha256}" if sha256 else ""))
+                                + (f" with sha256 {sha256}" if sha256 else "")
+                                + (f" (it publishes {others})" if others and not sha256 else
+                                   f" (nobody publishes any in run {self.peer.run!r}: is it the run they publish in?)"
+                                   if not available else ""))
         if len(versions) > 1:
             hashes = ", ".join(v.expert.sha256[:12] for v in versions)
             raise RegistryError(f"expert {name!r} is published with different contents ({hashes}): "
