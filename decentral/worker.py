@@ -187,9 +187,6 @@ def _start_from(start: StartPoint, model: torch.nn.Module, optimizer: torch.opti
     if start.model_config != ours:
         raise RegistryError(f"--init-from {start.source}: its model differs from the recipe's ({recipe.model_source}): "
                             f"{model_differences(start.model_config, ours)}")
-    if start.step >= recipe.train.steps:
-        raise RegistryError(f"--init-from {start.source} is at step {start.step}, the end of a {recipe.train.steps}-step "
-                            f"schedule: give more --steps (the schedule's total, the start point's steps included)")
     model.load_state_dict(start.model)
     if start.optimizer is not None:
         optimizer.load_state_dict(start.optimizer)
@@ -292,6 +289,11 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
     if start is not None:
         _check_stop_at_past(opts.stop_at, start.source, start.step, RegistryError)
+        if start.step >= t.steps:
+            raise RegistryError(f"the start point, {start.source}, is at step {start.step}, "
+                                f"{'the end' if start.step == t.steps else 'past the end'} of a {t.steps}-step "
+                                "schedule: nothing would train; give more --steps (the schedule's total, the start "
+                                "point's steps included)")
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
     with sole_writer(opts.out):  # (before reading its checkpoint: a live run's is not ours to judge)
         if own_checkpoint:

@@ -203,6 +203,10 @@ def test_a_taken_name_or_a_stop_at_that_trains_nothing_is_refused_before_trainin
             says="not past expert 'seed'")
     refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--stop-at", "30", *common,
             says="past the end of the 20-step schedule")
+    refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--steps", "10", *common,  # it said
+            says="the start point, expert 'seed' at ")  # --init-from, which a branch is not given
+    refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--steps", "10", *common,
+            says="is at step 10, the end of a 10-step schedule: nothing would train; give more --steps")
     refused("experts", "add", "runs/btm/seed/checkpoint", "--name", "seed", "--registry", "reg", says="already in")
     (tmp_path / "avg.yaml").write_text(yaml.safe_dump({"method": "linear", "registry": "reg", "experts": ["seed", "seed"]}))
     refused("merge", "avg.yaml", "--out", "reg/seed", says="already in")
