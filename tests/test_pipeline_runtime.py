@@ -412,7 +412,8 @@ def test_an_interrupted_train_ends_every_node_and_says_where_to_resume_from(tmp_
         assert train.returncode == 130, stderr
         saved = min(stage_checkpoints(out).values())
         assert stderr.startswith("pipeline train: interrupted;") and stderr.count("\n") == 1, stderr
-        assert f"last checkpoints (iteration {saved})" in stderr and f"--resume --out {out}" in stderr
+        assert f"last checkpoints (iteration {saved})" in stderr
+        assert f"`decentral pipeline train --resume --recipe {recipe} --out {out}`" in stderr  # the recipe, by name
         wait_until(lambda: not any(running(pid) for pid in nodes), timeout=5, what="the nodes to end")
         for log in out.glob("*.log"):
             assert "Traceback" not in log.read_text(), log.read_text()

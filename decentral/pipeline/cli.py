@@ -166,7 +166,7 @@ def cmd_train(args) -> int:
                                latency_ms=args.latency_ms, steps=args.steps, data=args.data, drop=args.drop,
                                timeout_s=args.timeout, resume=args.resume)
     except KeyboardInterrupt:
-        print(f"pipeline train: interrupted; {resume_hint(args.out)}", file=sys.stderr, flush=True)
+        print(f"pipeline train: interrupted; {resume_hint(args.out, args.recipe)}", file=sys.stderr, flush=True)
         return 130
     print(format_evaluation(result["evaluation"]))
     print(f"wrote {args.out}/eval.json; `decentral pipeline eval {args.out}` scores it again")

@@ -158,7 +158,8 @@ class LocalPipeline:
                 if stopped:
                     raise self._could_not_run(stopped[0]) from None
                 if time.monotonic() >= deadline:
-                    raise PipelineError(f"the run did not end in the time given (--timeout); {resume_hint(self.out)} "
+                    raise PipelineError("the run did not end in the time given (--timeout); "
+                                        f"{resume_hint(self.out, self.recipe)} "
                                         f"(the nodes' logs: {self.out}/*.log)") from None
                 if tick:
                     tick()
@@ -217,13 +218,14 @@ def stage_checkpoints(out: str | Path) -> dict[str, int | None]:
     return found
 
 
-def resume_hint(out: str | Path) -> str:
-    """Where a stopped run in `out` can go on from: its nodes' last checkpoints, or none yet."""
+def resume_hint(out: str | Path, recipe_path: str | Path) -> str:
+    """Where a stopped run in `out` of the recipe at `recipe_path` can go on from: its nodes' last checkpoints, or
+    none yet."""
     iterations = [i for i in stage_checkpoints(out).values() if i is not None]
     if not iterations:
         return f"no node had checkpointed yet (every train.eval_every iterations): {out} cannot be resumed"
     return (f"the nodes' last checkpoints (iteration {min(iterations)}) are in {out}: `decentral pipeline train "
-            f"--resume --out {out}` (with the run's --recipe) goes on from them")
+            f"--resume --recipe {recipe_path} --out {out}` goes on from them")
 
 
 def node_network(recipe, path: str | Path | None = None) -> Network:
@@ -346,7 +348,7 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
                 tick()
             if code != 0:
                 raise PipelineError(f"the lead ({run.lead}) exited with {code} and no head was left to take over "
-                                    f"(its last line: {run.last_line(run.lead)}); {resume_hint(out)}")
+                                    f"(its last line: {run.last_line(run.lead)}); {resume_hint(out, recipe_path)}")
             lead = run.lead
             print("pipeline train: done; stopping the nodes" + (", then evaluating" if evaluate else ""), flush=True)
     finally:
