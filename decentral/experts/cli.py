@@ -464,7 +464,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add = command("add", "add a `decentral train` checkpoint to the registry",
                   "decentral experts add runs/train/checkpoint --name code --domain-name code", cmd_add)
-    add.add_argument("checkpoint")
+    add.add_argument("checkpoint", help="a checkpoint folder (a run's OUT/checkpoint)")
     add.add_argument("--name", required=True, help="its name in the registry")
     add.add_argument("--domain-name", help="the domain it was trained on")
     add.add_argument("--with-optimizer", action="store_true", help="keep the inner optimizer state too")
@@ -479,13 +479,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     publish.add_argument("names", nargs="*", help="experts to publish (default: all)")
     fetch = command("fetch", "download experts a swarm publishes into the registry, checked against their sha256",
                     "decentral experts fetch code legal --join /ip4/203.0.113.5/tcp/31337/p2p/Qm...", cmd_fetch)
-    fetch.add_argument("names", nargs="+")
+    fetch.add_argument("names", nargs="+", help="the experts to fetch, by name")
     fetch.add_argument("--sha256", help="which version, when publishers disagree (a prefix is enough)")
     fetch.add_argument("--no-optimizer", action="store_true", help="skip the inner optimizer state")
     _replace_argument(fetch)
     for p in (lister, publish, fetch):
         _registry_argument(p)
-        add_network_arguments(p)
+        add_network_arguments(p, run_default="decentral")
         p.set_defaults(run="decentral")
 
     evaluate = command("eval", "test perplexity of experts and their ensembles on each domain (priors from dev data)",
@@ -513,4 +513,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--replace", action="store_true", help="replace the clusters and router of an earlier run "
                          "in --out (other files there stay)")
     cluster.add_argument("--max-bytes", type=positive_int, default=8_000_000, help="read at most this much text")
-    cluster.add_argument("--seed", type=int, default=0)
+    cluster.add_argument("--seed", type=int, default=0, help="random seed of the clustering (default 0)")

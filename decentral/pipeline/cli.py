@@ -99,7 +99,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "keeps the run's OUT/network.json")
     t.add_argument("--steps", type=positive_int, help="iterations (default: the recipe's train.steps); the learning "
                    "rate's schedule spans the recipe's train.steps whatever --steps is")
-    t.add_argument("--out", default="runs/skippipe")
+    t.add_argument("--out", default="runs/skippipe", help="the run's folder: a folder and a log per node, "
+                   "network.json, eval.json (default: runs/skippipe)")
     t.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
     t.add_argument("--netlab", metavar="RATE", type=rate_argument, help="run every node in its own netlab host, uplink "
                    "capped at RATE (e.g. 20mbit); needs root, else loopback with paced sends")
@@ -121,7 +122,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "this many; default 10)")
     e.add_argument("--data", action="append", metavar="PATH", help="text whose validation split scores the model "
                    "(default: Python's stdlib)")
-    e.add_argument("--seed", type=number_type(int, 0), default=0)
+    e.add_argument("--seed", type=number_type(int, 0), default=0, help="seed of the random subsets of stages "
+                   "dropped (default 0)")
     e.set_defaults(func=cmd_eval)
 
     n = commands.add_parser("node", help="one node of a pipeline (started by `pipeline train`, or by you per machine)",
