@@ -60,10 +60,11 @@ def load_merge_recipe(path: str | Path, registry: str | Path | None = None) -> M
     path = Path(path)
     shipped = SHIPPED / "merges" / path.name
     if path.suffix not in (".yaml", ".yml") and not path.exists():
-        if len(path.parts) > 1 or not shipped.with_suffix(".yaml").is_file():
+        named = SHIPPED / "merges" / f"{path.name}.yaml"
+        if len(path.parts) > 1 or not named.is_file():
             names = ", ".join(sorted(p.stem for p in (SHIPPED / "merges").glob("*.yaml")))
             raise MergeError(f"no merge recipe {str(path)!r}: give one of {names} or a recipe file (.yaml)")
-        path = shipped.with_suffix(".yaml")
+        path = named
     if not path.is_file() and path.parent.name == "merges" and shipped.is_file():
         # merges/ties.yaml typed outside the repository: say where the shipped one is
         raise MergeError(f"merge recipe {path} does not exist (relative to {Path.cwd()}); the shipped one is named "
