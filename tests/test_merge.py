@@ -548,6 +548,20 @@ def test_corrupt_input_fails_its_checksum_and_nothing_is_written(registry, out_p
     merge(recipe_for(registry, "ties"), out_parent / "m", progress=False)  # without verify, files are trusted
 
 
+def test_a_damaged_header_is_named_as_a_checksum_failure_when_verifying(registry, out_parent):
+    """A byte flipped in a tensor's name reads as a model with another tensor: `--verify` said that tensor was
+    missing, not which file was damaged."""
+    path = registry / "legal" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    name = next(key for key in header if key != "__metadata__" and key[1].isalpha())
+    data[data.index(f'"{name}"'.encode()) + 2] ^= 0x20  # its second letter's case: the header is still JSON
+    path.write_bytes(bytes(data))
+    assert_fails_leaving_nothing(recipe_for(registry, "ties", verify=True), out_parent / "m",
+                                 "expert 'legal': .* does not match the sha256 recorded")
+    assert_fails_leaving_nothing(recipe_for(registry, "ties"), out_parent / "m", "is missing from")
+
+
 def test_input_in_another_tensor_order_is_verified_by_rereading(registry, out_parent):
     state = gpt_state(5)
     state["embed.pos.weight"] = state["embed.pos.weight"].half()  # stored after every F32 tensor

@@ -99,9 +99,17 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
     with ExitStack() as stack:
         inputs = [_open_input(role, ref, recipe.source, stack) for role, ref in refs]
         _check_output_folder(out_dir, inputs)
-        _check_one_kind(inputs)
-        specs = _output_specs(inputs, recipe.dtype)
-        model = _common_model(inputs)
+        try:
+            _check_one_kind(inputs)
+            specs = _output_specs(inputs, recipe.dtype)
+            model = _common_model(inputs)
+        except MergeError:
+            if recipe.verify:  # a damaged header reads as another model: name the damaged file instead
+                for i in inputs:
+                    for path, digest in i.checked_files().items():
+                        if file_sha256(path) != digest:
+                            _corrupt(i, path)
+            raise
         if recipe.method.weights_from is not None:  # once the inputs fit together: posterior scores them
             for i, weight in zip([i for i in inputs if i.role == "expert"], recipe.method.weights_from(recipe)):
                 i.ref = replace(i.ref, weight=weight)
