@@ -195,7 +195,8 @@ def train_worker(recipe, args, **overrides) -> int:
     except KeyboardInterrupt:
         return 130
     print_line(f"[{summary['worker']}] done: step {summary['step']} val_loss {summary['val_loss']:.4f} "
-               f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s, peak memory "
+               f"sent {summary['bytes_sent'] / 2**20:.1f} MiB in {summary['wall_s']:.0f}s"
+               f"{' (the whole run, its earlier legs too)' if args.resume else ''}, peak memory "
                f"{summary['peak_rss_mib']:.0f} MiB")
     return 0
 

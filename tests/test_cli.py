@@ -450,7 +450,8 @@ def test_resuming_a_run_at_or_past_its_stop_at_or_steps_is_refused_and_leaves_th
             in capsys.readouterr().err)
 
 
-def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_time_on(tmp_path, small_corpus):
+def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_time_on(tmp_path, small_corpus,
+                                                                                        capsys):
     """The records a run wrote after its last checkpoint (here steps 5 and 6, as a run killed at step 6 leaves
     them) are trained again on --resume: they were kept twice, and wall_s started again from 0, so the report's
     curves folded back and its summary's wall time was the last leg's alone."""
@@ -470,6 +471,8 @@ def test_a_resumed_run_redoes_the_records_past_its_checkpoint_and_counts_wall_ti
     assert all(r.get("loss") != 9.0 for r in records)
     resumed = [r["wall_s"] for r in records[len(first):]]
     assert resumed[0] == reached and resumed == sorted(resumed) and resumed[-1] > reached
+    done = capsys.readouterr().out.splitlines()[-1]  # the time it says is the run's: the legs' sum
+    assert re.search(r" in \d+s \(the whole run, its earlier legs too\), peak memory", done), done
 
 
 def test_a_train_whose_stdout_is_closed_trains_to_its_end_and_saves_its_checkpoint(tmp_path, small_corpus, prefork):
