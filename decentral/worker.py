@@ -132,8 +132,8 @@ def _check_left_to_train(path: Path, steps: int, stop_at: int | None) -> None:
 def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport, recipe: Recipe) -> dict:
     """Load OUT/checkpoint into the protocol, its model and inner optimizer; returns the run's lineage.
     In an island every rank takes its leader's checkpoint (a rank killed between two saves holds an older
-    one, and the island's replicas must be identical). A note says which settings differ from the checkpoint's
-    recipe (`recipe` is the run's): they go on with this run's."""
+    one, and the island's replicas must be identical). A note says which settings (`recipe` is the run's) and
+    which data differ from the checkpoint's: the run goes on with its own."""
     read = protocol.model.read_files  # the inverse of _save's `write_files`; None for the reference GPT
     files = (lambda folder: {f"model.{k}": v for k, v in read(folder).items()}) if read else None
     path = opts.out / "checkpoint"
@@ -174,6 +174,7 @@ def _data_of(opts: WorkerOptions) -> dict:
 
 
 def _data_said(data: dict) -> str:
+    """`_data_of`'s record as the option that gives it."""
     if data.get("domains"):
         return "--domain " + ",".join(map(str, data["domains"]))
     return "--data " + ",".join(map(str, data["data"])) if data.get("data") else "the standard library"
