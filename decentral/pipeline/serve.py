@@ -122,16 +122,14 @@ def _run_stage(opts: NodeOptions, entry, index: int) -> int:
         if opts.resume:
             opts.print_fn(f"[{opts.name}] resumes stage {index} at iteration {node.restore()}")
         else:
-            if checkpoint_present(opts.out / "stage") and opts.lead:  # a new run would write over it and its records
-                raise PipelineError(f"{opts.out / 'stage'} holds an earlier run's checkpoint: --resume goes on from it; "
-                                    "to start over, remove it or give another --out")
-            source = node.copy_replica(lookup_servers(peer).values())
-            if source:
+            saved = checkpoint_present(opts.out / "stage")  # a new run would write over it (the lead: its records too)
+            source = None if saved and opts.lead else node.copy_replica(lookup_servers(peer).values())
+            if source:  # (a node joining a live run takes its stage from it)
                 opts.print_fn(f"[{opts.name}] copied stage {index}'s weights from {source}")
-            elif checkpoint_present(opts.out / "stage"):  # (a node joining a live run takes its stage from it)
-                raise PipelineError(f"{opts.out / 'stage'} holds an earlier run's checkpoint and no live node serves "
-                                    f"stage {index} to copy: --resume goes on from it; to start over, remove it or "
-                                    "give another --out")
+            elif saved:
+                raise PipelineError(f"{opts.out / 'stage'} holds an earlier run's checkpoint"
+                                    f"{'' if opts.lead else f' and no live node serves stage {index} to copy'}: "
+                                    "--resume goes on from it; to start over, remove it or give another --out")
         if index == 0:  # the lead's records past its checkpoint are redone (a new run: none is kept)
             keep_records_until(opts.out / "metrics.jsonl", node.iterations_done or -1)
         node.start()
