@@ -120,12 +120,13 @@ class ExpertSharing:
         if sha256:
             versions = [v for v in versions if v.expert.sha256.startswith(sha256)]
         if not versions:
-            others = ", ".join(sorted(set(available) - {name}))
-            raise RegistryError(f"nobody in the swarm publishes expert {name!r}"
-                                + (f" with sha256 {sha256}" if sha256 else "")
-                                + (f" (it publishes {others})" if others and not sha256 else
-                                   f" (nobody publishes any in run {self.peer.run!r}: is it the run they publish in?)"
-                                   if not available else ""))
+            others = sorted(set(available) - {name})
+            said = f"nobody in the swarm publishes expert {name!r}" + (f" with sha256 {sha256}" if sha256 else "")
+            if others and not sha256:
+                said += f" (it publishes {', '.join(others)})"
+            elif not available:
+                said += f" (nobody publishes any in run {self.peer.run!r}: is it the run they publish in?)"
+            raise RegistryError(said)
         if len(versions) > 1:
             hashes = ", ".join(v.expert.sha256[:12] for v in versions)
             raise RegistryError(f"expert {name!r} is published with different contents ({hashes}): "
