@@ -77,6 +77,7 @@ class WorkerOptions:
     domains: Sequence[str] | None = None  # NAME or NAME=PATH (decentral.data.domains): balanced batches
     init_from: Path | None = None  # a checkpoint or expert folder to start from (ignored when resuming)
     stop_at: int | None = None  # stop at this inner step; the LR schedule still spans train.steps
+    stop_at_from: str = "--stop-at"  # what set stop_at, named when it is not past the step the run starts from
     min_peers: int = 1  # wait until this many peers (us included) announced our first round before training
     wait_peers_s: float = 300.0
     name: str = "worker"
@@ -107,22 +108,22 @@ def _save(protocol: SyncProtocol, opts: WorkerOptions, recipe: Recipe, lineage: 
     save_checkpoint(opts.out / "checkpoint", tensors, meta, files=files)
 
 
-def _check_stop_at_past(stop_at: int | None, source, step: int, error: type[Exception]) -> None:
-    """`error` when `stop_at` is not past `step`, the step that `source` (a checkpoint, a start point) is at:
-    nothing would train."""
-    if stop_at is not None and stop_at <= step:
-        raise error(f"--stop-at {stop_at} is not past {source}'s step {step}: nothing would train; give a later "
-                    "--stop-at")
+def _check_stop_at_past(opts: WorkerOptions, source, step: int, error: type[Exception]) -> None:
+    """`error` when `opts.stop_at` is not past `step`, the step that `source` (a checkpoint, a start point) is at:
+    nothing would train. It names what set the stop (`opts.stop_at_from`)."""
+    if opts.stop_at is not None and opts.stop_at <= step:
+        raise error(f"the run stops at step {opts.stop_at} ({opts.stop_at_from}), and {source} is at step {step}: "
+                    f"nothing would train; stop past step {step}")
 
 
-def _check_left_to_train(path: Path, steps: int, stop_at: int | None) -> None:
+def _check_left_to_train(path: Path, steps: int, opts: WorkerOptions) -> None:
     """CheckpointError when the checkpoint at `path`, which --resume goes on from, is at the run's last step
-    (`stop_at`, else the schedule's `steps`) or past it: nothing would train (only its meta is read here)."""
+    (`opts.stop_at`, else the schedule's `steps`) or past it: nothing would train (only its meta is read here)."""
     sync = read_checkpoint_meta(path).get("sync")
     step = sync.get("step") if isinstance(sync, dict) else None
     if not isinstance(step, int):
         return  # metadata that does not fit: _restore says so
-    _check_stop_at_past(stop_at, path, step, CheckpointError)
+    _check_stop_at_past(opts, path, step, CheckpointError)
     if steps <= step:
         raise CheckpointError(f"{path} is at step {step}, {'the end' if step == steps else 'past the end'} of a "
                               f"{steps}-step schedule (train.steps): nothing would train; to train on, give --steps past "
@@ -289,7 +290,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
         raise CheckpointError(f"--resume: no run to resume in {opts.out} (the folder does not exist)")
     start = load_start_point(opts.init_from) if opts.init_from and not opts.resume else None
     if start is not None:
-        _check_stop_at_past(opts.stop_at, start.source, start.step, RegistryError)
+        _check_stop_at_past(opts, start.source, start.step, RegistryError)
         if start.step >= t.steps:
             raise RegistryError(f"the start point, {start.source}, is at step {start.step}, "
                                 f"{'the end' if start.step == t.steps else 'past the end'} of a {t.steps}-step "
@@ -298,7 +299,7 @@ def run_worker(recipe: Recipe, opts: WorkerOptions) -> dict:
     opts.out.mkdir(parents=True, exist_ok=True)  # once the run's inputs are known to be good
     with sole_writer(opts.out):  # (before reading its checkpoint: a live run's is not ours to judge)
         if own_checkpoint:
-            _check_left_to_train(opts.out / "checkpoint", t.steps, opts.stop_at)
+            _check_left_to_train(opts.out / "checkpoint", t.steps, opts)
         if not opts.resume and checkpoint_present(opts.out / "checkpoint"):
             raise CheckpointError(f"{opts.out / 'checkpoint'} holds an earlier run: --resume goes on from it; to "
                                   "start over, remove it or give another --out")

@@ -424,8 +424,8 @@ def test_resuming_a_run_at_or_past_its_stop_at_or_steps_is_refused_and_leaves_th
     checkpoint = tmp_path / "run" / "checkpoint"
     capsys.readouterr()
     for extra, said in [
-        (["--stop-at", "3"], f"--stop-at 3 is not past {checkpoint}'s step 4: nothing would train; give a later "
-                             "--stop-at"),
+        (["--stop-at", "3"], f"the run stops at step 3 (--stop-at), and {checkpoint} is at step 4: nothing would "
+                             "train; stop past step 4"),
         (["--steps", "4"], f"{checkpoint} is at step 4, the end of a 4-step schedule (train.steps): nothing would "
                            "train; to train on, give --steps past 4 (the whole schedule's length)"),
         (["--steps", "3"], f"{checkpoint} is at step 4, past the end of a 3-step schedule"),

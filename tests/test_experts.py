@@ -195,12 +195,12 @@ def test_a_taken_name_or_a_stop_at_that_trains_nothing_is_refused_before_trainin
             says="runs/btm/seed holds the run of an earlier 'seed': --resume goes on from it; to train it again, "
                  "remove runs/btm/seed or give another --out (--replace replaces the registry's expert, not its run)")
     refused("experts", "seed", "--domain", "code", "--domain", "legal", *common, "--replace", "--resume",
-            says="the seed stops at step 10 (--share 0.5 of a 20-step schedule), and runs/btm/seed/checkpoint is at "
-                 "step 10: nothing would train; give a larger --share or --steps")  # it named a --stop-at not given
+            says="the run stops at step 10 (--share 0.5 of a 20-step schedule), and runs/btm/seed/checkpoint is at "
+                 "step 10: nothing would train; stop past step 10")  # it named a --stop-at not given
     refused("experts", "branch", "seed", "--from", "seed", "--domain", "code", *common, says="--replace")
     refused("experts", "branch", "bad/name", "--from", "seed", "--domain", "code", *common, says="expert name")
     refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--stop-at", "10", *common,
-            says="not past expert 'seed'")
+            says="the run stops at step 10 (--stop-at), and expert 'seed' at reg/seed is at step 10")
     refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--stop-at", "30", *common,
             says="past the end of the 20-step schedule")
     refused("experts", "branch", "c", "--from", "seed", "--domain", "code", "--steps", "10", *common,  # it said

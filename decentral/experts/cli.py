@@ -25,7 +25,7 @@ from decentral.cli import (
     _recipe, add_network_arguments, add_worker_arguments, example, positive_int, schedule_notes, serve_until_stopped,
     train_worker,
 )
-from decentral.checkpoint import CheckpointError, checkpoint_present, read_checkpoint_meta
+from decentral.checkpoint import CheckpointError, checkpoint_present
 from decentral.config import RecipeError, parse_recipe, parse_settings
 from decentral.metrics import format_table
 from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError, verify_expert
@@ -103,16 +103,10 @@ def cmd_seed(args) -> int:
     stop_at = args.stop_at or max(1, round(args.share * recipe.train.steps))
     args.out = args.out or f"runs/btm/{args.expert}"
     _check_run_folder(args)
-    checkpoint = Path(args.out) / "checkpoint"
-    if args.resume and not args.stop_at and checkpoint_present(checkpoint):  # (the worker's words name --stop-at)
-        step = (read_checkpoint_meta(checkpoint).get("sync") or {}).get("step")
-        if isinstance(step, int) and stop_at <= step:
-            raise RegistryError(f"the seed stops at step {stop_at} (--share {args.share:g} of a {recipe.train.steps}-"
-                                f"step schedule), and {checkpoint} is at step {step}: nothing would train; give a "
-                                "larger --share or --steps")
     print(f"experts: seed on {', '.join(args.domain)} (balanced) until step {stop_at} of a "
           f"{recipe.train.steps}-step schedule", flush=True)
-    return _run_worker(recipe, args, args.expert, ",".join(args.domain), True, stop_at=stop_at)
+    said = "--stop-at" if args.stop_at else f"--share {args.share:g} of a {recipe.train.steps}-step schedule"
+    return _run_worker(recipe, args, args.expert, ",".join(args.domain), True, stop_at=stop_at, stop_at_from=said)
 
 
 def _take_parents_model(recipe, args, parent) -> None:
