@@ -213,10 +213,16 @@ def test_a_taken_name_or_a_stop_at_that_trains_nothing_is_refused_before_trainin
     assert not (tmp_path / "runs/btm/c").exists() and not (tmp_path / "runs/btm/bad").exists()  # nothing trained
     assert Registry(tmp_path / "reg").get("seed") == seed  # nothing replaced
 
-    run_cli(prefork, "experts", "add", "runs/btm/seed/checkpoint", "--name", "seed", "--registry", "reg", "--replace",
-            cwd=tmp_path)
+    said = run_cli(prefork, "experts", "add", "runs/btm/seed/checkpoint", "--name", "seed", "--registry", "reg",
+                   "--replace", cwd=tmp_path)
     again = Registry(tmp_path / "reg").get("seed")
     assert again.sha256 == seed.sha256 and again.optimizer is None  # replaced, as asked: without its optimizer
+    assert again.domain == seed.domain == "code,legal" and "domain code,legal (the checkpoint's)" in said  # was None
+    named = prefork.run(["experts", "add", "runs/btm/seed/checkpoint", "--name", "named", "--domain-name", "code",
+                         "--registry", "reg"], tmp_path)
+    assert named.returncode == 0 and Registry(tmp_path / "reg").get("named").domain == "code"
+    assert named.stderr == ("experts: note: runs/btm/seed/checkpoint trained on --domain code,legal; named's domain is "
+                            "code, as --domain-name says\n")
 
 
 def test_a_registry_that_cannot_be_read_is_one_line_and_the_rest_is_listed(tmp_path, prefork):

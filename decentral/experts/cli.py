@@ -25,10 +25,12 @@ from decentral.cli import (
     _recipe, add_network_arguments, add_worker_arguments, example, positive_int, schedule_notes, serve_until_stopped,
     train_worker,
 )
-from decentral.checkpoint import CheckpointError, checkpoint_present
+from decentral.checkpoint import CheckpointError, checkpoint_present, read_checkpoint_meta
 from decentral.config import RecipeError, parse_recipe, parse_settings
 from decentral.metrics import format_table
-from decentral.experts.registry import CONFIG_FILE, META_FILE, Registry, RegistryError, verify_expert
+from decentral.experts.registry import (
+    CONFIG_FILE, META_FILE, Registry, RegistryError, trained_domains, verify_expert,
+)
 from decentral.models import GPT_SOURCE, HF_CONFIG_PREFIX, HF_SOURCE, absolute_source, gpt_description
 from decentral.progress import progress_bar
 
@@ -182,7 +184,14 @@ def cmd_branch(args) -> int:
 def cmd_add(args) -> int:
     _check_new_expert(Registry(args.registry), args.name, args.replace)
     expert = Registry(args.registry).add_checkpoint(args.checkpoint, args.name, args.domain_name, args.with_optimizer)
-    print(f"experts: {expert.name} ({expert.sha256[:12]}) is in {expert.folder}")
+    trained = trained_domains(read_checkpoint_meta(args.checkpoint))
+    if args.domain_name and trained and args.domain_name != trained:
+        print(f"experts: note: {args.checkpoint} trained on --domain {trained}; {expert.name}'s domain is "
+              f"{args.domain_name}, as --domain-name says", file=sys.stderr, flush=True)
+    domain = ""
+    if expert.domain:
+        domain = f", domain {expert.domain}" + ("" if args.domain_name else " (the checkpoint's)")
+    print(f"experts: {expert.name} ({expert.sha256[:12]}{domain}) is in {expert.folder}")
     return 0
 
 
@@ -460,7 +469,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "decentral experts add runs/train/checkpoint --name code --domain-name code", cmd_add)
     add.add_argument("checkpoint", help="a checkpoint folder (a run's OUT/checkpoint)")
     add.add_argument("--name", required=True, help="its name in the registry")
-    add.add_argument("--domain-name", help="the domain it was trained on")
+    add.add_argument("--domain-name", help="the domain it was trained on (default: the --domain values its run "
+                     "trained on, as its checkpoint records them)")
     add.add_argument("--with-optimizer", action="store_true", help="keep the inner optimizer state too")
     _registry_argument(add)
     _replace_argument(add)

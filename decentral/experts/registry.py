@@ -365,11 +365,20 @@ def checkpoint_layout(checkpoint: Path) -> list[Path]:
     return sorted(p for p in checkpoint.iterdir() if p.is_file() and p.name not in (TENSORS_FILE, CHECKPOINT_META_FILE))
 
 
+def trained_domains(meta: dict) -> str | None:
+    """The --domain values a checkpoint's run trained on (its meta's `data`), comma-separated, as `experts seed` and
+    `branch` name an expert's domain; None when it trained on one corpus or its checkpoint does not say."""
+    data = meta.get("data")
+    domains = data.get("domains") if isinstance(data, dict) else None
+    return ",".join(map(str, domains)) if isinstance(domains, list) and domains else None
+
+
 def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: str, domain: str | None,
                            with_optimizer: bool = False) -> Expert:
     """Write the model of a `decentral train` checkpoint as an expert folder, with its lineage (and its
     inner optimizer state when `with_optimizer`, for experts that others will branch from). A Hugging Face
-    model's checkpoint holds it in save_pretrained's layout: those files are copied as they are."""
+    model's checkpoint holds it in save_pretrained's layout: those files are copied as they are. `domain`
+    None: the domains the checkpoint trained on (`trained_domains`)."""
     checkpoint = Path(checkpoint)
     try:
         tensors, meta = load_checkpoint(checkpoint)  # checks every file's sha256, the layout's included
@@ -390,7 +399,7 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
         write_model = lambda path: path.write_bytes(data)  # noqa: E731
     lineage = meta.get("lineage", {})
     expert = Expert(
-        name=check_name(name), domain=domain, sha256="", size=0,
+        name=check_name(name), domain=domain or trained_domains(meta), sha256="", size=0,
         model={"source": HF_SOURCE} if hf else meta["recipe"]["model"],
         parent=lineage.get("parent"), start_step=int(lineage.get("start_step", 0)),
         steps=int(meta["sync"]["step"]), tokens=int(lineage.get("tokens", 0)), recipe=meta["recipe"],
