@@ -648,6 +648,8 @@ def test_missing_input_and_bad_output_folders_are_refused(registry, out_parent):
     with pytest.raises(MergeError, match="not an expert folder .* refusing to replace it"):
         merge(recipe_for(registry, "linear"), precious, progress=False)
     assert (precious / "notes.txt").read_text() == "keep me"
+    (out_parent / "made").mkdir()  # an empty folder, made for the merge, is taken (it was refused)
+    assert merge(recipe_for(registry, "linear"), out_parent / "made", progress=False) == read_expert(out_parent / "made")
 
 
 def test_merge_accepts_a_recipe_file(registry, out_parent, tmp_path):

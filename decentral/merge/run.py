@@ -144,12 +144,13 @@ def _open_input(role: str, ref: ModelRef, source: str, stack: ExitStack) -> _Inp
 
 
 def _check_output_folder(out_dir: Path, inputs: list[_Input]) -> None:
-    """MergeError when `out_dir` is inside an expert folder, is a folder but not an expert's, or is an input's."""
+    """MergeError when `out_dir` is inside an expert folder, is a folder that holds something but not an expert, or
+    is an input's. An empty folder is taken (the merge replaces it)."""
     inside = next((folder for folder in out_dir.parents if (folder / META_FILE).is_file()), None)
     if inside is not None:
         raise MergeError(f"{out_dir} is inside the expert folder {inside}; write the merge beside it "
                          f"(e.g. {inside.parent / out_dir.name})")
-    if not out_dir.exists():
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
         return
     if not (out_dir / META_FILE).is_file():
         raise MergeError(f"{out_dir} exists and is not an expert folder (no {META_FILE}); refusing to replace it")
