@@ -17,8 +17,8 @@ class _TenthLines(tqdm):
 
     MIN_GAP_S = 1.0
 
-    def __init__(self, *args, line: str, **kwargs):
-        self._line, self._said, self._said_at = line, -1, 0.0
+    def __init__(self, *args, **kwargs):
+        self._said, self._said_at = -1, 0.0
         super().__init__(*args, mininterval=0, miniters=1, **kwargs)
         self.sp = None  # no status line to clear or end with a newline on close (tqdm's own display is not used)
 
@@ -33,7 +33,7 @@ class _TenthLines(tqdm):
             unit = ""
         else:
             n, total, unit = self.n, self.total, self.unit
-        print(self._line.format(desc=self.desc, n=n, total=total, unit=unit).rstrip(), file=self.fp, flush=True)
+        print(f"{self.desc}: {n} of {total} {unit}".rstrip(), file=self.fp, flush=True)
         return True
 
     def close(self) -> None:
@@ -43,11 +43,10 @@ class _TenthLines(tqdm):
         super().close()
 
 
-def progress_bar(total: int, desc: str, unit: str = "it", *, file: TextIO | None = None,
-                 line: str = "{desc}: {n} of {total} {unit}", **kwargs) -> tqdm:
-    """A tqdm bar of `total` on `file` (stderr by default) when it is a terminal, else tenth lines shaped as
-    `line` (fields desc, n, total, unit; sizes scaled with `unit_scale=True`). Other keywords go to tqdm."""
+def progress_bar(total: int, desc: str, unit: str = "it", *, file: TextIO | None = None, **kwargs) -> tqdm:
+    """A tqdm bar of `total` on `file` (stderr by default) when it is a terminal, else tenth lines (`_TenthLines`;
+    sizes scaled with `unit_scale=True`). Other keywords go to tqdm."""
     file = file or sys.stderr
     if file.isatty():
         return tqdm(total=total, desc=desc, unit=unit, file=file, **kwargs)
-    return _TenthLines(total=total, desc=desc, unit=unit, file=file, line=line, **kwargs)
+    return _TenthLines(total=total, desc=desc, unit=unit, file=file, **kwargs)

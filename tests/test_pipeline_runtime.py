@@ -286,8 +286,8 @@ def test_a_run_whose_lead_died_resumes_from_the_checkpoints_where_it_left_off(tm
                         "--steps", "12", "--resume"], tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumes stage 0 at iteration 4" in (out / "h.log").read_text()
-    said = [line for line in done.stdout.splitlines() if ": iteration " in line]
-    assert said[0] == "pipeline train: iteration 4 of 12" and said[-1].endswith("12 of 12"), said  # (it began at 0)
+    said = [line for line in done.stdout.splitlines() if line.startswith("pipeline train: ") and "of 12" in line]
+    assert said[0] == "pipeline train: 4 of 12 iterations" and said[-1].endswith("12 of 12 iterations"), said  # (not 0)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     assert [r["loss"] for r in records[:4]] == [r["loss"] for r in killed[:4]]  # kept
@@ -341,7 +341,7 @@ def test_train_and_eval_from_the_command_line(tmp_path, small_corpus, prefork):
                        tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "whole model (2 stages)" in done.stdout and "1 of 2 stages" in done.stdout
-    assert "pipeline train: iteration 15 of 15" in done.stdout  # progress where no terminal shows a bar: a log
+    assert "pipeline train: 15 of 15 iterations" in done.stdout  # progress where no terminal shows a bar: a log
     evaluation = json.loads((out / "eval.json").read_text())
     lead = next(p.parent.name for p in out.glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in (out / lead / "metrics.jsonl").read_text().splitlines()]

@@ -339,8 +339,8 @@ def _train_locked(recipe, recipe_path: Path, network: Network, out: Path, *, net
             print(f"pipeline train: starting {len(network.nodes)} nodes (their logs: {out}/<node>.log)", flush=True)
             run.start(min(START_S, timeout_s))
             # on stdout, as a worker's steps are; a resumed run's from its checkpoints' iteration
-            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", file=sys.stdout,
-                              line="{desc}: iteration {n} of {total}", initial=resume_from or 0) as bar:
+            with progress_bar(steps or recipe.recipe.train.steps, "pipeline train", "iterations", file=sys.stdout,
+                              initial=resume_from or 0) as bar:  # (a count done: the lead numbers iterations from 1)
                 def tick() -> None:
                     bar.update(run.iterations_done() - bar.n)
 
