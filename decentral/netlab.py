@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import fcntl
 import ipaddress
 import json
@@ -312,7 +313,7 @@ class NetLab:
                     cleanup_stale(name)
                 except NetLabError as cleanup_exc:
                     exc.add_note(str(cleanup_exc))
-                self._name_lock.close()
+                _release_lab_name(self._name_lock)
                 raise
         else:
             self.hosts = [self._host(i, "127.0.0.1", None) for i in range(hosts)]
@@ -450,7 +451,7 @@ class NetLab:
             try:
                 cleanup_stale(self.name)
             finally:
-                self._name_lock.close()
+                _release_lab_name(self._name_lock)
 
     def __enter__(self) -> NetLab:
         return self
@@ -462,16 +463,31 @@ class NetLab:
 def _hold_lab_name(name: str):
     """The open lock file of lab name `name`, locked (flock) while this process's lab of that name runs: a second
     lab of the name is refused (its set-up would remove the first's namespaces and kill its processes, as
-    what a crashed lab left). Released when closed or when the process ends, however it ends."""
-    lock = open(os.path.join(tempfile.gettempdir(), f"decentral-netlab-{name}.lock"), "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise NetLabError(f"a lab named {name!r} is running on this machine (another `decentral netlab`, or a bench, "
-                          "which names its lab itself): wait for it to end, or give this one another name "
-                          "(netlab --name, bench islands --lab-name)") from None
-    return lock
+    what a crashed lab left). Released by `_release_lab_name`, or when the process ends, however it ends."""
+    path = os.path.join(tempfile.gettempdir(), f"decentral-netlab-{name}.lock")
+    while True:
+        lock = open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise NetLabError(f"a lab named {name!r} is running on this machine (another `decentral netlab`, or a "
+                              "bench, which names its lab itself): wait for it to end, or give this one another name "
+                              "(netlab --name, bench islands --lab-name)") from None
+        held = os.fstat(lock.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            there = os.stat(path)
+            if (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino):
+                return lock
+        lock.close()  # its last holder removed it as we locked it: lock the file at the path now
+
+
+def _release_lab_name(lock) -> None:
+    """Remove a lab name's lock file (while it is locked: a lab that opened it meanwhile sees it gone and takes the
+    path anew), then release it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock.name)
+    lock.close()
 
 
 def _exited(proc: subprocess.Popen) -> bool:

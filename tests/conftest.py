@@ -63,6 +63,7 @@ def lab_name():
     if NETNS:
         for lab in (prefix, prefix + "a", prefix + "b"):
             cleanup_stale(lab)
+            Path(tempfile.gettempdir(), f"decentral-netlab-{lab}.lock").unlink(missing_ok=True)  # a crashed lab's
 
 
 def free_port() -> int:

@@ -9,9 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +156,7 @@ def test_a_second_lab_of_a_running_labs_name_is_refused_and_the_first_goes_on(la
                                                       f"{lab_name}-v1", f"{lab_name}br"])
     with NetLab(1, None, name=lab_name, mode="netns"):  # the name is free once the first lab ended
         pass
+    assert not list(Path(tempfile.gettempdir()).glob(f"decentral-netlab-{lab_name}.lock"))  # (each lab left one)
 
 
 @needs_netns
