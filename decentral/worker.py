@@ -88,12 +88,13 @@ class WorkerOptions:
     transport: Transport | None = None  # given, the worker uses it (and closes it) instead of making one
 
 
-def inner_lr(step: int, recipe: Recipe) -> float:
-    """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step (NoLoCo's inner schedule)."""
+def inner_lr(step: int, recipe: Recipe, steps: int | None = None) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step (NoLoCo's inner schedule) of a
+    schedule of `steps` (default: train.steps; a pipeline's lead says its run's)."""
     t = recipe.train
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    progress = min(1.0, (step - t.warmup_steps) / max(1, (steps or t.steps) - t.warmup_steps))
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

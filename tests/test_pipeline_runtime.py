@@ -134,6 +134,22 @@ def test_one_microbatch_through_the_pipeline_is_the_whole_models_math(small_corp
         pipeline.close()
 
 
+def test_the_nodes_learning_rate_spans_the_run_length_the_lead_says(small_corpus):
+    """`pipeline train --steps 100` ran 100 iterations on the LR schedule of the recipe's train.steps (400): the
+    learning rate had barely decayed at the end. The lead says its run's length with every step."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 1))
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a": 1}, load_corpus([small_corpus]).train)
+    pipeline.coordinator.steps = 4
+    try:
+        for iteration in range(4):
+            pipeline.coordinator.run_iteration(iteration)
+        expected = inner_lr(3, recipe.recipe, 4)  # past the 2 warmup steps, half-way down a 4-step cosine
+        assert expected < 0.6 * inner_lr(3, recipe.recipe)  # (a 400-step schedule's is near its peak)
+        assert {g["lr"] for node in pipeline.nodes.values() for g in node.optimizer.param_groups} == {expected}
+    finally:
+        pipeline.close()
+
+
 def test_two_stages_train_with_replicas_kept_together_by_diloco_and_random_routing(small_corpus, make_swarm):
     recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 4, pipeline={"routing": "random"}))
     swarm = dict(zip(("a1", "a2"), make_swarm(2)))

@@ -97,8 +97,8 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "recipe's pipeline.network, else pipeline.nodes equal nodes); the pipeline's shape (stages, skip, "
                    "microbatches, activation size) is the recipe's, whatever the file says; not with --resume, which "
                    "keeps the run's OUT/network.json")
-    t.add_argument("--steps", type=positive_int, help="iterations (default: the recipe's train.steps); the learning "
-                   "rate's schedule spans the recipe's train.steps whatever --steps is")
+    t.add_argument("--steps", type=positive_int, help="iterations, the learning rate schedule's length (default: the "
+                   "recipe's train.steps)")
     t.add_argument("--out", default="runs/skippipe", help="the run's folder: a folder and a log per node, "
                    "network.json, eval.json (default: runs/skippipe)")
     t.add_argument("--data", action="append", metavar="PATH", help="text file or folder (default: Python's stdlib)")
@@ -143,8 +143,9 @@ def add_pipeline_parser(subparsers) -> argparse.ArgumentParser:
                    "recipe's swarm.key_file, else an open swarm)")
     n.add_argument("--maddr-file", help="write our DHT multiaddrs here once up")
     n.add_argument("--lead", action="store_true", help="also coordinate the run (a stage-0 node)")
-    n.add_argument("--steps", type=positive_int, help="iterations, for the lead and any head that may take over from "
-                   "it (default: the recipe's train.steps); the learning rate's schedule spans the recipe's train.steps")
+    n.add_argument("--steps", type=positive_int, help="iterations, the learning rate schedule's length, which the lead "
+                   "tells every node: for the lead and any head that may take over from it (default: the recipe's "
+                   "train.steps)")
     n.add_argument("--data", action="append", metavar="PATH",
                    help="training text, for heads (default: Python's stdlib)")
     n.add_argument("--wait", type=number_type(float, 0, strict=True), default=300.0,

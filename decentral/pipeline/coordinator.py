@@ -103,8 +103,9 @@ class Coordinator:
     def __init__(self, network: Network, servers: Callable[[], dict[str, Server]], links: Links, address: str, *,
                  seed: int = 0, effort: float = 0.3, routing: str = "planned", probe_s: float = 1.0,
                  stall_s: float = 600.0, step_timeout_s: float = 600.0, calibrate_at: int = 0, term: int = 0,
-                 on_event: Callable[[dict], None] | None = None):
+                 steps: int | None = None, on_event: Callable[[dict], None] | None = None):
         self.network, self.servers, self.links, self.address = network, servers, links, address
+        self.steps = steps  # the run's iterations, which the nodes' LR schedule spans (None: their train.steps)
         self.term = term
         self.seed, self.effort, self.routing = seed, effort, routing
         self.probe_s, self.stall_s, self.step_timeout_s = probe_s, stall_s, step_timeout_s
@@ -192,7 +193,8 @@ class Coordinator:
         step_started = time.monotonic()
         live_nodes = [name for name in self.plan.nodes if name not in self.dead]
         replies = self._command_all(live_nodes, "step", lambda name: {"iteration": iteration, "finished": finished,
-                                                                       "loss": loss, "save": save, "last": last},
+                                                                       "loss": loss, "save": save, "last": last,
+                                                                       "steps": self.steps},
                                     timeout_s=self.step_timeout_s)
         self._lose([name for name, reply in replies.items() if reply is None], iteration, {}, lost)
         compute = {name: reply["compute_ms"] for name, reply in replies.items() if reply and reply.get("compute_ms")}

@@ -499,7 +499,8 @@ class StageNode:
                 return
             # the commit point: a new lead asking after this (takeover) learns this step was taken
             self.iterations_done = iteration + 1
-            self._last_step = {"iteration": iteration, "finished": body["finished"], "loss": body.get("loss")}
+            self._last_step = {"iteration": iteration, "finished": body["finished"], "loss": body.get("loss"),
+                               "steps": body.get("steps")}
             self.ended = bool(body.get("last", False))
             keys = [k for k in self._pending if k[0] == iteration and finished.get(k[1]) == k[2]]
             for i, param in enumerate(self.params):
@@ -514,7 +515,7 @@ class StageNode:
         if with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, train.grad_clip)
         for group in self.optimizer.param_groups:
-            group["lr"] = inner_lr(iteration, self.recipe.recipe)
+            group["lr"] = inner_lr(iteration, self.recipe.recipe, body.get("steps"))  # the lead's run length
         self.optimizer.step()  # once per iteration; a replica protocol's hooks run here
         self.optimizer.zero_grad(set_to_none=True)
         spent = self._compute

@@ -233,6 +233,7 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
     recipe = opts.recipe
     train, config = recipe.recipe.train, recipe.pipeline
     first = node.iterations_done  # 0, or the resumed checkpoint's
+    steps = opts.steps or train.steps
     metrics = MetricsLog(opts.out / "metrics.jsonl")
     events = open(opts.out / "events.jsonl", "a" if first or gone else "w", encoding="utf-8")
     closers.extend([metrics.close, events.close])
@@ -243,7 +244,7 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
 
     coordinator = Coordinator(opts.network, view.get, node.links, address, seed=train.seed, effort=config.effort,
                               routing=config.routing, calibrate_at=config.calibrate_at,
-                              term=node.term + 1 if gone else node.term, on_event=on_event)
+                              term=node.term + 1 if gone else node.term, steps=steps, on_event=on_event)
     node.coordinator = coordinator
     if gone:
         first, stepped = coordinator.take_over(gone)
@@ -257,7 +258,6 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
         live = coordinator.wait_for_servers(opts.wait_s)
         opts.print_fn(f"[{opts.name}] leading {len(live)} nodes: " + ", ".join(
             f"{name} (stage {server.stage})" for name, server in sorted(live.items())))
-    steps = opts.steps or train.steps
     start = time.perf_counter()
     deposed = False
     try:
