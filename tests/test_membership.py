@@ -11,6 +11,7 @@ import pytest
 from conftest import running, wait_until
 from decentral.cpu import descendants
 from decentral.swarm import SwarmError, SwarmPeer
+from decentral.swarm.peer import _DHTProcess
 from decentral.swarm.transport import HEARTBEAT_STALL_S
 
 
@@ -163,6 +164,29 @@ def test_a_dht_process_whose_owner_dies_mid_shutdown_ends_itself_and_its_daemon(
         owner.wait()
     try:
         wait_until(lambda: not any(running(pid) for pid in below), 30, "the orphaned DHT process and its daemon to end")
+    finally:
+        for pid in filter(running, below):  # left behind when the test fails
+            os.kill(pid, signal.SIGKILL)
+
+
+class StuckShutdown(_DHTProcess):
+    kill_grace_s = 1.0
+
+    async def _shutdown(self):  # a loop stuck in a callback: the SIGTERM's interrupt, queued on it, never runs
+        time.sleep(600)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the process tree from Linux /proc")
+def test_a_dht_process_whose_shutdown_is_stuck_ends_with_its_daemon_while_its_owner_lives():
+    """hivemind's shutdown asks, waits, then sends SIGTERM and returns: a DHT process stuck (or stopped) went on
+    living beside the process that started it, its libp2p daemon a zombie (seen once in a test run). It is
+    killed, with its daemon, once the SIGTERM has had its grace period."""
+    dht = StuckShutdown(start=True)
+    below = {dht.pid} | descendants(dht.pid)
+    assert len(below) >= 2, "the DHT process runs its own libp2p daemon"
+    try:
+        dht.shutdown()
+        wait_until(lambda: not any(running(pid) for pid in below), 10, "the DHT process and its daemon to end")
     finally:
         for pid in filter(running, below):  # left behind when the test fails
             os.kill(pid, signal.SIGKILL)

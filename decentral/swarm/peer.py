@@ -148,7 +148,7 @@ IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life
 
 class _DHTProcess(DHT):
     """hivemind's DHT child process (which also runs the peer's libp2p daemon, p2pd), made to shut down
-    when the process that started it dies.
+    when the process that started it dies, and to end when its own shutdown is stuck (`shutdown`).
 
     hivemind's child outlives a parent killed by SIGKILL or the OOM killer, leaving a stray DHT node and
     daemon behind for good. Here a thread in the child watches its parent; once the parent is gone, it
@@ -159,6 +159,7 @@ class _DHTProcess(DHT):
     """
 
     orphan_grace_s = 10.0
+    kill_grace_s = 3.0  # after hivemind's shutdown ends with a SIGTERM, how long the child has to act on it
 
     def start(self) -> None:
         self._owner_pid = os.getpid()  # set before the fork, so the child knows whom to watch
@@ -174,6 +175,21 @@ class _DHTProcess(DHT):
             super().run()
         except KeyboardInterrupt:
             pass
+
+    def shutdown(self) -> None:
+        """hivemind's shutdown (ask, wait, then SIGTERM), and then, when the child is alive `kill_grace_s` after
+        that SIGTERM (stuck in a callback, or stopped), its processes (p2pd) and itself are killed: it went on
+        living beside the process that started it."""
+        super().shutdown()
+        if self.pid is None:  # never started
+            return
+        self.join(self.kill_grace_s)
+        if self.is_alive():
+            log.warning("the DHT process did not end %.0f s after its SIGTERM: killing it", self.kill_grace_s)
+            for pid in [*descendants(self.pid), self.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.join(self.kill_grace_s)
 
     def _shut_down_when_orphaned(self) -> None:
         while os.getppid() == self._owner_pid:
