@@ -11,6 +11,7 @@ import pytest
 from conftest import running, wait_until
 from decentral.cpu import descendants
 from decentral.swarm import SwarmError, SwarmPeer
+from decentral.swarm import peer as peer_module
 from decentral.swarm.peer import _DHTProcess
 from decentral.swarm.transport import HEARTBEAT_STALL_S
 
@@ -135,6 +136,7 @@ def test_a_peer_whose_dht_process_died_says_so_and_shuts_down():
 
 ORPHAN_OWNER = """
 import asyncio, sys, time
+from decentral.swarm import peer as peer_module
 from decentral.swarm.peer import _DHTProcess
 
 class HangingShutdown(_DHTProcess):
@@ -189,4 +191,23 @@ def test_a_dht_process_whose_shutdown_is_stuck_ends_with_its_daemon_while_its_ow
         wait_until(lambda: not any(running(pid) for pid in below), 10, "the DHT process and its daemon to end")
     finally:
         for pid in filter(running, below):  # left behind when the test fails
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_peer_that_fails_to_start_leaves_no_dht_process_behind(monkeypatch):
+    """A failure (or Ctrl-C) after its DHT process started left that process running for the life of ours."""
+    started = set()
+
+    def failing(peer):
+        started.update({peer.dht.pid} | descendants(peer.dht.pid))
+        raise RuntimeError("the reach-check service could not start")
+
+    monkeypatch.setattr(peer_module, "serve_reach_checks", failing)
+    with pytest.raises(RuntimeError, match="reach-check"):
+        SwarmPeer(f"t{time.monotonic_ns()}")
+    assert len(started) >= 2, "the DHT process runs its own libp2p daemon"
+    try:
+        wait_until(lambda: not any(running(pid) for pid in started), 15, "the DHT process and its daemon to end")
+    finally:
+        for pid in filter(running, started):  # left behind when the test fails
             os.kill(pid, signal.SIGKILL)

@@ -283,9 +283,13 @@ class SwarmPeer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"swarm-{self.peer_id[-6:]}", daemon=True)
         self._thread.start()
-        self._p2p = self.call(self.dht.replicate_p2p()).result(timeout=startup_timeout)
         self._closed = False
-        serve_reach_checks(self)  # a peer joining through us asks whether we can reach it
+        try:
+            self._p2p = self.call(self.dht.replicate_p2p()).result(timeout=startup_timeout)
+            serve_reach_checks(self)  # a peer joining through us asks whether we can reach it
+        except BaseException:  # (Ctrl-C too) a peer that did not start leaves no DHT process behind
+            self.shutdown()
+            raise
 
     def _start_dht(self, initial_peers: Sequence[str], host: str, port: int, announce: list[str] | None,
                    startup_timeout: float, identity_path: Path, earlier_life: bool) -> "_DHTProcess":
