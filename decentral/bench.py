@@ -516,16 +516,18 @@ def main(args: argparse.Namespace) -> int:
     """`decentral bench`: run the methods, or with --report DIR only redo the comparison of a past run."""
     if args.report:
         out = Path(args.report)
+        if out.name == "results.json" and out.is_file():  # the run's file named instead of its folder
+            out = out.parent
         try:
             results = json.loads((out / "results.json").read_text())
         except (OSError, ValueError) as e:
             print(f"bench: cannot read {out / 'results.json'}: {e}", file=sys.stderr)
             return 2
-        try:
-            return report(results, out, args.target_loss)
+        try:  # the run's own target (a --target-loss it was given), unless another is given now
+            return report(results, out, args.target_loss or results["config"].get("target_loss"))
         except (KeyError, TypeError, AttributeError) as e:
-            print(f"bench: {out / 'results.json'} is not a `decentral bench` run's results ({type(e).__name__}: {e})",
-                  file=sys.stderr)
+            print(f"bench: {out / 'results.json'} is not a `decentral bench` run's results ({type(e).__name__}: {e}); "
+                  f"`decentral report {out}` tables any run's folder", file=sys.stderr)
             return 2
     return run_bench(args)
 
@@ -550,8 +552,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),
-                        help="target validation loss when ddp is not run")
+                        help="target validation loss when ddp is not run (with --report: instead of the run's)")
     parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True), default=1200.0,
                         help="seconds before a method is killed")
-    parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison, table and plot "
-                                                        "from DIR/results.json of an earlier run")
+    parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison (to the run's target "
+                        "loss, or --target-loss), table and plot from DIR/results.json of an earlier run (DIR or that "
+                        "file), and write them there")

@@ -4,6 +4,7 @@ on emulated hosts writes the results schema and the plot."""
 import json
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -109,6 +110,27 @@ def test_comparison_measures_each_method_against_the_reference_and_ddp():
     assert diloco["ddp_time_to_final_s"] == 20.0  # ddp's curve reaches 3.5 at its second evaluation, t=20
     assert diloco["speedup_vs_ddp"] == 20.0 / 12.0
     assert local["ddp_time_to_final_s"] == 20 * (5.0 - 3.8) / (5.0 - 3.5)  # interpolated between evaluations
+
+
+def test_report_keeps_the_runs_own_target_loss_and_takes_its_results_file(tmp_path, capsys):
+    """A run given --target-loss (no DDP in it): `--report` tabled it with no target and wrote that into its
+    results.json, erasing each method's time to the target. It keeps the run's, unless given another."""
+    shipped = Path(__file__).parents[1] / "docs" / "benchmarks" / "long-20mbit-3000-results.json"
+    (tmp_path / "run").mkdir()
+    saved = tmp_path / "run" / "results.json"
+    saved.write_text(shipped.read_text())
+    measured = json.loads(saved.read_text())["methods"]["diloco"]["time_to_target_s"]
+    for report in (tmp_path / "run", saved):  # the folder, or its results file
+        assert cli_main(["bench", "--report", str(report)]) == 0
+        kept = json.loads(saved.read_text())
+        assert kept["config"]["target_loss"] == 1.336 and kept["methods"]["diloco"]["time_to_target_s"] == measured
+        assert "bench: target loss 1.336;" in capsys.readouterr().out
+    assert cli_main(["bench", "--report", str(tmp_path / "run"), "--target-loss", "1.5"]) == 0
+    assert json.loads(saved.read_text())["config"]["target_loss"] == 1.5  # as asked
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "results.json").write_text(json.dumps({"points": []}))  # a bench sweep's, say
+    assert cli_main(["bench", "--report", str(tmp_path / "sweep")]) == 2
+    assert f"`decentral report {tmp_path / 'sweep'}` tables any run's folder" in capsys.readouterr().err
 
 
 def test_a_method_name_says_its_protocol_codec_own_steps_and_recipe(tmp_path):
