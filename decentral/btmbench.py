@@ -259,7 +259,8 @@ def run_btm_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     domains = args.domains.split(",")
     check_domains(domains, args.heldout)
-    previous = [out / f"seed{seed}" for seed in range(args.seeds) if (out / f"seed{seed}").exists()]
+    previous = [path for path in [out / "results.json", *(out / f"seed{seed}" for seed in range(args.seeds))]
+                if path.exists()]
     if previous:
         redraw = f", or redraw its results with --report {out}" if (out / "results.json").is_file() else ""
         raise RecipeError(f"bench btm: --out {out} holds a previous run ({previous[0]}): give another --out{redraw}")

@@ -254,10 +254,10 @@ def format_table(rows: list, numeric: bool = True) -> str:
     )
 
 
-def check_no_earlier_results(out: Path, command: str) -> None:
-    """FileExistsError when `out` holds an earlier run's results.json, which `command` would write over."""
-    if (Path(out) / "results.json").is_file():
-        raise FileExistsError(f"{command}: --out {out} holds an earlier run's results.json, which this run would write "
+def check_no_earlier_results(out: Path, command: str, name: str = "results.json") -> None:
+    """FileExistsError when `out` holds an earlier run's results file `name`, which `command` would write over."""
+    if (Path(out) / name).is_file():
+        raise FileExistsError(f"{command}: --out {out} holds an earlier run's {name}, which this run would write "
                               "over: give another --out")
 
 

@@ -47,7 +47,7 @@ import yaml
 
 from decentral.cli import stop_processes
 from decentral.config import load_recipe, recipe_path
-from decentral.metrics import format_table
+from decentral.metrics import check_no_earlier_results, format_table
 from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
@@ -320,6 +320,7 @@ def run_soak(args: argparse.Namespace) -> int:
               "so --hosts must be at least 2 and --keep in 1..HOSTS-1", file=sys.stderr)
         return 2
     out = Path(args.out)
+    check_no_earlier_results(out, "bench soak")
     out.mkdir(parents=True, exist_ok=True)
     key_file = out / "swarm.key"
     key_file.unlink(missing_ok=True)

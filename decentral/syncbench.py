@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from decentral.config import SwarmConfig
+from decentral.metrics import check_no_earlier_results
 from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
 
 METHODS = ("diloco", "noloco")
@@ -129,6 +130,7 @@ def _wait_for_peers(procs: list[subprocess.Popen], out: Path, timeout_s: float =
 
 def run_syncbench(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    check_no_earlier_results(out, "syncbench", "syncbench.json")
     results = {"config": {"hosts": args.hosts, "bandwidth": args.bandwidth, "numel": args.numel, "rounds": args.rounds},
                "points": []}
     for count in args.hosts:

@@ -133,6 +133,22 @@ def test_report_keeps_the_runs_own_target_loss_and_takes_its_results_file(tmp_pa
     assert f"`decentral report {tmp_path / 'sweep'}` tables any run's folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [
+    ["bench"], ["bench", "soak"], ["syncbench"], ["bench", "pipeline"], ["bench", "pipeline", "convergence"],
+    ["bench", "pipeline", "timing"], ["bench", "dht"], ["bench", "overhead"], ["bench", "islands"], ["bench", "merge"],
+    ["bench", "btm"], ["bench", "sweep"]], ids=" ".join)
+def test_every_bench_refuses_an_out_holding_an_earlier_run_before_any_work(command, tmp_path, capsys):
+    """As the README says: `bench soak`, `syncbench` and the pipeline's benches wrote over an earlier run's files."""
+    out = tmp_path / "earlier"
+    out.mkdir()
+    name = "syncbench.json" if command == ["syncbench"] else "results.json"
+    (out / name).write_text('{"kept": true}')
+    assert cli_main([*command, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds a" in err and len(err.splitlines()) == 1, err
+    assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == '{"kept": true}'
+
+
 def test_a_method_name_says_its_protocol_codec_own_steps_and_recipe(tmp_path):
     assert split_method("diloco+int4@3000") == ("diloco", "int4") and method_steps("diloco+int4@3000", 300) == 3000
     assert split_method("ddp@1500") == ("ddp", None) and method_steps("ddp", 300) == 300

@@ -33,9 +33,10 @@ TARGETS = {"planned_vs_full": 0.5, "planned_vs_blind": -0.15, "plan_s": 10.0, "r
 def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 0.33, regions: int = 5,
                microbatches: int = 24, effort: float = 1.0, out: str | Path = "runs/bench-pipeline") -> list[dict]:
     """Run the benchmark (module docstring); print the table and return one row per seed, then the median row."""
-    from decentral.metrics import format_table
+    from decentral.metrics import check_no_earlier_results, format_table
     from decentral.pipeline.plot import plot_bench, plot_plans
 
+    check_no_earlier_results(out, "bench pipeline")
     rows, plans = [], {}
     for seed in tqdm(seeds, desc="bench pipeline", unit="seed", disable=None, leave=False):  # on a terminal only
         network = regions_network(nodes=nodes, regions=regions, seed=seed, stages=stages, skip=skip,

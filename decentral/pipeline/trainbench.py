@@ -41,10 +41,11 @@ def convergence_bench(out: str | Path = "runs/bench-skippipe", recipe: str | Pat
                       steps: int | None = None, skips: tuple[float, ...] = (0.0, 0.33), drop: float = 0.5,
                       data=None, netlab: str | None = None) -> list[dict]:
     """Train the recipe at each skip ratio for `steps` iterations, evaluate, print the table (module docstring)."""
-    from decentral.metrics import format_table
+    from decentral.metrics import check_no_earlier_results, format_table
     from decentral.pipeline.launch import train_run
 
     out = Path(out)
+    check_no_earlier_results(out, "bench pipeline convergence")
     base = yaml.safe_load(Path(recipe).read_text())
     rows = []
     for skip in skips:
@@ -149,11 +150,12 @@ def timing_bench(out: str | Path = "runs/bench-skippipe-timing", recipe: str | P
                  skips: tuple[float, ...] = (0.0, 0.25), microbatches: int = 8, iterations: int = 6, warmup: int = 2,
                  data=None) -> list[dict]:
     """Measured against simulated iteration time on netlab hosts (module docstring); prints the table."""
-    from decentral.metrics import format_table
+    from decentral.metrics import check_no_earlier_results, format_table
     from decentral.netlab import parse_rate
     from decentral.pipeline.launch import train_run
 
     out = Path(out)
+    check_no_earlier_results(out, "bench pipeline timing")
     base = yaml.safe_load(Path(recipe).read_text())
     rate_mbps = parse_rate(bandwidth) / 1e6
     rows = []
