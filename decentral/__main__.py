@@ -1,6 +1,8 @@
 """`python -m decentral` (and `torchrun -m decentral`), and the `decentral` command: decentral.cli's `main`."""
 
 import gc
+import os
+import signal
 import sys
 
 
@@ -25,6 +27,9 @@ def run() -> int:
         return main()
     except KeyboardInterrupt:  # before `main` handles it itself: while building the parser imports the benches
         return _interrupted()
+    except BrokenPipeError:  # `decentral ... | head`: the reader left, and what is left to say is nobody's
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the flush at exit would fail again)
+        return 128 + signal.SIGPIPE  # as a program that SIGPIPE ended: a shell's exit code for `| head`
     finally:
         gc.freeze()
 

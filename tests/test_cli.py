@@ -238,6 +238,21 @@ def test_ctrl_c_while_the_command_line_is_read_is_one_line_and_exit_code_130(mon
     assert capsys.readouterr().err == "decentral: interrupted\n"
 
 
+def test_output_into_a_pipe_whose_reader_left_ends_quietly_as_sigpipe_would(tmp_path):
+    """`decentral bench --report DIR | head -1`: a BrokenPipeError traceback, exit code 1."""
+    (tmp_path / "run").mkdir()
+    shutil.copy(Path(__file__).parents[1] / "docs/benchmarks/long-20mbit-3000-results.json",
+                tmp_path / "run" / "results.json")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "decentral", "bench", "--report", str(tmp_path / "run")],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 128 + signal.SIGPIPE and done.stderr == "", done.stderr
+
+
 def test_a_temporary_folder_too_long_for_torchs_shared_memory_socket_is_named_in_one_line(tmp_path):
     """hivemind's DHT shares memory through torch's manager, whose Unix socket under TMPDIR fails on a long
     path (a long pytest tmp_path did it): one line naming the folder, where the manager's C++ stack was."""
