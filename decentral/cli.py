@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import ipaddress
 import logging
 import math
@@ -26,6 +27,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # before grpc: a port it cannot
 from decentral.config import Recipe, RecipeError, load_recipe, parse_settings, recipe_path
 from decentral.models import GPT_SOURCE, ModelError, absolute_source, check_source
 
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # where a write failed, the disk's fault, not the code's
 
 DOMAIN_HELP = ("a text domain, repeatable: batches are balanced over the domains and validation uses each "
                "one's dev split. Built in: code, legal, manuals, headers, changelogs; your own: NAME=PATH[,PATH]")
@@ -627,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, CheckpointError, DataError, DeviceError, MergeError, RegistryError, SwarmError,
             AdmissionError, NetworkError, LaunchError, MetricsError, ModelError, RendezvousError, NetLabError,
             StateUnavailable, OSError) as e:
-        if isinstance(e, OSError) and e.filename is None and not isinstance(e, (FileExistsError, PermissionError)):
+        if (isinstance(e, OSError) and e.filename is None and e.errno not in DISK_ERRORS
+                and not isinstance(e, (FileExistsError, PermissionError))):
             raise  # (an OSError about no path is no user's input: a socket's, a bug's)
         if args.verbose:
             traceback.print_exc()
@@ -641,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
 def _one_line(error: Exception, folders: dict[str, str | None]) -> str:
     """`error`'s message on one line; a path the command could not make or write (an --out in /proc, a full
     disk) as PATH: WHY, naming the option it came from."""
+    if isinstance(error, OSError) and error.filename is None and error.errno in DISK_ERRORS:
+        return f"{error.strerror}, as the command wrote its files"  # (a write to a file open already names none)
     if not isinstance(error, OSError) or error.filename is None:
         return " ".join(str(error).split())
     path = str(error.filename)

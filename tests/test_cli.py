@@ -253,6 +253,16 @@ def test_output_into_a_pipe_whose_reader_left_ends_quietly_as_sigpipe_would(tmp_
     assert done.returncode == 128 + signal.SIGPIPE and done.stderr == "", done.stderr
 
 
+def test_a_full_disk_is_one_line_and_exit_code_2(tmp_path, capsys):
+    """The bench's plot written to a full disk (here /dev/full) ended in matplotlib's traceback, exit code 1."""
+    (tmp_path / "run").mkdir()
+    shutil.copy(Path(__file__).parents[1] / "docs/benchmarks/long-20mbit-3000-results.json",
+                tmp_path / "run" / "results.json")
+    (tmp_path / "run" / "bench.png").symlink_to("/dev/full")
+    assert main(["bench", "--report", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "decentral: No space left on device, as the command wrote its files\n"
+
+
 def test_a_temporary_folder_too_long_for_torchs_shared_memory_socket_is_named_in_one_line(tmp_path):
     """hivemind's DHT shares memory through torch's manager, whose Unix socket under TMPDIR fails on a long
     path (a long pytest tmp_path did it): one line naming the folder, where the manager's C++ stack was."""
