@@ -228,8 +228,9 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
     went while a worker trained (means over workers, from its first record to its last; `cpu_record`,
     `children_record`): training_thread_cpu_s, other_threads_cpu_s (its averaging loop, heartbeat, ...)
     and child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager); peak_rss_mib, the most
-    memory a worker process held (the largest over workers; None where its records do not say). `compare`
-    adds the cross-method numbers.
+    memory a worker process held (the largest over workers; None where its records do not say). averaged:
+    whether any round had two or more members (a run shorter than the first average trained as local does).
+    `compare` adds the cross-method numbers.
     `workers`: how many workers must have trained for the method to be ok (default: one per process; an
     island's process runs several)."""
     by_worker: dict[str, list[dict]] = {}
@@ -278,6 +279,7 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
                                      for process, thread in zip(spent("cpu_s"), spent("thread_cpu_s"))]),
         "child_processes_cpu_s": mean(spent("children_cpu_s")),
         "peak_rss_mib": max((r["peak_rss_mib"] for r in raw["records"] if "peak_rss_mib" in r), default=None),
+        "averaged": any((r.get("group_size") or 0) >= 2 for r in raw["records"]),
         "curves": curves,
     }
 
@@ -338,7 +340,7 @@ def compare(results: dict, target_loss: float | None = None) -> None:
     compute_utilisation: steps/s ÷ the no-communication reference's. time_to_target_s: time to the
     target loss (DDP's final loss, else `target_loss`). ddp_time_to_final_s and speedup_vs_ddp: how long
     DDP took to reach this method's final loss, and that time ÷ this method's wall time (speed-up at
-    equal quality; None when DDP never got there).
+    equal quality; None when DDP never got there, or when the method never averaged: it ran as local does).
     """
     reference = results["methods"].get(REFERENCE, {}).get("steps_per_s")
     ddp = next((res for method, res in results["methods"].items() if split_method(method)[0] == "ddp"), None)
@@ -349,7 +351,8 @@ def compare(results: dict, target_loss: float | None = None) -> None:
         res["time_to_target_s"] = time_to_loss(res["curves"], target) if target else None
         ddp_time = time_to_loss(ddp["curves"], res["final_val_loss"]) if ddp and res["final_val_loss"] else None
         res["ddp_time_to_final_s"] = ddp_time
-        res["speedup_vs_ddp"] = ddp_time / res["wall_s"] if ddp_time and res["wall_s"] else None
+        averaged = res.get("averaged") is not False  # (runs before the key was recorded: taken as averaged)
+        res["speedup_vs_ddp"] = ddp_time / res["wall_s"] if ddp_time and res["wall_s"] and averaged else None
 
 
 def plot_bench(results: dict, out_png: Path) -> Path:
@@ -387,7 +390,8 @@ def format_results(results: dict) -> str:
              "sent/worker", "sent/step", "streams/worker", "sent/round", "peak/s")]
     for method, r in results["methods"].items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        rows.append((method + ("" if r["ok"] else " (FAILED)"), f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
+        label = method + ("" if r["ok"] else " (FAILED)") + (" (never averaged)" if _never_averaged(method, r) else "")
+        rows.append((label, f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
                      f(r.get("compute_utilisation"), ".0%"), f(r.get("blocked_fraction"), ".1%"),
                      f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
                      f(r.get("time_to_target_s"), ".0f"), f(r.get("ddp_time_to_final_s"), ".0f"),
@@ -398,6 +402,11 @@ def format_results(results: dict) -> str:
                      human_bytes(r.get("stream_bytes_per_round")),
                      human_bytes(r.get("peak_stream_bytes_per_s"))))
     return format_table(rows, numeric=False)
+
+
+def _never_averaged(method: str, result: dict) -> bool:
+    """Whether a method that averages ran without any round of two or more members: as local does."""
+    return method != REFERENCE and result.get("averaged") is False
 
 
 def format_cpu(results: dict) -> str:
@@ -506,6 +515,10 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     target = results["config"]["target_loss"]
     print(f"bench: target loss {'none (no DDP run finished, none given)' if target is None else target}; results in "
           f"{out / 'results.json'}, plot {out / 'bench.png'}")
+    alone = [m for m, r in results["methods"].items() if _never_averaged(m, r)]
+    if alone:
+        print(f"bench: {', '.join(alone)} never averaged (no round had two members: the run ended before the first "
+              "average) and ran as local does; give more --steps", file=sys.stderr)
     missing = [m for m in [REFERENCE, *results["config"]["methods"]] if m not in results["methods"]]
     if missing:  # an interrupted run's
         print(f"bench: not run (the bench was interrupted): {', '.join(missing)}", file=sys.stderr)

@@ -13,18 +13,19 @@ from conftest import NETNS, TINY_MODEL, TINY_TRAIN, wait_until
 from decentral.cli import main as cli_main
 from decentral.netlab import _stale_names
 import decentral.bench as bench
-from decentral.bench import (Launch, compare, format_cpu, method_steps, peak_rate, recipe_file, round_bytes,
+from decentral.bench import (Launch, compare, format_cpu, report, method_steps, peak_rate, recipe_file, round_bytes,
                              run_launches, split_method, summarize_method, time_to_loss)
 from decentral.netlab import NetLab
 
 
-def records(worker, wall_per_step, steps, vals):
+def records(worker, wall_per_step, steps, vals, group_size=2):
+    """A worker's records: a validation every 10 steps, each after a round of `group_size` members."""
     out = [{"worker": worker, "step": 0, "val_loss": vals[0], "wall_s": 0.0, "bytes_sent": 0, "wait_s": 3.0}]
     for s in range(1, steps + 1):
         r = {"worker": worker, "step": s, "loss": 3.0, "wall_s": s * wall_per_step, "bytes_sent": 100 * s,
              "wait_s": 3.0 + s * wall_per_step / 4}
         if s % 10 == 0:
-            r["val_loss"] = vals[s // 10]
+            r.update(val_loss=vals[s // 10], group_size=group_size)
         out.append(r)
     return out
 
@@ -112,6 +113,24 @@ def test_comparison_measures_each_method_against_the_reference_and_ddp():
     assert local["ddp_time_to_final_s"] == 20 * (5.0 - 3.8) / (5.0 - 3.5)  # interpolated between evaluations
 
 
+def test_a_method_that_never_averaged_is_said_to_have_run_as_local_and_gets_no_speed_up(capsys, tmp_path):
+    """hivemind given as many steps as one of its rounds ended before its first average: its curve was local's,
+    worker by worker, and the table gave it a 6x speed-up over DDP."""
+    def method(vals, group_size):
+        raw = {"codes": [0], "tx_bytes": [1000], "records": records("w0", 0.5, 20, vals, group_size)}
+        return summarize_method(raw, tokens_per_step=64, steps=20)
+
+    results = {"config": {"hosts": 1, "bandwidth": None, "mode": "loopback", "steps": 20, "methods": ["ddp", "hivemind"]},
+               "methods": {"local": method([5.0, 4.2, 3.8], 1), "ddp": method([5.0, 3.5, 3.0], 2),
+                           "hivemind": method([5.0, 4.2, 3.8], 1)}}
+    assert report(results, tmp_path) == 0
+    hivemind = results["methods"]["hivemind"]
+    assert hivemind["averaged"] is False and hivemind["ddp_time_to_final_s"] and hivemind["speedup_vs_ddp"] is None
+    out, err = capsys.readouterr()
+    assert "hivemind (never averaged)" in out and "ddp (never" not in out and "local (never" not in out
+    assert err.startswith("bench: hivemind never averaged (no round had two members")
+
+
 def test_report_keeps_the_runs_own_target_loss_and_takes_its_results_file(tmp_path, capsys):
     """A run given --target-loss (no DDP in it): `--report` tabled it with no target and wrote that into its
     results.json, erasing each method's time to the target. It keeps the run's, unless given another."""
@@ -120,8 +139,8 @@ def test_report_keeps_the_runs_own_target_loss_and_takes_its_results_file(tmp_pa
     saved = tmp_path / "run" / "results.json"
     saved.write_text(shipped.read_text())
     measured = json.loads(saved.read_text())["methods"]["diloco"]["time_to_target_s"]
-    for report in (tmp_path / "run", saved):  # the folder, or its results file
-        assert cli_main(["bench", "--report", str(report)]) == 0
+    for given in (tmp_path / "run", saved):  # the folder, or its results file
+        assert cli_main(["bench", "--report", str(given)]) == 0
         kept = json.loads(saved.read_text())
         assert kept["config"]["target_loss"] == 1.336 and kept["methods"]["diloco"]["time_to_target_s"] == measured
         assert "bench: target loss 1.336;" in capsys.readouterr().out
