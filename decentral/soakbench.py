@@ -6,7 +6,7 @@ recipe, seed and `--steps`):
 - churn: every `--kill-every` seconds one worker is SIGKILLed (chosen at random, seeded, among all but
   the first `--keep`, which are never killed) and restarted at once on its host with the same output
   folder (so the same peer id), joining through w0 as a stranger would: it downloads the swarm's state
-  and continues its step. Killing stops after `--minutes`, or once a worker has finished or w0 is in
+  and continues its step (the records of the life the kill ended are kept as wN/lifeK.metrics.jsonl). Killing stops after `--minutes`, or once a worker has finished or w0 is in
   the swarm's last round (a restart takes about a round to come up, and would find the swarm ended:
   it then stops with exit code 2, as a newcomer of an ended swarm does); the run
   ends when every worker has reached `--steps` (the swarm's total).
@@ -92,7 +92,10 @@ class Swarm:
     def start(self, index: int, initial: bool) -> None:
         host = self.lab.hosts[index]
         if not initial:  # a restart is a fresh peer that catches up from the swarm, not a --resume of its checkpoint
-            shutil.rmtree(self.out / f"w{index}" / "checkpoint", ignore_errors=True)
+            folder = self.out / f"w{index}"
+            shutil.rmtree(folder / "checkpoint", ignore_errors=True)
+            if (folder / "metrics.jsonl").exists():  # kept: a run without a checkpoint replaces its records
+                (folder / "metrics.jsonl").rename(folder / f"life{len(life_files(folder))}.metrics.jsonl")
         cmd = [sys.executable, "-m", "decentral", "-v", "train", "--protocol", str(self.recipe_file),
                "--out", str(self.out / f"w{index}"), "--name", f"w{index}", "--worker-index", str(index),
                "--num-workers", str(len(self.lab.hosts)), "--steps", str(self.steps), "--host", host.address]
@@ -115,7 +118,7 @@ class Swarm:
         self.bootstrap = path.read_text().split()
 
     def trained_steps(self, index: int) -> int:
-        """How many trained-step records worker `index` has logged so far (all its lives)."""
+        """How many trained-step records worker `index` has logged so far in its life now."""
         path = self.out / f"w{index}" / "metrics.jsonl"
         return path.read_text().count('"loss"') if path.exists() else 0
 
@@ -156,7 +159,7 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
             if now - started > timeout:
                 raise RuntimeError(f"the run took longer than {timeout:.0f}s")
             for r in restarts:
-                if r.trained_at is None and not r.killed_again and swarm.trained_steps(r.worker) > r.steps_before:
+                if r.trained_at is None and not r.killed_again and swarm.trained_steps(r.worker) > 0:
                     r.trained_at = now - started
             if now >= next_kill and now < churn_ends and not swarm.ending():
                 running = [i for i in killable if swarm.procs[i].poll() is None]
@@ -178,11 +181,16 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
     finally:
         swarm.close()
     wall = time.monotonic() - started
-    records = {}
-    for index in range(len(lab.hosts)):
-        path = out / f"w{index}" / "metrics.jsonl"
-        records[index] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = {index: [json.loads(line) for path in life_files(out / f"w{index}")
+                       for line in path.read_text().splitlines() if line.strip()] for index in range(len(lab.hosts))}
     return Run(out.name, wall, codes, records, restarts)
+
+
+def life_files(folder: Path) -> list[Path]:
+    """A worker's metrics files, one per life, in order: lifeN.metrics.jsonl of the lives a kill ended (moved
+    there at each restart), then metrics.jsonl."""
+    lives = sorted(folder.glob("life*.metrics.jsonl"), key=lambda p: int(p.name[4:].split(".")[0]))
+    return lives + [p for p in [folder / "metrics.jsonl"] if p.exists()]
 
 
 def round_seconds(records: list[dict]) -> float | None:

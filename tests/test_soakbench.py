@@ -3,7 +3,9 @@
 
 import pytest
 
-from decentral.soakbench import Restart, Run, digest_agreement, failures, round_seconds, summarize, sync_waits
+from decentral.soakbench import (
+    Restart, Run, digest_agreement, failures, life_files, round_seconds, summarize, sync_waits,
+)
 
 
 def life(start_wait, syncs, step_s=1.0, every=2, digests=None, final=2.0):
@@ -81,3 +83,13 @@ def test_each_worker_that_did_not_exit_0_is_named_with_its_logs_last_line(tmp_pa
         f"soak: the churn run's w2 exited with 2: decentral: could not reach any peer at X "
         f"(see {tmp_path / 'churn' / 'w2.log'})"]
     assert failures(runs[:1], tmp_path) == []
+
+
+def test_a_workers_records_are_read_over_its_lives_in_order(tmp_path):
+    """A restart without a checkpoint replaces its metrics.jsonl: the harness moves each killed life's file
+    aside, and counted a restarted worker that trained to step 200 as never training again."""
+    for name, step in (("life2.metrics.jsonl", 2), ("life10.metrics.jsonl", 10), ("life1.metrics.jsonl", 1),
+                       ("metrics.jsonl", 11)):
+        (tmp_path / name).write_text(f'{{"step": {step}}}\n')
+    assert [p.name for p in life_files(tmp_path)] == ["life1.metrics.jsonl", "life2.metrics.jsonl",
+                                                      "life10.metrics.jsonl", "metrics.jsonl"]
