@@ -11,6 +11,8 @@ communication, so a sweep also says whether syncing helps at all.
 KEY is a protocol setting (`outer_lr`) or `train.NAME` (`train.lr`); values are YAML (`0.7`, `true`).
 Writes OUT/results.json (rewritten after each point) and OUT/sweep.png (each point's validation curve,
 worker 0), and prints a table sorted by final loss; an OUT that holds an earlier sweep is refused.
+Ctrl-C stops the point in training at its workers' next step (exit code 130; the finished points stay in
+OUT/results.json).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
     hub = None if parsed.protocol == "local" else LoopbackHub(timeout_s=max(60.0, parsed.swarm.timeout))
     results: dict[int, dict] = {}
     errors: dict[int, str] = {}
+    stop = threading.Event()  # Ctrl-C reaches this thread alone: the workers stop at their next step
+    ended = [threading.Event() for _ in range(workers)]  # (a Thread.join that Ctrl-C interrupted may return early
+    # on a thread that runs on: Python 3.11's, here, once in four)
 
     def work(i: int) -> None:
         def show(line: str) -> None:
@@ -79,18 +84,31 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
 
         opts = WorkerOptions(out=out / f"w{i}", data=data, worker_index=i, num_workers=workers, name=f"w{i}",
                              min_peers=workers if hub else 1, print_fn=show,
-                             transport=hub.transport() if hub else None)
+                             transport=hub.transport() if hub else None, stop=stop)
         try:
             results[i] = run_worker(parsed, opts)
+        except KeyboardInterrupt:  # stopped: the main thread raises it again
+            pass
         except Exception as e:  # noqa: BLE001 (reported per point: a diverged setting is an outcome)
             errors[i] = f"{type(e).__name__}: {e}"
+        finally:
+            ended[i].set()
 
     started = time.monotonic()
     threads = [threading.Thread(target=work, args=(i,), name=f"sweep-w{i}") for i in range(workers)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for done in ended:
+            done.wait()
+    except KeyboardInterrupt:
+        stop.set()
+        for done in ended:
+            done.wait()
+        raise
+    finally:
+        for t in threads:
+            t.join()  # (returning, each has ended its run)
     metrics = out / "w0" / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.exists() else []
     curve = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
@@ -169,8 +187,14 @@ def run_sweep(args: argparse.Namespace) -> int:
                "points": []}
     for k, (label, settings, recipe) in enumerate(labelled, 1):
         print(f"sweep: [{k}/{len(labelled)}] {label} ...", flush=True)
-        point = train_point(with_settings(recipe, settings), args.steps, args.workers, out / f"point{k}",
-                            args.data, label)
+        try:
+            point = train_point(with_settings(recipe, settings), args.steps, args.workers, out / f"point{k}",
+                                args.data, label)
+        except KeyboardInterrupt:
+            print(f"sweep: interrupted in point {k} ({label}); not run: {len(labelled) - k + 1} of {len(labelled)} "
+                  "points" + (f"; the finished ones are in {out / 'results.json'}" if k > 1 else ""),
+                  file=sys.stderr, flush=True)
+            return 130
         results["points"].append({"label": label, "settings": settings, **point})
         (out / "results.json").write_text(json.dumps(results, indent=1))
         final = point["final_val_loss"]

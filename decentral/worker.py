@@ -86,6 +86,8 @@ class WorkerOptions:
     print_fn: Callable[[str], None] = print
     notes: Sequence[str] = ()  # said on stderr ("note: ...") once the run's own checks have passed
     transport: Transport | None = None  # given, the worker uses it (and closes it) instead of making one
+    stop: threading.Event | None = None  # set, the run stops before its next step as Ctrl-C stops it (a worker
+    # in a thread, which no signal reaches: `bench sweep`'s)
 
 
 def inner_lr(step: int, recipe: Recipe, steps: int | None = None) -> float:
@@ -505,6 +507,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                              if copies else ""))
             trained_from = protocol.step
             while protocol.step < last_step:
+                if opts.stop is not None and opts.stop.is_set():
+                    raise KeyboardInterrupt
                 for group in optimizer.param_groups:
                     group["lr"] = inner_lr(protocol.step, recipe)
                 x, y = next(batches)

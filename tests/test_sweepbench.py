@@ -3,10 +3,11 @@ and the workers of a point really average (loopback hub) while `local`'s do not.
 
 import json
 import re
+import signal
 
 import pytest
 
-from conftest import write_recipe
+from conftest import wait_until, write_recipe
 from decentral.cli import main
 from decentral.config import RecipeError, with_settings
 from decentral.metrics import read_metrics
@@ -86,6 +87,26 @@ def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, sm
     assert (out / "sweep.png").stat().st_size > 0
     table = run.stdout[run.stdout.index("final val"):]
     assert re.search(r"^local \(no communication\) +\d\.\d{3} ", table, re.M), table  # a row of dashes before
+
+
+def test_ctrl_c_stops_the_point_in_training_and_says_what_was_not_run(tmp_path, small_corpus, prefork):
+    """The workers train in threads, which no signal reaches: Ctrl-C left the point training to its end (minutes at
+    BENCHMARKS.md's length), discarded it, and once ended in a C++ abort (exit code 134)."""
+    recipe = write_recipe(tmp_path / "diloco.yaml", {"name": "diloco", "every": 5}, steps=2000)
+    out, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    sweep = prefork.spawn(["bench", "sweep", "--protocol", str(recipe), "--steps", "2000", "--workers", "2",
+                           "--set", "outer_lr=0.7,1.0", "--data", str(small_corpus), "--out", str(out)], log)
+    try:
+        metrics = out / "point1" / "w0" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) > 10, 120, "the first point training")
+        sweep.send_signal(signal.SIGINT)
+        assert sweep.wait(120) == 130, log.read_text()
+    finally:
+        sweep.kill()
+    said = log.read_text()
+    assert "sweep: interrupted in point 1 (outer_lr=0.7); not run: 2 of 2 points" in said, said
+    assert max(r["step"] for r in read_metrics(metrics) if "loss" in r) < 2000  # stopped, not trained to the end
+    assert not (out / "point2").exists()
 
 
 def test_a_point_that_diverges_is_reported_failed_not_ranked(tmp_path, small_corpus, prefork):
