@@ -181,7 +181,9 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         stop_processes(procs, signal.SIGKILL)
         codes = [p.returncode for p in procs]
-        print(f"bench: {label} failed: {e}", file=sys.stderr)
+        why = (f"still running after {timeout:g} s (--method-timeout), killed"
+               if isinstance(e, subprocess.TimeoutExpired) else str(e))
+        print(f"bench: {label} failed: {why}", file=sys.stderr)
     finally:
         for f in logs.values():
             f.close()

@@ -351,3 +351,12 @@ def test_a_running_method_says_how_far_its_slowest_worker_is(tmp_path, monkeypat
     assert raw["codes"] == [0, 0]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bench: diloco: ")]
     assert lines and lines[-1].endswith("s, slowest worker at step 3 of 5, last val 4.000"), lines
+
+
+def test_a_method_past_its_timeout_is_killed_and_said_to_have_hit_it(tmp_path, capsys):
+    """It printed the TimeoutExpired of the host's whole `ip netns exec ...` command line, not the option hit."""
+    with NetLab(1, None, mode="loopback", name="tpt") as lab:
+        launch = Launch(lab.hosts[0], "w0", [sys.executable, "-c", TRAINING_FOR_A_SECOND, str(tmp_path / "w0")])
+        raw = run_launches(lab, tmp_path, "diloco", [launch], lambda _: [], timeout=0.3)
+    assert raw["codes"] != [0]
+    assert "bench: diloco failed: still running after 0.3 s (--method-timeout), killed" in capsys.readouterr().err
