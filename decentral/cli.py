@@ -620,6 +620,11 @@ def main(argv: list[str] | None = None) -> int:
                        or getattr(args, "experts_command", None) in ("seed", "branch"))
     folders = {"--out": getattr(args, "out", None) if writes_a_folder else None,
                "--tensorboard": getattr(args, "tensorboard", None)}  # each writes a folder there
+    for option in ("--out", "--tensorboard"):
+        given = getattr(args, option[2:], None)
+        if isinstance(given, str) and not given.strip():  # (Path("") is the current folder)
+            print(f"decentral: {option} is empty: give a folder", file=sys.stderr)
+            return 2
     for option, folder in folders.items():
         if folder and Path(folder).exists() and not Path(folder).is_dir():
             print(f"decentral: {option} {folder} is a file, not a folder", file=sys.stderr)

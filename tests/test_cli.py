@@ -331,6 +331,8 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
     (["swarm", "keygen", "/nonexistent/folder/swarm.key"], "cannot write swarm key /nonexistent/folder/swarm.key"),
     (["netlab", "--hosts", "1", "--measure"], "--measure needs at least 2 hosts"),
+    (["bench", "--protocols", "diloco", "--out", ""], "--out is empty: give a folder"),  # it wrote into the cwd
+    (["merge", "linear", "--out", " "], "--out is empty: give a folder"),
 ])
 def test_more_user_errors_in_process(args, expected, tmp_path, monkeypatch, capsys):
     for name, value in scratch_folder(tmp_path).items():
