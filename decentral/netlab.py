@@ -472,8 +472,9 @@ def _hold_lab_name(name: str):
         except OSError:
             lock.close()
             raise NetLabError(f"a lab named {name!r} is running on this machine (another `decentral netlab`, or a "
-                              "bench, which names its lab itself): wait for it to end, or give this one another name "
-                              "(netlab --name, bench islands --lab-name)") from None
+                              "bench: each kind of bench names its lab itself, so two of a kind cannot run at once): "
+                              "wait for it to end (`netlab --name` and `bench islands --lab-name` name a lab "
+                              "otherwise)") from None
         held = os.fstat(lock.fileno())
         with contextlib.suppress(FileNotFoundError):
             there = os.stat(path)
