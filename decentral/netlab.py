@@ -74,14 +74,17 @@ class LabSettingsError(NetLabError, ValueError):
     """A lab asked for with settings it cannot have: a rate, host count, LAN, name, mode or latency."""
 
 
+MAX_RATE_BPS = 10**12  # 1tbit: a 10 ms token bucket (`tbf_burst_bytes`) above it exceeds tc's 32-bit burst
+
+
 def parse_rate(text: str) -> int:
     """Parse a link rate such as "20mbit", "100Mbit", "512kbit" or "1gbit" into bits per second.
 
     Prefixes are decimal as in tc (k = 10^3, m = 10^6, g = 10^9, t = 10^12) and
     case-insensitive. Unlike tc, a "bps" suffix ("10mbps") also means *bits*
     per second, as in everyday networking use. A bare number has no unit and is
-    rejected, as is anything below 8 bit/s, the least tc can shape (it counts bytes per second)
-    (LabSettingsError, a ValueError).
+    rejected, as is anything below 8 bit/s, the least tc can shape (it counts bytes per second), or above
+    MAX_RATE_BPS, beyond what its token bucket holds (LabSettingsError, a ValueError).
     """
     match = _RATE_RE.match(text) if isinstance(text, str) else None
     if match is None:
@@ -89,6 +92,9 @@ def parse_rate(text: str) -> int:
     bps = round(float(match.group(1)) * _SCALE[match.group(2).lower()])
     if bps < 8:
         raise LabSettingsError(f"link rate must be at least 8 bit/s (tc shapes whole bytes per second), got {text!r}")
+    if bps > MAX_RATE_BPS:
+        raise LabSettingsError(f"link rate must be at most 1tbit (tc's token bucket holds no more), got {text!r}: "
+                               "'none' leaves the links uncapped")
     return bps
 
 
@@ -391,11 +397,13 @@ class NetLab:
                 for g, group in enumerate(self.lans))
         if self.mode == "netns":
             uplinks = "uncapped" if self.rate_bps is None else f"capped at {cap} by tc tbf"
-            return (f"netlab: netns mode, {len(self.hosts)} hosts {self.hosts[0].address}..{self.hosts[-1].address} "
-                    f"on bridge {self.name}br, uplinks {uplinks}; {latency}")
+            where = (f"host {self.hosts[0].address}" if len(self.hosts) == 1 else
+                     f"hosts {self.hosts[0].address}..{self.hosts[-1].address}")
+            return f"netlab: netns mode, {len(self.hosts)} {where} on bridge {self.name}br, uplinks {uplinks}; {latency}"
         shaping = ("NOT enforced by the kernel, apps must pace themselves (DECENTRAL_LINK_RATE_BPS)"
                    if self.app_shaping else "no isolation")
-        return f"netlab: loopback mode, {len(self.hosts)} hosts all on 127.0.0.1, bandwidth {cap} {shaping}; {latency}"
+        where = "host on 127.0.0.1" if len(self.hosts) == 1 else "hosts all on 127.0.0.1"
+        return f"netlab: loopback mode, {len(self.hosts)} {where}, bandwidth {cap} {shaping}; {latency}"
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -56,13 +56,14 @@ PRINT_ENV = ("import os; print(' '.join(os.environ[k] for k in ('DECENTRAL_HOST_
 
 @pytest.mark.parametrize("text, bps", [
     ("20mbit", 20_000_000), ("100Mbit", 100_000_000), ("512kbit", 512_000), ("1gbit", 1_000_000_000),
-    ("10mbps", 10_000_000), ("1.5mbit", 1_500_000), (" 64 kbit ", 64_000), ("300bit", 300),
+    ("10mbps", 10_000_000), ("1.5mbit", 1_500_000), (" 64 kbit ", 64_000), ("300bit", 300), ("1tbit", 10**12),
 ])
 def test_parse_rate(text, bps):
     assert parse_rate(text) == bps
 
 
-@pytest.mark.parametrize("text", ["", "20", "fast", "20mb", "-5mbit", "0mbit", "20 mbits", "1e3mbit", "mbit", "7bit"])
+@pytest.mark.parametrize("text", ["", "20", "fast", "20mb", "-5mbit", "0mbit", "20 mbits", "1e3mbit", "mbit", "7bit",
+                                  "1.1tbit"])  # (100tbit was tc's "illegal value for burst" at set-up)
 def test_parse_rate_rejects_junk(text):
     with pytest.raises(ValueError, match="rate"):
         parse_rate(text)
