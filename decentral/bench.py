@@ -32,6 +32,7 @@ from typing import Callable
 
 import yaml
 
+from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.data import load_corpus
@@ -446,14 +447,8 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if (out / "results.json").is_file():
-        print(f"bench: --out {out} holds a previous bench (results.json): give another --out, or redraw its "
-              f"results with --report {out}", file=sys.stderr)
-        return 2
-    taken = [m for m in [REFERENCE, *methods] if (out / m).exists()]
-    if taken:  # (a run of the user's, `train --out runs/diloco`, beside a `bench --out runs`)
-        print(f"bench: --out {out} holds {', '.join(taken)}: the bench writes a folder of that name for each "
-              "method, and keeps what is there; give another --out", file=sys.stderr)
+    if (held := _earlier_run(out, methods)) is not None:
+        print(f"bench: {held}", file=sys.stderr)
         return 2
     recipes = Path(args.recipes)
     base = load_recipe(recipes / "diloco.yaml")
@@ -484,18 +479,22 @@ def run_bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
-            results["config"]["mode"] = lab.mode
-            for method, recipe in run_recipes.items():
-                print(f"bench: {method} on {args.hosts} host{'s' if args.hosts > 1 else ''} ...", flush=True)
-                started = time.monotonic()
-                method_out = out / method
-                raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
-                res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
-                results["methods"][method] = res
-                (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
-                print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
-                      f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
+        with sole_writer(out):
+            if (held := _earlier_run(out, methods)) is not None:  # (a bench given this --out began meanwhile)
+                print(f"bench: {held}", file=sys.stderr)
+                return 2
+            with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
+                results["config"]["mode"] = lab.mode
+                for method, recipe in run_recipes.items():
+                    print(f"bench: {method} on {args.hosts} host{'s' if args.hosts > 1 else ''} ...", flush=True)
+                    started = time.monotonic()
+                    method_out = out / method
+                    raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
+                    res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
+                    results["methods"][method] = res
+                    (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
+                    print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
+                          f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
     except KeyboardInterrupt:
         rest = [m for m in methods if m not in results["methods"]]
         print(f"bench: interrupted; not run: {','.join(rest)}" + (
@@ -504,6 +503,19 @@ def run_bench(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return 130
     return report(results, out, args.target_loss)
+
+
+def _earlier_run(out: Path, methods: list[str]) -> str | None:
+    """Why `out` is no folder for this bench: it holds a previous bench's results, or a folder a method would
+    write (a run of the user's, `train --out runs/diloco`, beside a `bench --out runs`); None when it is."""
+    if (out / "results.json").is_file():
+        return (f"--out {out} holds a previous bench (results.json): give another --out, or redraw its results with "
+                f"--report {out}")
+    taken = [m for m in [REFERENCE, *methods] if (out / m).exists()]
+    if taken:
+        return (f"--out {out} holds {', '.join(taken)}: the bench writes a folder of that name for each method, and "
+                "keeps what is there; give another --out")
+    return None
 
 
 def report(results: dict, out: Path, target_loss: float | None = None) -> int:

@@ -3,6 +3,7 @@ on emulated hosts writes the results schema and the plot."""
 
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -166,6 +167,32 @@ def test_every_bench_refuses_an_out_holding_an_earlier_run_before_any_work(comma
     err = capsys.readouterr().err
     assert f"--out {out} holds a" in err and len(err.splitlines()) == 1, err
     assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == '{"kept": true}'
+
+
+HOLDING_THE_OUT = """
+import sys, time
+from pathlib import Path
+from decentral.checkpoint import sole_writer
+with sole_writer(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_bench_into_the_out_of_a_bench_running_now_stops_before_it_writes(tmp_path, capsys):
+    """Two benches given one --out at once both passed its checks (neither had written yet), then garbled each
+    other's logs and results (loopback mode; in netns mode the lab's name kept them apart)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    first = subprocess.Popen([sys.executable, "-c", HOLDING_THE_OUT, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == "holding\n"  # the bench that began first
+        assert cli_main(["bench", "--mode", "loopback", "--protocols", "diloco", "--out", str(out)]) == 2
+    finally:
+        first.kill()
+        first.wait()
+    assert f"another process is writing to {out}" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [".lock"]  # (the lock's file) nothing of the second
 
 
 def test_a_method_name_says_its_protocol_codec_own_steps_and_recipe(tmp_path):
