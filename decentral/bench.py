@@ -38,7 +38,7 @@ from decentral.config import RecipeError, default_recipe_path, load_recipe, pars
 from decentral.data import load_corpus
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import build_model
-from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab, bandwidth_argument
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
@@ -569,11 +569,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, from {','.join(METHODS)} (local, the reference, always runs first); "
                              "METHOD+CODEC runs a method with another "
                              "swarm.codec (e.g. diloco+topk, diloco+float16); METHOD@STEPS gives a method its own "
-                             "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target)")
+                             "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target) "
+                             "(default: all of them)")
     parser.add_argument("--steps", type=number_type(int, 1), default=300,
-                        help="inner steps per worker (the same for every method without @STEPS)")
-    parser.add_argument("--out", default="runs/bench")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+                        help="inner steps per worker (the same for every method without @STEPS; default: "
+                             "%(default)s)")
+    parser.add_argument("--out", default="runs/bench", help="the run's folder (default: %(default)s)")
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
     parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
                         help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
                              "DiLoCo recipe, else diloco.yaml)")
@@ -581,7 +583,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),
                         help="target validation loss when ddp is not run (with --report: instead of the run's)")
     parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True), default=1200.0,
-                        help="seconds before a method is killed")
+                        help="seconds before a method is killed (default: %(default)g)")
     parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison (to the run's target "
                         "loss, or --target-loss), table and plot from DIR/results.json of an earlier run (DIR or that "
                         "file), and write them there")

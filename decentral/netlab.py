@@ -108,7 +108,9 @@ def rate_argument(text: str) -> str:
 
 
 BANDWIDTH_HELP = ("uplink cap per host, in bits per second: 20mbit, 512kbit, 1gbit (20Mbps is 20 Mbit/s too, where tc "
-                  "reads mbps as bytes), or 'none'")
+                  "reads mbps as bytes), or 'none' (default: %(default)s)")
+MODE_HELP = ("netns: a network namespace per host, uplinks capped by tc (root); loopback: every host on 127.0.0.1, "
+             "the applications pace their own sends; auto: netns where root can (default)")
 
 
 def bandwidth_argument(text: str) -> str | None:
@@ -620,7 +622,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=BANDWIDTH_HELP)
     parser.add_argument("--latency-ms", type=number_type(float, 0), default=0.0,
                         help="link latency passed to apps (not kernel-enforced)")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
     parser.add_argument("--name", default="dcl", help="prefix of the namespaces, veths and bridge")
     parser.add_argument("--measure", action="store_true", help="measure host0 -> host1 throughput against the cap")
     parser.add_argument("--seconds", type=number_type(float, 0, strict=True), default=3.0, help="duration of --measure")

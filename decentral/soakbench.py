@@ -48,7 +48,7 @@ import yaml
 from decentral.cli import stop_processes
 from decentral.config import load_recipe, recipe_path
 from decentral.metrics import check_no_earlier_results, format_table
-from decentral.netlab import BANDWIDTH_HELP, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
@@ -391,6 +391,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="which workers get killed")
     parser.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
                         help="seconds before a run is given up")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
     parser.add_argument("--out", default="runs/soak")
     parser.set_defaults(func=run_soak)
