@@ -684,6 +684,7 @@ def main(args: argparse.Namespace) -> int:
                       "run a command on every host", file=sys.stderr, flush=True)
             return status
     except KeyboardInterrupt:
+        print("netlab: interrupted; the lab is torn down", file=sys.stderr, flush=True)
         return 130
 
 

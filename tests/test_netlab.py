@@ -258,6 +258,17 @@ def test_cli_runs_command_in_every_host(lab_name, capsys):
     assert leftovers(lab_name) == []
 
 
+def test_ctrl_c_on_a_command_in_the_lab_says_so_in_one_line(lab_name):
+    """It exited 130 without a word (the exit codes' table says an interrupt is said in one line)."""
+    proc = subprocess.Popen([sys.executable, "-m", "decentral", "netlab", "--hosts", "1", "--name", lab_name,
+                             "--mode", "loopback", "--", sys.executable, "-c", "print('up', flush=True); "
+                             "import time; time.sleep(60)"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "[h0] up" not in proc.stdout.readline():
+        assert proc.poll() is None, proc.stderr.read()
+    out, err = signalled(proc, signal.SIGINT)
+    assert proc.returncode == 130 and err.endswith("netlab: interrupted; the lab is torn down\n"), err
+
+
 def test_cli_with_nothing_to_run_says_so(lab_name, capsys):
     """A lab with neither a command nor --measure is set up and torn down: said, not done silently."""
     parser = argparse.ArgumentParser()
