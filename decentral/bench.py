@@ -378,7 +378,7 @@ def plot_curves(ax, results: dict) -> None:
                 ax.plot([t for t, _, _ in points], [v for _, _, v in points], color=color, alpha=0.8,
                         marker=".", label=method if i == 0 else None)
     later = [v for res in results["methods"].values() for c in res["curves"].values() for _, _, v in c[1:]]
-    if later:  # the untrained start sits far above everything else: zoom on training, start off the top
+    if len(set(later)) > 1:  # the untrained start sits far above everything else: zoom on training, start off the top
         ax.set_ylim(min(later) - 0.02 * (max(later) - min(later)), max(later) + 0.05 * (max(later) - min(later)))
     cfg = results["config"]
     ax.set(xlabel="wall time (s)", ylabel="validation loss",
@@ -394,6 +394,8 @@ def format_results(results: dict) -> str:
     for method, r in results["methods"].items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         label = method + ("" if r["ok"] else " (FAILED)") + (" (never averaged)" if _never_averaged(method, r) else "")
+        # (DDP's rounds are its membership epochs: their bytes are every step's gradients, not an outer step's)
+        per_round = None if split_method(method)[0] == "ddp" else r.get("stream_bytes_per_round")
         rows.append((label, f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
                      f(r.get("compute_utilisation"), ".0%"), f(r.get("blocked_fraction"), ".1%"),
                      f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
@@ -402,7 +404,7 @@ def format_results(results: dict) -> str:
                      human_bytes(r["bytes_sent_per_worker"]),
                      human_bytes(r["bytes_sent_per_worker_per_step"]),
                      human_bytes(r.get("stream_bytes_sent_per_worker")),
-                     human_bytes(r.get("stream_bytes_per_round")),
+                     human_bytes(per_round),
                      human_bytes(r.get("peak_stream_bytes_per_s"))))
     return format_table(rows, numeric=False)
 

@@ -145,7 +145,7 @@ def run_syncbench(args: argparse.Namespace) -> int:
                     return 1
                 results["points"].append({"method": method, "hosts": count, **point})
                 print(f"syncbench: {method}, {count} hosts: median {point['median_s']:.2f}s per sync, "
-                      f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer", flush=True)
+                      f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer per sync", flush=True)
     (out / "syncbench.json").write_text(json.dumps(results, indent=1))
     _plot(results, out / "syncbench.png")
     print(f"{'hosts':>5}  " + "  ".join(f"{m:>14}" for m in METHODS))
