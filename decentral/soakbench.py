@@ -6,10 +6,11 @@ recipe, seed and `--steps`):
 - churn: every `--kill-every` seconds one worker is SIGKILLed (chosen at random, seeded, among all but
   the first `--keep`, which are never killed) and restarted at once on its host with the same output
   folder (so the same peer id), joining through w0 as a stranger would: it downloads the swarm's state
-  and continues its step (the records of the life the kill ended are kept as wN/lifeK.metrics.jsonl). Killing stops after `--minutes`, or once a worker has finished or w0 is in
-  the swarm's last round (a restart takes about a round to come up, and would find the swarm ended:
-  it then stops with exit code 2, as a newcomer of an ended swarm does); the run
-  ends when every worker has reached `--steps` (the swarm's total).
+  and continues its step (the records of the life the kill ended are kept as wN/lifeK.metrics.jsonl).
+  Killing stops after `--minutes`, or once a worker has finished or w0 is in the swarm's last round (a
+  restart takes about a round to come up, and would find the swarm ended: it then stops with exit code 2,
+  as a newcomer of an ended swarm does); the run ends when every worker has reached `--steps` (the
+  swarm's total).
 
 What it reports (issue #10's targets):
 - waiting: each never-killed worker's `wait_s` over its training wall time;
