@@ -365,8 +365,8 @@ positive_seconds = number_type(float, 0, strict=True)
 
 
 def int_list_type(minimum: int, why: str):
-    """An argparse type: comma-separated integers, each at least `minimum`; `why` says what a smaller one
-    breaks ("an island has at least 1 rank")."""
+    """An argparse type: comma-separated distinct integers, each at least `minimum`; `why` says what a smaller
+    one breaks ("an island has at least 1 rank")."""
 
     def parse(text: str) -> list[int]:
         try:
@@ -375,6 +375,8 @@ def int_list_type(minimum: int, why: str):
             raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
         if min(values) < minimum:
             raise argparse.ArgumentTypeError(f"{text}: {why}")
+        if len(set(values)) < len(values):  # (each value is a point of the benchmark: one would run twice)
+            raise argparse.ArgumentTypeError(f"{text}: a value given twice")
         return values
     return parse
 

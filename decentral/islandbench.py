@@ -114,7 +114,9 @@ def run_part_a(args: argparse.Namespace, out: Path) -> dict:
             def launch(index: int, bootstrap: list[str], method=method, recipe_file=recipe_file, method_out=method_out):
                 return _a_launch(method, lab, recipe_file, method_out, args.data or [], index, bootstrap)
 
-            print(f"islands: (A) {method}, {count} processes on {len(lab.hosts)} hosts ...", flush=True)
+            ranks = f" (an island of {PER_HOST} ranks on each)" if method == "hierarchical" else ""
+            print(f"islands: (A) {method}, {len(lab.hosts) * PER_HOST} processes on {len(lab.hosts)} hosts{ranks} ...",
+                  flush=True)
             started, load = time.monotonic(), _load()
             raw = run_launches(lab, method_out, method, [launch(0, [])],
                                lambda bootstrap, launch=launch, count=count: [launch(i, bootstrap) for i in range(1, count)],
