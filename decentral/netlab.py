@@ -98,6 +98,14 @@ def parse_rate(text: str) -> int:
     return bps
 
 
+def human_rate(bps: float) -> str:
+    """`20e6` -> `20 Mbit/s`, `512e3` -> `512 kbit/s`, `8` -> `8 bit/s` (three significant digits)."""
+    for scale, unit in ((1e12, "Tbit/s"), (1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
+
+
 def rate_argument(text: str) -> str:
     """argparse type of a link rate that must be one (`--netlab RATE`): a `parse_rate` string."""
     try:
@@ -391,7 +399,7 @@ class NetLab:
 
     def notice(self) -> str:
         """One line saying which mode ran and what it enforces."""
-        cap = "uncapped" if self.rate_bps is None else f"{self.rate_bps / 1e6:g} Mbit/s"
+        cap = "uncapped" if self.rate_bps is None else human_rate(self.rate_bps)
         latency = f"latency {self.latency_ms:g} ms is only passed to apps (DECENTRAL_LINK_LATENCY_MS; no netem here)"
         if self.lans:
             latency += "; uncapped LANs " + ", ".join(
@@ -675,8 +683,8 @@ def main(args: argparse.Namespace) -> int:
             status = 0
             if args.measure:
                 rate = measure_throughput(lab, 0, 1, seconds=args.seconds)
-                cap = "uncapped" if lab.rate_bps is None else f"cap {lab.rate_bps / 1e6:g} Mbit/s ({rate / lab.rate_bps:.0%})"
-                print(f"h0 -> h1: {rate / 1e6:.1f} Mbit/s, {cap}", flush=True)
+                cap = "uncapped" if lab.rate_bps is None else f"cap {human_rate(lab.rate_bps)} ({rate / lab.rate_bps:.0%})"
+                print(f"h0 -> h1: {human_rate(rate)}, {cap}", flush=True)
             if cmd:
                 status = _run_everywhere(lab, cmd)
             elif not args.measure:

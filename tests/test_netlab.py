@@ -62,6 +62,12 @@ def test_parse_rate(text, bps):
     assert parse_rate(text) == bps
 
 
+def test_rates_are_said_in_a_unit_that_fits_them():
+    """An 8bit cap was said as "cap 8e-06 Mbit/s"."""
+    assert [netlab.human_rate(bps) for bps in (8, 512e3, 1.5e6, 19.24e6, 959.5e6, 1e9, 1e12)] == [
+        "8 bit/s", "512 kbit/s", "1.5 Mbit/s", "19.2 Mbit/s", "960 Mbit/s", "1 Gbit/s", "1 Tbit/s"]
+
+
 @pytest.mark.parametrize("text", ["", "20", "fast", "20mb", "-5mbit", "0mbit", "20 mbits", "1e3mbit", "mbit", "7bit",
                                   "1.1tbit"])  # (100tbit was tc's "illegal value for burst" at set-up)
 def test_parse_rate_rejects_junk(text):
