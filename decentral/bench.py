@@ -42,6 +42,8 @@ from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab,
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
+RUN_DEFAULTS = {"hosts": 4, "bandwidth": "20mbit", "protocols": ",".join(METHODS), "steps": 300, "mode": "auto",
+                "data": None, "method_timeout": 1200.0}  # what a run takes and `--report` does not
 PROGRESS_S = 30.0  # how often a running method says how far its workers are
 ISLAND_PORT = 29512
 
@@ -544,6 +546,9 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
 def main(args: argparse.Namespace) -> int:
     """`decentral bench`: run the methods, or with --report DIR only redo the comparison of a past run."""
     if args.report:
+        ignored = [f"--{key.replace('_', '-')}" for key, value in RUN_DEFAULTS.items() if getattr(args, key) != value]
+        if ignored:
+            print(f"bench: note: --report runs nothing: {', '.join(ignored)} ignored", file=sys.stderr)
         out = Path(args.report)
         if out.name == "results.json" and out.is_file():  # the run's file named instead of its folder
             out = out.parent
@@ -564,27 +569,27 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type
 
-    parser.add_argument("--hosts", type=number_type(int, 1), default=4, help=f"hosts, 1 to {MAX_HOSTS} (default: 4)")
-    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help=BANDWIDTH_HELP)
-    parser.add_argument("--protocols", default=",".join(METHODS),
+    parser.set_defaults(**RUN_DEFAULTS)
+    parser.add_argument("--hosts", type=number_type(int, 1), help=f"hosts, 1 to {MAX_HOSTS} (default: %(default)s)")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, help=BANDWIDTH_HELP)
+    parser.add_argument("--protocols",
                         help=f"comma-separated, from {','.join(METHODS)} (local, the reference, always runs first); "
                              "METHOD+CODEC runs a method with another "
                              "swarm.codec (e.g. diloco+topk, diloco+float16); METHOD@STEPS gives a method its own "
                              "number of steps (e.g. ddp@1500: DDP's final loss at 1500 steps is the target) "
                              "(default: all of them)")
-    parser.add_argument("--steps", type=number_type(int, 1), default=300,
+    parser.add_argument("--steps", type=number_type(int, 1),
                         help="inner steps per worker (the same for every method without @STEPS; default: "
                              "%(default)s)")
     parser.add_argument("--out", default="runs/bench", help="the run's folder (default: %(default)s)")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
+    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), help=MODE_HELP)
     parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
                         help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),
                         help="target validation loss when ddp is not run (with --report: instead of the run's)")
-    parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True), default=1200.0,
+    parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True),
                         help="seconds before a method is killed (default: %(default)g)")
     parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison (to the run's target "
                         "loss, or --target-loss), table and plot from DIR/results.json of an earlier run (DIR or that "
