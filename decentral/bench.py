@@ -533,6 +533,11 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     target = results["config"]["target_loss"]
     print(f"bench: target loss {'none (no DDP run finished, none given)' if target is None else target}; results in "
           f"{out / 'results.json'}, plot {out / 'bench.png'}")
+    faster = [m for m, r in results["methods"].items() if (r.get("compute_utilisation") or 0) > 1.05]
+    if faster:  # (a ratio to one run of the reference, which noise on a shared machine slows or speeds)
+        print(f"bench: note: {', '.join(faster)} stepped faster than {REFERENCE}, the reference (utilisation above "
+              f"100%): the machine was busier while {REFERENCE} ran; utilisation moves by about 10 points between "
+              "runs on shared cores, repeat the bench to compare", file=sys.stderr)
     alone = [m for m, r in results["methods"].items() if _never_averaged(m, r)]
     if alone:
         print(f"bench: {', '.join(alone)} never averaged (no round had two members: the run ended before the first "
