@@ -136,7 +136,6 @@ def test_a_peer_whose_dht_process_died_says_so_and_shuts_down():
 
 ORPHAN_OWNER = """
 import asyncio, sys, time
-from decentral.swarm import peer as peer_module
 from decentral.swarm.peer import _DHTProcess
 
 class HangingShutdown(_DHTProcess):
