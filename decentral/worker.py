@@ -560,8 +560,8 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                           (f" (the checkpoint in {opts.out / 'checkpoint'} is as it was)" if opts.resume else ""))
             raise
         _save(protocol, opts, recipe, lineage)
-        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in "
-                      f"{opts.out / 'checkpoint'} (--resume goes on from it)")
+        opts.print_fn(f"[{opts.name}] interrupted at step {protocol.step}; checkpoint saved in {opts.out / 'checkpoint'}"
+                      + ("" if opts.stop is not None else " (--resume goes on from it)"))  # (a caller's stop: no CLI)
         raise
     finally:
         log.close()

@@ -105,6 +105,7 @@ def test_ctrl_c_stops_the_point_in_training_and_says_what_was_not_run(tmp_path, 
         sweep.kill()
     said = log.read_text()
     assert "sweep: interrupted in point 1 (outer_lr=0.7); not run: 2 of 2 points" in said, said
+    assert "--resume" not in said  # (the worker's hint: a sweep has none)
     assert max(r["step"] for r in read_metrics(metrics) if "loss" in r) < 2000  # stopped, not trained to the end
     assert not (out / "point2").exists()
 
