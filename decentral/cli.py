@@ -364,9 +364,9 @@ positive_int = number_type(int, 1)
 positive_seconds = number_type(float, 0, strict=True)
 
 
-def int_list_type(minimum: int, why: str):
-    """An argparse type: comma-separated distinct integers, each at least `minimum`; `why` says what a smaller
-    one breaks ("an island has at least 1 rank")."""
+def int_list_type(minimum: int, why: str, maximum: int | None = None):
+    """An argparse type: comma-separated distinct integers, each at least `minimum` (and at most `maximum`);
+    `why` says what a smaller one breaks ("an island has at least 1 rank")."""
 
     def parse(text: str) -> list[int]:
         try:
@@ -375,6 +375,8 @@ def int_list_type(minimum: int, why: str):
             raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
         if min(values) < minimum:
             raise argparse.ArgumentTypeError(f"{text}: {why}")
+        if maximum is not None and max(values) > maximum:
+            raise argparse.ArgumentTypeError(f"{text}: at most {maximum}")
         if len(set(values)) < len(values):  # (each value is a point of the benchmark: one would run twice)
             raise argparse.ArgumentTypeError(f"{text}: a value given twice")
         return values

@@ -22,7 +22,7 @@ import torch
 
 from decentral.config import SwarmConfig
 from decentral.metrics import check_no_earlier_results
-from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, NetLab, bandwidth_argument
 
 METHODS = ("diloco", "noloco")
 
@@ -183,8 +183,8 @@ def _rounds(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import int_list_type, positive_int
 
-    parser.add_argument("--hosts", type=int_list_type(2, "every point needs at least 2 hosts to sync"), default="2,4,8",
-                        help="comma-separated host counts")
+    parser.add_argument("--hosts", type=int_list_type(2, "every point needs at least 2 hosts to sync", MAX_HOSTS),
+                        default="2,4,8", help="comma-separated host counts (default: %(default)s)")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help=BANDWIDTH_HELP)
     parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")

@@ -19,7 +19,7 @@ def test_one_round_is_refused_in_one_line(tmp_path, prefork):
     proc = prefork.run(["syncbench", "--rounds", "1"], tmp_path)
     assert proc.returncode == 2 and "at least 2" in proc.stderr
     for hosts, says in (("2,abc", "not comma-separated integers"), ("1", "at least 2 hosts"),
-                        ("2,2", "2,2: a value given twice")):  # (it ran the point twice)
+                        ("2,2", "2,2: a value given twice"), ("2,300", "2,300: at most 253")):  # (2,2 ran twice)
         proc = prefork.run(["syncbench", "--hosts", hosts], tmp_path)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr
 
