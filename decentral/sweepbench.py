@@ -10,7 +10,8 @@ communication, so a sweep also says whether syncing helps at all.
 
 KEY is a protocol setting (`outer_lr`) or `train.NAME` (`train.lr`); values are YAML (`0.7`, `true`).
 Writes OUT/results.json (rewritten after each point) and OUT/sweep.png (each point's validation curve,
-worker 0), and prints a table sorted by final loss; an OUT that holds an earlier sweep is refused.
+the mean over its workers), and prints a table sorted by final loss; an OUT that holds an earlier sweep is
+refused.
 Ctrl-C stops the point in training at its workers' next step (exit code 130; the finished points stay in
 OUT/results.json).
 """
@@ -66,8 +67,9 @@ def check_fresh_out(out: Path) -> None:
 
 def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[str] | None, label: str) -> dict:
     """Train `workers` workers of one recipe in threads of this process, joined by one LoopbackHub (none
-    for `local`); their final validation losses, worker 0's curve, the wall time, and the error if one
-    raised (a diverged point is a result, not a crash)."""
+    for `local`); their final validation losses, the curve of their mean (as the table ranks the points:
+    worker 0's alone made `local`, whose workers differ, look unlike its row), the wall time, and the error
+    if one raised (a diverged point is a result, not a crash)."""
     recipe = with_settings(recipe, {"train.steps": steps})
     parsed = parse_recipe(recipe, label)  # RecipeError names the point
     hub = None if parsed.protocol == "local" else LoopbackHub(timeout_s=max(60.0, parsed.swarm.timeout))
@@ -109,9 +111,14 @@ def train_point(recipe: dict, steps: int, workers: int, out: Path, data: list[st
     finally:
         for t in threads:
             t.join()  # (returning, each has ended its run)
-    metrics = out / "w0" / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.exists() else []
-    curve = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    by_step: dict[int, list[float]] = {}  # the workers' validation losses at each evaluated step
+    for i in range(workers):
+        metrics = out / f"w{i}" / "metrics.jsonl"
+        evaluated = {r["step"]: r["val_loss"] for r in (read_metrics(metrics) if metrics.exists() else [])
+                     if r.get("val_loss") is not None}  # (the last at a step: the final record's at the end)
+        for step, val in evaluated.items():
+            by_step.setdefault(step, []).append(val)
+    curve = [(step, statistics.mean(vals)) for step, vals in sorted(by_step.items()) if len(vals) == workers]
     finals = [r["val_loss"] for r in results.values() if r.get("val_loss") is not None]
     if not errors and not all(math.isfinite(v) for v in finals):  # diverged between the protocol's checks
         errors[0] = "diverged: a final validation loss is not finite"
@@ -143,7 +150,7 @@ def plot_sweep(results: dict, out_png: Path) -> Path:
         if p["curve"]:
             ax.plot(*zip(*p["curve"][1:] or p["curve"]), marker=".", label=p["label"])
     cfg = results["config"]
-    ax.set(xlabel="inner step", ylabel="validation loss (worker 0)",
+    ax.set(xlabel="inner step", ylabel="validation loss (mean over workers)",
            title=f"{cfg['protocol']}: {cfg['workers']} workers, {cfg['steps']} steps (loopback, exact averages)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

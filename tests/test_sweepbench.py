@@ -81,6 +81,7 @@ def test_a_sweep_applies_each_points_settings_and_joins_its_workers(tmp_path, sm
     # DiLoCo's replicas end identical (they averaged); each local worker trained alone on its own shard
     assert moved["worker_final_val_loss"][0] == pytest.approx(moved["worker_final_val_loss"][1], abs=1e-6)
     assert abs(local["worker_final_val_loss"][0] - local["worker_final_val_loss"][1]) > 1e-4
+    assert local["curve"][-1] == [10, pytest.approx(local["final_val_loss"])]  # the workers' mean, as ranked
     # workers in threads of one process start from the same seeded weights (torch's RNG is the process's)
     first_val = [read_metrics(out / "point3" / f"w{i}" / "metrics.jsonl")[0]["val_loss"] for i in range(2)]
     assert first_val[0] == first_val[1]
