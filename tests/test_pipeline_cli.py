@@ -109,6 +109,19 @@ def test_help_ends_with_an_example(capsys):
     assert lines[-2] == "example:" and lines[-1].strip().startswith("decentral pipeline plan ")
 
 
+@pytest.mark.parametrize("suite, skips", [("timing", "0 0.25"), ("convergence", "0 0.9")])
+def test_a_skip_the_pipeline_cannot_plan_is_refused_before_any_variant_runs(suite, skips, tmp_path, capsys):
+    """`bench pipeline timing --stages 2` (its help's own example) trained the skip-0 variant, then failed on
+    skip 0.25, which leaves one stage per path."""
+    from decentral.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "pipeline", suite, "--skips", *skips.split(), "--out", str(out)]
+    assert main([*argv, "--stages", "2"] if suite == "timing" else argv) == 2
+    assert "stage(s) per path; a path needs stage 0 and at least one other" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_bench_reports_every_seed_and_the_median(tmp_path, capsys):
     rows = plan_bench(seeds=(0, 1), nodes=8, stages=4, skip=0.25, regions=2, microbatches=8, effort=0.05,
                       out=tmp_path)

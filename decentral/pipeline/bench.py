@@ -108,7 +108,7 @@ def add_arguments(parser) -> None:
         args.out, args.recipe, args.steps, tuple(args.skips), args.drop, args.data, args.netlab) and 0)
     timing = suites.add_parser("timing", help="the runtime's iteration time on netlab hosts against the simulator's",
                                description=trainbench.__doc__, **example(
-                                   "decentral bench pipeline timing --nodes 4 --stages 2 --out runs/bench-skippipe-timing"))
+                                   "decentral bench pipeline timing --nodes 4 --stages 4 --out runs/bench-skippipe-timing"))
     timing.add_argument("--recipe", default=SHIPPED_RECIPE,
                         help="model and microbatch shape (default: the shipped protocols/skippipe.yaml)")
     timing.add_argument("--bandwidth", type=rate_argument, default="20mbit", help="every host's uplink cap")

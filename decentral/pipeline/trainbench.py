@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from decentral.pipeline.recipe import SHIPPED_RECIPE, load_pipeline_recipe
+from decentral.pipeline.constraints import path_length
+from decentral.pipeline.recipe import SHIPPED_RECIPE, load_pipeline_recipe, parse_pipeline_recipe
 
 CONVERGENCE_TARGETS = {"skip_vs_full_val_loss": 0.03, "skip_model_half_ppl": 0.10}
 TIMING_TARGET = 0.15
@@ -47,6 +48,8 @@ def convergence_bench(out: str | Path = "runs/bench-skippipe", recipe: str | Pat
     out = Path(out)
     check_no_earlier_results(out, "bench pipeline convergence")
     base = yaml.safe_load(Path(recipe).read_text())
+    for skip in skips:  # every variant plannable before the first trains
+        path_length(parse_pipeline_recipe(base, str(recipe)).pipeline.stages, skip)
     rows = []
     for skip in skips:
         folder = out / f"skip{skip:g}"
@@ -156,6 +159,8 @@ def timing_bench(out: str | Path = "runs/bench-skippipe-timing", recipe: str | P
 
     out = Path(out)
     check_no_earlier_results(out, "bench pipeline timing")
+    for skip in skips:  # every variant plannable before the first runs
+        path_length(stages, skip)
     base = yaml.safe_load(Path(recipe).read_text())
     rate_mbps = parse_rate(bandwidth) / 1e6
     rows = []
