@@ -186,9 +186,7 @@ class _DHTProcess(DHT):
         self.join(self.kill_grace_s)
         if self.is_alive():
             log.warning("the DHT process did not end %.0f s after its SIGTERM: killing it", self.kill_grace_s)
-            for pid in [*descendants(self.pid), self.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _kill([*descendants(self.pid), self.pid])
             self.join(self.kill_grace_s)
 
     def _shut_down_when_orphaned(self) -> None:
@@ -197,10 +195,15 @@ class _DHTProcess(DHT):
         self._outer_pipe.send(("_shutdown", [], {}))  # the child still holds the sending end of its command pipe
         time.sleep(self.orphan_grace_s)  # a shutdown that finishes ends the process, and this thread with it
         log.warning("the DHT process's shutdown hangs %.0f s after its parent died: ending it", self.orphan_grace_s)
-        for pid in descendants(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill(descendants(os.getpid()))
         os._exit(1)
+
+
+def _kill(pids) -> None:
+    """SIGKILL each of `pids` (a DHT process's, whose shutdown hangs); one that has ended already is passed over."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _interrupt_between_callbacks(signum, frame) -> None:
