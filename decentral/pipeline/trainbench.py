@@ -48,8 +48,9 @@ def convergence_bench(out: str | Path = "runs/bench-skippipe", recipe: str | Pat
     out = Path(out)
     check_no_earlier_results(out, "bench pipeline convergence")
     base = yaml.safe_load(Path(recipe).read_text())
+    stages = parse_pipeline_recipe(base, str(recipe)).pipeline.stages
     for skip in skips:  # every variant plannable before the first trains
-        path_length(parse_pipeline_recipe(base, str(recipe)).pipeline.stages, skip)
+        path_length(stages, skip)
     rows = []
     for skip in skips:
         folder = out / f"skip{skip:g}"
