@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -598,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_negative_values_attached(argv))
     args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if args.verbose
@@ -648,6 +649,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (commands that say more about where they stopped return 130 themselves)
         print("decentral: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _negative_values_attached(argv: list[str]) -> list[str]:
+    """`--bandwidth -5mbit` as `--bandwidth=-5mbit`: argparse takes a value that starts with a minus and is not a
+    plain number for an option, and says "expected one argument" instead of the option's own check of the value.
+    (Arguments after a bare `--` are a command's, left as they are.)"""
+    attached: list[str] = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            return attached + argv[i:]
+        previous = attached[-1] if attached else ""
+        if re.fullmatch(r"-\d\S*", token) and previous.startswith("--") and "=" not in previous:
+            attached[-1] = f"{previous}={token}"
+        else:
+            attached.append(token)
+    return attached
 
 
 def _one_line(error: Exception, folders: dict[str, str | None]) -> str:

@@ -29,7 +29,7 @@ from conftest import needs_netns, wait_until, write_recipe
 import decentral.cli
 from decentral.__main__ import run as entry_point
 from decentral.checkpoint import checkpoint_present, load_checkpoint, read_checkpoint_meta
-from decentral.cli import build_parser, main, schedule_notes
+from decentral.cli import _negative_values_attached, build_parser, main, schedule_notes
 from decentral.config import parse_recipe
 from decentral.metrics import read_metrics
 from decentral.netlab import NetLab
@@ -366,9 +366,11 @@ def test_a_status_interval_that_is_no_positive_finite_number_is_a_usage_error(in
 
 @pytest.mark.parametrize("command", [["netlab"], ["bench"], ["syncbench"], ["bench", "soak"], ["bench", "islands"]])
 @pytest.mark.parametrize("rate, expected", [("0", "not a link rate"), ("fast", "not a link rate: 'fast'"),
-                                            ("1bit", "at least 8 bit/s")])
+                                            ("1bit", "at least 8 bit/s"),
+                                            ("-5mbit", "not a link rate: '-5mbit'")])
 def test_a_bandwidth_that_is_no_rate_tc_can_shape_is_a_usage_error(command, rate, expected, capsys):
-    """'0' once meant uncapped to netlab alone (and '0mbit' was refused); '1bit' reached tc's own usage text."""
+    """'0' once meant uncapped to netlab alone (and '0mbit' was refused); '1bit' reached tc's own usage text;
+    '-5mbit' was argparse's "expected one argument" (it read the value as an option)."""
     with pytest.raises(SystemExit) as done:
         main([*command, "--bandwidth", rate])
     err = capsys.readouterr().err
@@ -610,3 +612,9 @@ def test_a_join_address_whose_peer_id_is_wrong_says_a_process_answers_there(make
     address = member.multiaddrs()[0].split("/p2p/")[0]
     with pytest.raises(SwarmError, match="a process answers there, but not as that peer"):
         SwarmPeer(member.peer.run, [f"{address}/p2p/{PEER_ID}"])
+
+
+def test_an_argument_after_a_bare_double_dash_is_left_as_the_command_gave_it():
+    """netlab runs what follows `--` in each host: a `-5` there is the command's, not joined to an option."""
+    args = build_parser().parse_args(_negative_values_attached(["netlab", "--hosts", "2", "--", "--delay", "-5"]))
+    assert args.hosts == 2 and args.command[-2:] == ["--delay", "-5"]
