@@ -1,7 +1,8 @@
 """Checkpoints: a directory holding `tensors.safetensors` and `meta.json`, replaced atomically.
 
-`meta.json` carries the caller's metadata plus `format` and the sha256 of the tensor file, so a
-torn or corrupted checkpoint is refused on load instead of silently resuming from garbage. A caller
+`meta.json` carries the caller's metadata plus `format`, the sha256 of the tensor file and its own
+(`meta_sha256`, over the rest of it), so a torn or corrupted checkpoint is refused on load instead of
+silently resuming from garbage, a step or schedule flipped in meta.json included. A caller
 may put more files into the directory (`save_checkpoint(files=...)`, e.g. a model in Hugging Face's
 save_pretrained layout); they are written inside the same atomic swap and checked the same way
 (`files_sha256` in meta.json).
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 FORMAT = 1
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
-_RESERVED = ("format", "tensors_sha256", "files_sha256")
+_RESERVED = ("format", "tensors_sha256", "files_sha256", "meta_sha256")
 
 
 class CheckpointError(RuntimeError):
@@ -59,7 +60,7 @@ def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], 
 
     A crash at any point leaves a complete checkpoint on disk: the old one (at `directory`, or
     moved aside to `.<name>.old` next to it, where `load_checkpoint` finds it) or the new one.
-    Meta keys `format`, `tensors_sha256` and `files_sha256` are reserved. Not safe for two concurrent
+    Meta keys `format`, `tensors_sha256`, `files_sha256` and `meta_sha256` are reserved. Not safe for two concurrent
     writers of the same directory. Returns `directory` as a Path.
     """
     directory = Path(directory)
@@ -75,7 +76,8 @@ def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], 
             checked["files_sha256"] = _add_files(tmp, files)
         save_file(storable, tmp / TENSORS_FILE)  # from the tensors' memory to the file, no copy of them in memory
         checked["tensors_sha256"] = _synced_sha256(tmp / TENSORS_FILE)
-        meta_text = json.dumps({**meta, **checked}, indent=1)
+        whole = {**meta, **checked}
+        meta_text = json.dumps({**whole, "meta_sha256": _meta_sha256(whole)}, indent=1)
         _write_synced(tmp / META_FILE, meta_text.encode())
         _fsync_dir(tmp)
         if directory.exists():
@@ -131,8 +133,9 @@ def _check_files(directory: Path, meta: dict) -> None:
 
 
 def read_checkpoint_meta(directory: str | Path) -> dict:
-    """The meta that was saved with a checkpoint, read without its tensors (none of the checksums is checked:
-    `load_checkpoint` does that); CheckpointError as `load_checkpoint` when it is missing or unreadable."""
+    """The meta that was saved with a checkpoint, read without its tensors (meta.json's own checksum is checked,
+    not those of the other files: `load_checkpoint` does that); CheckpointError as `load_checkpoint` when it is
+    missing, unreadable or corrupt."""
     _, meta = _read_meta(directory)
     return {k: v for k, v in meta.items() if k not in _RESERVED}
 
@@ -155,7 +158,17 @@ def _read_meta(directory: str | Path) -> tuple[Path, dict]:
         raise CheckpointError(f"corrupt checkpoint {meta_path}: not valid JSON ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tensors_sha256" not in meta:
         raise CheckpointError(f"corrupt checkpoint {meta_path}: not a format-{FORMAT} checkpoint meta")
+    own = meta.get("meta_sha256")  # (checkpoints saved before 2026-12-04 have none)
+    if own is not None and own != _meta_sha256({k: v for k, v in meta.items() if k != "meta_sha256"}):
+        raise CheckpointError(f"corrupt checkpoint {meta_path} (checksum mismatch: its contents changed after it "
+                              "was saved)")
     return directory, meta
+
+
+def _meta_sha256(meta: Mapping[str, Any]) -> str:
+    """sha256 of `meta` in one canonical JSON form (keys sorted, no spaces): the same for the dict saved and the
+    dict read back."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

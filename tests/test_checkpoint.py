@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from decentral.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from decentral.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_meta, save_checkpoint
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -115,8 +115,9 @@ def test_unparseable_tensor_file_with_matching_checksum(tmp_path):
     (target / "tensors.safetensors").write_bytes(garbage)
     meta = json.loads((target / "meta.json").read_text())
     meta["tensors_sha256"] = hashlib.sha256(garbage).hexdigest()
+    del meta["meta_sha256"]  # (as a checkpoint saved before meta.json had its own)
     (target / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="corrupt checkpoint"):
+    with pytest.raises(CheckpointError, match="corrupt checkpoint .*tensors.safetensors: "):
         load_checkpoint(target)
 
 
@@ -140,6 +141,27 @@ def test_garbage_meta(tmp_path):
     with pytest.raises(CheckpointError, match="JSON") as info:
         load_checkpoint(target)
     assert "meta.json" in str(info.value)
+
+
+def test_a_meta_changed_after_the_save_is_refused_even_as_valid_json(tmp_path):
+    """A flipped digit in meta.json (the step a run resumes at, its schedule) read as valid JSON, and a run
+    resumed from it at the wrong step; now meta.json's own checksum refuses it, for a reader of the meta alone
+    too (`experts add` reads a checkpoint's domain from it)."""
+    target = save_checkpoint(tmp_path / "ckpt", {"w": torch.zeros(1)}, {"sync": {"step": 100}})
+    path = target / "meta.json"
+    path.write_text(path.read_text().replace('"step": 100', '"step": 900'))
+    for read in (load_checkpoint, read_checkpoint_meta):
+        with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+            read(target)
+        assert str(path) in str(info.value)
+
+
+def test_a_checkpoint_saved_before_meta_had_its_own_checksum_still_loads(tmp_path):
+    target = save_checkpoint(tmp_path / "ckpt", {"w": torch.ones(2)}, {"sync": {"step": 100}})
+    path = target / "meta.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "meta_sha256"}))
+    tensors, meta = load_checkpoint(target)
+    assert meta == {"sync": {"step": 100}} and torch.equal(tensors["w"], torch.ones(2))
 
 
 def test_meta_without_checksum(tmp_path):
