@@ -8,8 +8,9 @@ only when one is made).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -259,6 +260,20 @@ def check_no_earlier_results(out: Path, command: str, name: str = "results.json"
     if (Path(out) / name).is_file():
         raise FileExistsError(f"{command}: --out {out} holds an earlier run's {name}, which this run would write "
                               "over: give another --out")
+
+
+@contextlib.contextmanager
+def results_folder(out: Path, command: str, name: str = "results.json") -> Iterator[Path]:
+    """Hold OUT (made when missing) while `command` writes its results there: FileExistsError when OUT holds an
+    earlier run's results file `name` (`check_no_earlier_results`: before anything is written there, and again once
+    held), and a second process given the same --out stops at once (`checkpoint.sole_writer`, CheckpointError)."""
+    from decentral.checkpoint import sole_writer
+
+    check_no_earlier_results(out, command, name)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with sole_writer(out):
+        check_no_earlier_results(out, command, name)  # (a run given this --out may have ended meanwhile)
+        yield Path(out)
 
 
 def human_bytes(count: float | None) -> str:

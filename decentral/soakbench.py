@@ -47,12 +47,16 @@ from pathlib import Path
 import yaml
 
 from decentral.cli import stop_processes
-from decentral.config import load_recipe, recipe_path
-from decentral.metrics import check_no_earlier_results, format_table
+from decentral.config import Recipe, load_recipe, protocol_params, recipe_path
+from decentral.metrics import format_table, read_metrics, results_folder
 from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
+
+
+class SoakFailed(RuntimeError):
+    """A run of the soak could not go on: its first worker never came up, or it outran --timeout."""
 
 
 @dataclass
@@ -114,7 +118,7 @@ class Swarm:
         deadline = time.monotonic() + timeout
         while not path.exists():
             if self.procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"w0 never wrote {path}; see {self.out / 'w0.log'}")
+                raise SoakFailed(f"w0 never wrote {path}; see {self.out / 'w0.log'}")
             time.sleep(POLL_S)
         self.bootstrap = path.read_text().split()
 
@@ -135,15 +139,21 @@ class Swarm:
             log.close()
 
 
-def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: float, kill_every: float | None = None,
+def round_steps(recipe: Recipe) -> int:
+    """Inner steps per round of `recipe`'s protocol (DDP: per membership epoch, when it reads the members again)."""
+    membership = {**protocol_params(recipe.protocol), **recipe.protocol_args}.get("membership_every")
+    return recipe.round_length() or membership or 0
+
+
+def run_swarm(lab: NetLab, recipe: Recipe, out: Path, *, steps: int, timeout: float, kill_every: float | None = None,
               minutes: float = 0.0, keep: int = 2, seed: int = 0) -> Run:
-    """Train one swarm to `steps`; with `kill_every`, kill and restart a worker that often for `minutes`."""
+    """Train one swarm to `steps`; with `kill_every`, kill and restart a worker that often for `minutes`.
+    SoakFailed (its workers killed) when w0 never comes up or the run outlasts `timeout` seconds."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     recipe_file = out / "recipe.yaml"
-    recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    protocol = recipe["protocol"]
-    swarm = Swarm(lab, recipe_file, out, steps, protocol.get("every") or protocol.get("membership_every") or 0)
+    recipe_file.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    swarm = Swarm(lab, recipe_file, out, steps, round_steps(recipe))
     rng = random.Random(seed)
     restarts: list[Restart] = []
     started = time.monotonic()
@@ -158,7 +168,7 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
         while any(p.poll() is None for i, p in swarm.procs.items() if i < keep):
             now = time.monotonic()
             if now - started > timeout:
-                raise RuntimeError(f"the run took longer than {timeout:.0f}s")
+                raise SoakFailed(f"still running after {timeout:g} s (--timeout), killed")
             for r in restarts:
                 if r.trained_at is None and not r.killed_again and swarm.trained_steps(r.worker) > 0:
                     r.trained_at = now - started
@@ -178,12 +188,15 @@ def run_swarm(lab: NetLab, recipe: dict, out: Path, *, steps: int, timeout: floa
                 next_kill += kill_every
             time.sleep(POLL_S)  # a harness watching processes and files, not a test's synchronisation
         deadline = time.monotonic() + 300
-        codes = {i: p.wait(timeout=max(1.0, deadline - time.monotonic())) for i, p in swarm.procs.items()}
+        try:
+            codes = {i: p.wait(timeout=max(1.0, deadline - time.monotonic())) for i, p in swarm.procs.items()}
+        except subprocess.TimeoutExpired:
+            raise SoakFailed(f"the never-killed workers ended, others were still running 300 s later; see "
+                             f"{out}/w*.log") from None
     finally:
         swarm.close()
     wall = time.monotonic() - started
-    records = {index: [json.loads(line) for path in life_files(out / f"w{index}")
-                       for line in path.read_text().splitlines() if line.strip()] for index in range(len(lab.hosts))}
+    records = {index: read_metrics(life_files(out / f"w{index}")) for index in range(len(lab.hosts))}
     return Run(out.name, wall, codes, records, restarts)
 
 
@@ -328,14 +341,21 @@ def run_soak(args: argparse.Namespace) -> int:
         print(f"bench soak: --keep {args.keep} with --hosts {args.hosts}: at least one worker is kept and one killed, "
               "so --hosts must be at least 2 and --keep in 1..HOSTS-1", file=sys.stderr)
         return 2
+    recipe = load_recipe(recipe_path(args.protocol))
+    if recipe.protocol == "local":
+        print(f"bench soak: --protocol {args.protocol} trains without a swarm: there is nothing to join again after a "
+              "kill; give a protocol of the swarm (diloco, noloco, co2, streaming, ddp)", file=sys.stderr)
+        return 2
+    recipe.train.steps = args.steps
     out = Path(args.out)
-    check_no_earlier_results(out, "bench soak")
-    out.mkdir(parents=True, exist_ok=True)
+    with results_folder(out, "bench soak"):  # (before the key is written: a soak running there uses it)
+        return _soak(args, recipe, out)
+
+
+def _soak(args: argparse.Namespace, recipe: Recipe, out: Path) -> int:
     key_file = out / "swarm.key"
     key_file.unlink(missing_ok=True)
     SwarmKey.generate(key_file)
-    recipe = load_recipe(recipe_path(args.protocol))
-    recipe.train.steps = args.steps
     recipe.swarm.key_file = str(key_file.resolve())
     config = {"hosts": args.hosts, "bandwidth": args.bandwidth, "protocol": recipe.protocol, "steps": args.steps,
               "kill_every_s": args.kill_every, "minutes": args.minutes, "keep": args.keep, "seed": args.seed,
@@ -347,9 +367,15 @@ def run_soak(args: argparse.Namespace) -> int:
         for name, churn in (("steady", False), ("churn", True)):
             recipe.swarm.run = f"soak-{name}-{uuid.uuid4().hex[:6]}"
             print(f"soak: {name} run of {args.hosts} workers, {args.steps} steps ...", flush=True)
-            runs[name] = run_swarm(lab, recipe.to_dict(), out / name, steps=args.steps, timeout=args.timeout,
-                                   kill_every=args.kill_every if churn else None, minutes=args.minutes,
-                                   keep=args.keep, seed=args.seed)
+            try:
+                runs[name] = run_swarm(lab, recipe, out / name, steps=args.steps, timeout=args.timeout,
+                                       kill_every=args.kill_every if churn else None, minutes=args.minutes,
+                                       keep=args.keep, seed=args.seed)
+            except SoakFailed as e:
+                kept = "".join(f"; the {done} run's records are in {out / done} (`decentral report {out / done}` "
+                               "tables them)" for done in runs)
+                print(f"bench soak: the {name} run failed: {e}{kept}", file=sys.stderr)
+                return 1
             print(f"soak: {name} run done in {runs[name].wall_s:.0f}s, exit codes {runs[name].codes}", flush=True)
     summary = summarize(runs["steady"], runs["churn"], args.keep)
     (out / "results.json").write_text(json.dumps({"config": config, **summary}, indent=1))

@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+from decentral.checkpoint import sole_writer
 from decentral.config import (RecipeError, parse_recipe, read_yaml, recipe_path, setting_value, split_setting,
                               with_settings)
 from decentral.data import DataError, load_corpus
@@ -189,6 +190,16 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"bench sweep: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    with sole_writer(out):  # (a second sweep given this --out stops here; its workers would find theirs held)
+        try:
+            check_fresh_out(out)  # (a sweep given this --out may have ended meanwhile)
+        except RecipeError as e:
+            print(f"bench sweep: {e}", file=sys.stderr)
+            return 2
+        return _sweep(args, out, grid, labelled)
+
+
+def _sweep(args: argparse.Namespace, out: Path, grid: dict[str, list], labelled: list[tuple[str, dict, dict]]) -> int:
     results = {"config": {"protocol": args.protocol, "steps": args.steps, "workers": args.workers, "grid": grid,
                           "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}"},
                "points": []}
@@ -220,6 +231,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=400, help="inner steps per worker (the schedule's length)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--with-local", action="store_true", help="also train the workers without communication")
-    parser.add_argument("--data", nargs="*", default=None, help="text for every point (default: Python's stdlib)")
+    parser.add_argument("--data", action="append", metavar="PATH", help="text for every point (default: Python's stdlib)")
     parser.add_argument("--out", default="runs/sweep")
     parser.set_defaults(func=run_sweep)

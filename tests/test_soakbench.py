@@ -1,6 +1,9 @@
 """The churn soak's arithmetic on hand-made worker records (the soak itself runs for many minutes:
 `decentral bench soak`, numbers in BENCHMARKS.md)."""
 
+import time
+from pathlib import Path
+
 import pytest
 
 from decentral.soakbench import (
@@ -93,3 +96,44 @@ def test_a_workers_records_are_read_over_its_lives_in_order(tmp_path):
         (tmp_path / name).write_text(f'{{"step": {step}}}\n')
     assert [p.name for p in life_files(tmp_path)] == ["life1.metrics.jsonl", "life2.metrics.jsonl",
                                                       "life10.metrics.jsonl", "metrics.jsonl"]
+
+
+def test_a_local_protocol_is_refused_before_anything_runs(tmp_path, capsys):
+    """`local` forms no swarm: its w0 wrote no address for the others, trained its whole run alone, and the soak
+    then ended in a traceback."""
+    from decentral.cli import main as cli_main
+
+    assert cli_main(["bench", "soak", "--protocol", "local", "--out", str(tmp_path / "out")]) == 2
+    assert "trains without a swarm" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_run_that_outlasts_its_timeout_ends_in_one_line_and_its_workers_end(tmp_path, capsys):
+    """The soak's own failures (a run past --timeout, a first worker that never came up) were a traceback and
+    exit 1, with what had finished untold; its workers are killed, and the bench stops with one line."""
+    from decentral.cli import main as cli_main
+
+    out = tmp_path / "out"
+    code = cli_main(["bench", "soak", "--mode", "loopback", "--hosts", "2", "--keep", "1", "--steps", "2000",
+                     "--timeout", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "bench soak: the steady run failed: still running after 2 s (--timeout), killed" in err, err
+    assert "Traceback" not in err and not (out / "results.json").exists()
+    deadline = time.monotonic() + 15  # (a worker's DHT process ends itself once it sees its worker gone)
+    while (left := _processes_naming(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left
+
+
+def _processes_naming(out) -> list[str]:
+    """Command lines of this machine's processes that name `out` (the soak's workers, and their DHT processes,
+    forked from them)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = (cmdline.parent / "stat").read_text().rpartition(") ")[2].startswith("Z")
+        except OSError:  # (ended meanwhile)
+            continue
+        if str(out) in text and not zombie:
+            found.append(text)
+    return found

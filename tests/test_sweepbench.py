@@ -119,3 +119,10 @@ def test_a_point_that_diverges_is_reported_failed_not_ranked(tmp_path, small_cor
     assert run.returncode == 1, run.stdout + run.stderr
     (point,) = json.loads((out / "results.json").read_text())["points"]
     assert point["final_val_loss"] is None and "diverged" in point["error"]
+
+
+def test_data_given_twice_keeps_both():
+    """`--data a --data b` swept on b alone (nargs="*" keeps the last), where every other command takes both."""
+    from decentral.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "sweep", "--data", "a.txt", "--data", "b"]).data == ["a.txt", "b"]
