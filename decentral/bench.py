@@ -343,13 +343,13 @@ def compare(results: dict, target_loss: float | None = None) -> None:
     """Add the cross-method numbers to `results` in place, from what each method recorded.
 
     compute_utilisation: steps/s ÷ the no-communication reference's. time_to_target_s: time to the
-    target loss (DDP's final loss, else `target_loss`). ddp_time_to_final_s and speedup_vs_ddp: how long
+    target loss (`target_loss` when given, else DDP's final loss). ddp_time_to_final_s and speedup_vs_ddp: how long
     DDP took to reach this method's final loss, and that time ÷ this method's wall time (speed-up at
     equal quality; None when DDP never got there, or when the method never averaged: it ran as local does).
     """
     reference = results["methods"].get(REFERENCE, {}).get("steps_per_s")
     ddp = next((res for method, res in results["methods"].items() if split_method(method)[0] == "ddp"), None)
-    target = (ddp or {}).get("final_val_loss") or target_loss
+    target = target_loss or (ddp or {}).get("final_val_loss")
     results["config"]["target_loss"] = target
     for res in results["methods"].values():
         res["compute_utilisation"] = res["steps_per_s"] / reference if res["steps_per_s"] and reference else None
@@ -593,7 +593,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),
-                        help="target validation loss when ddp is not run (with --report: instead of the run's)")
+                        help="the validation loss each method is timed to (default: DDP's final loss; with --report: "
+                        "the run's)")
     parser.add_argument("--method-timeout", type=number_type(float, 0, strict=True),
                         help="seconds before a method is killed (default: %(default)g)")
     parser.add_argument("--report", metavar="DIR", help="run nothing: recompute the comparison (to the run's target "

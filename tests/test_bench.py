@@ -112,6 +112,9 @@ def test_comparison_measures_each_method_against_the_reference_and_ddp():
     assert diloco["ddp_time_to_final_s"] == 20.0  # ddp's curve reaches 3.5 at its second evaluation, t=20
     assert diloco["speedup_vs_ddp"] == 20.0 / 12.0
     assert local["ddp_time_to_final_s"] == 20 * (5.0 - 3.8) / (5.0 - 3.5)  # interpolated between evaluations
+    compare(results, target_loss=3.5)  # a target given (`--target-loss`, a run's or `--report`'s) wins over DDP's
+    assert results["config"]["target_loss"] == 3.5 and diloco["time_to_target_s"] == 12.0
+    assert ddp["time_to_target_s"] == 20.0 and diloco["speedup_vs_ddp"] == 20.0 / 12.0  # (still DDP's, at equal loss)
 
 
 def test_a_method_that_never_averaged_is_said_to_have_run_as_local_and_gets_no_speed_up(capsys, tmp_path):
