@@ -601,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(_negative_values_attached(argv))
     args.argv = argv
+    if (misplaced := _options_before_a_suite(argv, args)) is not None:
+        print(f"decentral: {misplaced}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if args.verbose
                         else "%(levelname)s %(name)s: %(message)s")
@@ -649,6 +652,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (commands that say more about where they stopped return 130 themselves)
         print("decentral: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _options_before_a_suite(argv: list[str], args: argparse.Namespace) -> str | None:
+    """Why `argv` gave a command that runs on its own too (`bench`, `bench pipeline`) options before the name of
+    the suite it then chose (`bench --hosts 8 soak`): argparse lets the suite's own defaults replace them, or drops
+    them when the suite has no such option, without a word. None when it did not."""
+    for command, dest in (("bench", "suite"), ("pipeline", "pipeline_suite")):
+        suite = getattr(args, dest, None)
+        if not suite or command not in argv or suite not in argv[argv.index(command) + 1:]:
+            continue
+        start = argv.index(command) + 1
+        before = argv[start:argv.index(suite, start)]
+        if any(token.startswith("-") for token in before):
+            return (f"{' '.join(before)} given before `{suite}`: `{command}`'s own options, which `{command} {suite}` "
+                    f"does not read; give its options after its name (decentral {command} {suite} --help)")
+    return None
 
 
 def _negative_values_attached(argv: list[str]) -> list[str]:

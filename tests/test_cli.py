@@ -619,3 +619,16 @@ def test_an_argument_after_a_bare_double_dash_is_left_as_the_command_gave_it():
     """netlab runs what follows `--` in each host: a `-5` there is the command's, not joined to an option."""
     args = build_parser().parse_args(_negative_values_attached(["netlab", "--hosts", "2", "--", "--delay", "-5"]))
     assert args.hosts == 2 and args.command[-2:] == ["--delay", "-5"]
+
+
+@pytest.mark.parametrize("command", [["bench", "--hosts", "8", "soak"], ["bench", "--out", "x", "sweep"],
+                                     ["bench", "--report", "runs/b", "soak"],
+                                     ["bench", "pipeline", "--seeds", "0", "--stages", "4", "timing"]])
+def test_a_commands_own_options_before_its_suites_name_are_refused(command, capsys):
+    """`bench --hosts 8 soak` ran a soak of 6 hosts (the suite's default replaced the 8) and `bench --report DIR
+    soak` started a soak, without a word."""
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert f"given before `{command[-1]}`" in err and "does not read" in err, err
+    assert main(["bench", "soak", "--hosts", "1"]) == 2  # (after the name: read, here refused as too few)
+    assert "--hosts must be at least 2" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decentral.cli import _recipe, build_parser
+from decentral.cli import _options_before_a_suite, _recipe, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = re.compile(r"(?:^|[\s;&|(])decentral (\S.*)")
@@ -87,6 +87,7 @@ def test_the_docs_show_commands_at_all():
 def test_a_documented_command_parses(command, monkeypatch):
     if (args := _parse(command)) is None:
         return
+    assert _options_before_a_suite(shlex.split(command), args) is None
     monkeypatch.chdir(ROOT)  # (recipe files are named from the repository's root)
     placeholder = Path(getattr(args, "protocol", "")).suffix in (".yaml", ".yml") and not Path(args.protocol).is_file()
     if args.command in ("demo", "train") and not placeholder:  # (BENCHMARKS.md's `--protocol R.yaml`)
