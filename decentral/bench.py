@@ -150,10 +150,11 @@ def progress(out: Path, steps: int | None = None) -> str | None:
 
 def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
                  rest: Callable[[list[str]], list[Launch]], *, timeout: float, bootstrap: Path | None = None,
-                 bootstrap_timeout: float = 180.0, steps: int | None = None) -> dict:
+                 bootstrap_timeout: float = 180.0, steps: int | None = None,
+                 timeout_option: str = "--method-timeout") -> dict:
     """Start `first`; once `bootstrap` (a multiaddr file the first write) exists, `rest(its multiaddrs)`
-    (at once with [] when no bootstrap is given); wait up to `timeout` for them all, killing them all
-    if one hangs, and say every PROGRESS_S how far they are (`progress`, of `steps`). Returns the raw outcome:
+    (at once with [] when no bootstrap is given); wait up to `timeout` for them all (the command's
+    `timeout_option`, which the message names), killing them all if one hangs, and say every PROGRESS_S how far they are (`progress`, of `steps`). Returns the raw outcome:
     exit codes, the metrics records under OUT/*/ (ranks' included) and what each host's interface sent
     meanwhile (None in loopback mode)."""
     logs = {}
@@ -184,7 +185,7 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         stop_processes(procs, signal.SIGKILL)
         codes = [p.returncode for p in procs]
-        why = (f"still running after {timeout:g} s (--method-timeout), killed"
+        why = (f"still running after {timeout:g} s ({timeout_option}), killed"
                if isinstance(e, subprocess.TimeoutExpired) else str(e))
         print(f"bench: {label} failed: {why}", file=sys.stderr)
     finally:

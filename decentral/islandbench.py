@@ -120,7 +120,7 @@ def run_part_a(args: argparse.Namespace, out: Path) -> dict:
             started, load = time.monotonic(), _load()
             raw = run_launches(lab, method_out, method, [launch(0, [])],
                                lambda bootstrap, launch=launch, count=count: [launch(i, bootstrap) for i in range(1, count)],
-                               timeout=args.timeout,
+                               timeout=args.timeout, timeout_option="--timeout",
                                bootstrap=None if method == REFERENCE else method_out / "bootstrap.maddrs",
                                steps=args.steps)
             res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=args.steps,
@@ -239,7 +239,7 @@ def run_sync_point(lab: NetLab, k: int, mode: str, *, numel: int, rounds: int, c
 
     raw = run_launches(lab, out, f"{mode} k={k}", [launch(i, []) for i in range(k)],
                        lambda join: [launch(i, join) for i in range(k, 2 * k)], timeout=timeout, bootstrap=bootstrap,
-                       bootstrap_timeout=PEER_TIMEOUT)
+                       bootstrap_timeout=PEER_TIMEOUT, timeout_option="--timeout")
     point = {"k": k, "mode": mode, "ok": not any(raw["codes"]), "exit_codes": raw["codes"]}
     if not point["ok"]:
         return point
