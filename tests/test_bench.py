@@ -408,5 +408,6 @@ def test_a_method_past_its_timeout_is_killed_and_said_to_have_hit_it(tmp_path, c
         raw = run_launches(lab, tmp_path, "diloco", [launch], lambda _: [], timeout=0.3)
         assert raw["codes"] != [0]
         assert "bench: diloco failed: still running after 0.3 s (--method-timeout), killed" in capsys.readouterr().err
-        run_launches(lab, tmp_path, "flat", [launch], lambda _: [], timeout=0.3, timeout_option="--timeout")
+        again = Launch(lab.hosts[0], "w1", [sys.executable, "-c", TRAINING_FOR_A_SECOND, str(tmp_path / "w1")])
+        run_launches(lab, tmp_path, "flat", [again], lambda _: [], timeout=0.3, timeout_option="--timeout")
     assert "still running after 0.3 s (--timeout), killed" in capsys.readouterr().err  # (`bench islands`' option)
