@@ -456,7 +456,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"bench: {held}", file=sys.stderr)
         return 2
     recipes = Path(args.recipes)
-    base = load_recipe(recipes / "diloco.yaml")
+    base = load_recipe(recipe_file(REFERENCE, recipes))  # (the model and data every method shares, checked below)
     tokens_per_step = base.train.batch_size * base.train.context
     parameters = build_model(base.model_source, base.model, base.train.context).num_parameters()
     results = {

@@ -2,6 +2,7 @@
 on emulated hosts writes the results schema and the plot."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import yaml
 
 from conftest import NETNS, TINY_MODEL, TINY_TRAIN, wait_until
 from decentral.cli import main as cli_main
+from decentral.config import default_recipe_path
 from decentral.netlab import _stale_names
 import decentral.bench as bench
 from decentral.bench import (Launch, compare, format_cpu, report, method_steps, peak_rate, recipe_file, round_bytes,
@@ -411,3 +413,17 @@ def test_a_method_past_its_timeout_is_killed_and_said_to_have_hit_it(tmp_path, c
         again = Launch(lab.hosts[0], "w1", [sys.executable, "-c", TRAINING_FOR_A_SECOND, str(tmp_path / "w1")])
         run_launches(lab, tmp_path, "flat", [again], lambda _: [], timeout=0.3, timeout_option="--timeout")
     assert "still running after 0.3 s (--timeout), killed" in capsys.readouterr().err  # (`bench islands`' option)
+
+
+def test_a_recipes_folder_needs_only_the_reference_and_the_methods_run(tmp_path, capsys):
+    """`--recipes R --protocols noloco` with R holding local.yaml and noloco.yaml, as its help asks, was refused
+    for lacking diloco.yaml (read for the model's size)."""
+    shipped = Path(default_recipe_path("diloco")).parent
+    recipes = tmp_path / "R"
+    recipes.mkdir()
+    for name in ("local", "noloco"):
+        shutil.copy(shipped / f"{name}.yaml", recipes)
+    code = cli_main(["bench", "--recipes", str(recipes), "--protocols", "noloco", "--data", str(tmp_path / "missing"),
+                     "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "corpus path does not exist" in err and "diloco.yaml" not in err, err  # (past the recipes)
