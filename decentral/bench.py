@@ -502,6 +502,10 @@ def run_bench(args: argparse.Namespace) -> int:
                           f"({'ok' if res['ok'] else 'FAILED: see ' + str(method_out) + '/w*.log'})", flush=True)
     except KeyboardInterrupt:
         rest = [m for m in methods if m not in results["methods"]]
+        if not rest and REFERENCE in results["methods"]:  # (as the lab closed: only the report was left to do)
+            print("bench: interrupted as the lab closed, after every method had run", file=sys.stderr, flush=True)
+            report(results, out, args.target_loss)
+            return 130
         print(f"bench: interrupted; not run: {','.join(rest)}" + (
             f"; the finished ones are in {out / 'results.json'} (`decentral bench --report {out}` tables them)"
             if results["methods"] else "") + f"; run the rest with --protocols {','.join(rest)} and another --out",

@@ -427,3 +427,21 @@ def test_a_recipes_folder_needs_only_the_reference_and_the_methods_run(tmp_path,
                      "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "corpus path does not exist" in err and "diloco.yaml" not in err, err  # (past the recipes)
+
+
+def test_ctrl_c_as_the_lab_closes_after_every_method_still_reports(tmp_path, small_corpus, monkeypatch, capsys):
+    """A Ctrl-C that lands while the lab closes (it holds the signal till then) came after every method had run:
+    the bench said `not run: ;`, told to run nothing again, and wrote no table or plot. Now it reports."""
+    def interrupted_close(lab):
+        close(lab)
+        raise KeyboardInterrupt
+
+    close = NetLab.close
+    monkeypatch.setattr(NetLab, "close", interrupted_close)
+    out = tmp_path / "out"
+    code = cli_main(["bench", "--mode", "loopback", "--hosts", "1", "--steps", "10", "--protocols", "ddp", "--recipes",
+                     str(tiny_recipes(tmp_path / "recipes")), "--data", str(small_corpus), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 130 and "after every method had run" in captured.err and "not run" not in captured.err, captured.err
+    assert (out / "bench.png").is_file() and "ddp" in captured.out
+    assert set(json.loads((out / "results.json").read_text())["methods"]) == {"local", "ddp"}
