@@ -115,6 +115,11 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
         r.join(timeout=5)
     elapsed = time.monotonic() - start
     records = read_metrics(sorted(out.glob("w*/metrics.jsonl")))
+    failed = [i for i, c in enumerate(codes) if c != 0]
+    if not records:  # (each failed before its first step: a --device it lacks, say; it said why above)
+        print(f"demo: no worker wrote a record; workers {failed} exited with errors (their output is above)",
+              file=sys.stderr)
+        return 1
     summary = write_report(records, out / "report.png", title=f"{recipe.protocol}, {members}")
     outer = recipe.protocol_args.get("every", None)
     per_step = [s["bytes_sent"] / max(1, s["final_step"]) for s in summary.values()]
@@ -128,7 +133,6 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     print(f"demo: {elapsed:.0f}s wall; {num_params:,} parameters; {traffic}")
     print(f"demo: plot {out / 'report.png'}, metrics {out}/w*/metrics.jsonl, checkpoints {out}/w*/checkpoint"
           + (f"; tensorboard --logdir {tensorboard}" if tensorboard else ""))
-    failed = [i for i, c in enumerate(codes) if c != 0]
     if failed:
         print(f"demo: workers {failed} exited with errors", file=sys.stderr)
         return 1

@@ -46,3 +46,12 @@ def test_the_default_demo_trains_a_swarm_whose_workers_average_and_learn_and_rep
         assert last["bytes_sent"] >= params, (worker, last["bytes_sent"])  # it sent its model-sized part
     assert (tmp_path / "demo" / "report.png").stat().st_size > 0
     assert "for a DDP all-reduce" in done.stdout
+
+
+def test_a_demo_whose_workers_all_fail_before_a_step_says_so_in_one_line(prefork, tmp_path):
+    """Every worker refused its --device (no 100th GPU anywhere): the demo then divided by zero workers' records and
+    ended in a traceback."""
+    done, records = demo(prefork, tmp_path, "--protocol", "local", "--device", "cuda:99")
+    assert done.returncode == 1 and not records, done.stdout + done.stderr
+    assert "demo: no worker wrote a record; workers [0, 1] exited with errors" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
