@@ -43,7 +43,8 @@ from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab,
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
 RUN_DEFAULTS = {"hosts": 4, "bandwidth": "20mbit", "protocols": ",".join(METHODS), "steps": 300, "mode": "auto",
-                "data": None, "method_timeout": 1200.0}  # what a run takes and `--report` does not
+                "data": None, "method_timeout": 1200.0, "out": "runs/bench",
+                "recipes": str(default_recipe_path("diloco").parent)}  # what a run takes and `--report` does not
 PROGRESS_S = 30.0  # how often a running method says how far its workers are
 ISLAND_PORT = 29512
 
@@ -558,7 +559,8 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         ignored = [f"--{key.replace('_', '-')}" for key, value in RUN_DEFAULTS.items() if getattr(args, key) != value]
         if ignored:
-            print(f"bench: note: --report runs nothing: {', '.join(ignored)} ignored", file=sys.stderr)
+            print(f"bench: note: --report runs nothing and writes into its own folder: {', '.join(ignored)} ignored",
+                  file=sys.stderr)
         out = Path(args.report)
         if out.name == "results.json" and out.is_file():  # the run's file named instead of its folder
             out = out.parent
@@ -591,10 +593,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=number_type(int, 1),
                         help="inner steps per worker (the same for every method without @STEPS; default: "
                              "%(default)s)")
-    parser.add_argument("--out", default="runs/bench", help="the run's folder (default: %(default)s)")
+    parser.add_argument("--out", help="the run's folder (default: %(default)s)")
     parser.add_argument("--mode", choices=("auto", "netns", "loopback"), help=MODE_HELP)
-    parser.add_argument("--recipes", default=str(default_recipe_path("diloco").parent),
-                        help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
+    parser.add_argument("--recipes", help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),

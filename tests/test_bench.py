@@ -151,9 +151,12 @@ def test_report_keeps_the_runs_own_target_loss_and_takes_its_results_file(tmp_pa
         kept = json.loads(saved.read_text())
         assert kept["config"]["target_loss"] == 1.336 and kept["methods"]["diloco"]["time_to_target_s"] == measured
         assert "bench: target loss 1.336;" in capsys.readouterr().out
-    assert cli_main(["bench", "--report", str(tmp_path / "run"), "--target-loss", "1.5", "--steps", "5"]) == 0
+    assert cli_main(["bench", "--report", str(tmp_path / "run"), "--target-loss", "1.5", "--steps", "5", "--out",
+                     str(tmp_path / "elsewhere")]) == 0
     assert json.loads(saved.read_text())["config"]["target_loss"] == 1.5  # as asked
-    assert "bench: note: --report runs nothing: --steps ignored" in capsys.readouterr().err  # (it was silent)
+    assert ("bench: note: --report runs nothing and writes into its own folder: --steps, --out ignored"
+            in capsys.readouterr().err)  # (it was silent, and said nothing of --out either)
+    assert not (tmp_path / "elsewhere").exists()
     (tmp_path / "sweep").mkdir()
     (tmp_path / "sweep" / "results.json").write_text(json.dumps({"points": []}))  # a bench sweep's, say
     assert cli_main(["bench", "--report", str(tmp_path / "sweep")]) == 2
