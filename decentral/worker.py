@@ -3,8 +3,9 @@ decentral.models.build_model) on local text with a protocol.
 
 Built on the library API: the protocol hooks the inner optimizer; this loop is a plain loop.
 Writes `metrics.jsonl` (a record per inner step; `val_loss` every `eval_every` steps; the sync's
-group on steps that synced; its numbers also as TensorBoard scalars with `tensorboard`) and a checkpoint every `eval_every` steps and at the end. On divergence or Ctrl-C it stops
-cleanly: the last good checkpoint stays on disk.
+group on steps that synced; its numbers also as TensorBoard scalars with `tensorboard`) and a checkpoint every
+`eval_every` steps and at the end. It stops cleanly: on divergence the last good checkpoint stays on disk; on
+Ctrl-C (or the caller's `stop`) it saves the state it reached, once it trained a step.
 
 Data is one corpus (`data`), or several domains (`domains`) mixed in balanced batches and validated on
 each domain's dev split. A run may start from another model (`init_from`: weights, inner optimizer state
