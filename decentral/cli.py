@@ -441,7 +441,8 @@ EXIT_CODES = """exit codes:
        island rendezvous, netlab setup)
   3    training diverged (train)
   4    an island stopped: one of its ranks failed or left (train); the rest of the swarm goes on
-  130  interrupted (Ctrl-C; SIGTERM or SIGHUP makes train save its checkpoint first)"""
+  130  interrupted (Ctrl-C; SIGTERM or SIGHUP makes train save its checkpoint first)
+  141  its output went into a pipe whose reader left (`... | head`), as SIGPIPE would end it"""
 
 
 def example(*lines: str, before: str = "") -> dict:

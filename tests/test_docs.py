@@ -92,3 +92,12 @@ def test_a_documented_command_parses(command, monkeypatch):
     placeholder = Path(getattr(args, "protocol", "")).suffix in (".yaml", ".yml") and not Path(args.protocol).is_file()
     if args.command in ("demo", "train") and not placeholder:  # (BENCHMARKS.md's `--protocol R.yaml`)
         _recipe(args)  # a RecipeError (an unknown --set key, a bad value) fails the test
+
+
+def test_the_readme_and_help_list_the_same_exit_codes():
+    """(--help lacked 141, which the README listed.)"""
+    from decentral.cli import EXIT_CODES
+
+    readme = set(re.findall(r"^\| (\d+) \|", (ROOT / "README.md").read_text(), re.M))
+    helped = set(re.findall(r"^  (\d+) ", EXIT_CODES, re.M))
+    assert readme and readme == helped, (readme, helped)
