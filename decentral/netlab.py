@@ -154,13 +154,16 @@ def _cmd(args: list[str]) -> str:
 
 
 def _stale_names(name: str) -> tuple[list[str], list[str]]:
-    """Namespaces and root-namespace links that belong to a lab called `name`."""
+    """Namespaces and root-namespace links that belong to a lab called `name` (a probe of `netns_available` only
+    when the process that made it is gone: a live one deletes its own)."""
     prefix = re.escape(name)
-    ns_re = re.compile(rf"^{prefix}-(h\d+|probe)$")
+    ns_re = re.compile(rf"^{prefix}-(?:h\d+|(\d+)-probe)$")
     link_re = re.compile(rf"^({prefix}-[vl]\d+|{prefix}br|{prefix}lb\d+)$")
     namespaces = [line.split()[0] for line in _cmd(["ip", "netns", "list"]).splitlines() if line.strip()]
     links = [line.split(":")[1].strip().split("@")[0] for line in _cmd(["ip", "-o", "link", "show"]).splitlines()]
-    return [ns for ns in namespaces if ns_re.match(ns)], [ln for ln in links if link_re.match(ln)]
+    ours = [(ns, found.group(1)) for ns in namespaces if (found := ns_re.match(ns))]
+    return ([ns for ns, pid in ours if pid is None or not os.path.exists(f"/proc/{pid}")],
+            [ln for ln in links if link_re.match(ln)])
 
 
 def _netns_pids(namespace: str) -> list[int]:
@@ -189,7 +192,7 @@ def cleanup_stale(name: str = "dcl") -> list[str]:
 
     Kills the processes still inside its namespaces ``{name}-h*``, deletes the
     root ends of its veths ``{name}-v*`` and ``{name}-l*``, its bridges
-    ``{name}br`` and ``{name}lb*`` and the namespaces. Removes nothing else. Items that cannot be removed are tried all
+    ``{name}br`` and ``{name}lb*``, the namespaces, and the probes ``{name}-PID-probe`` of processes gone. Removes nothing else. Items that cannot be removed are tried all
     the same and reported together in one NetLabError afterwards.
     """
     namespaces, links = _stale_names(name)

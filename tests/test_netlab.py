@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import signal
 import socket
@@ -320,3 +321,20 @@ def test_ctrl_c_while_the_hosts_run_a_command_ends_the_lab(lab_name, mode):
     assert proc.returncode == 130, err
     if mode == "netns":
         assert leftovers(lab_name) == []
+
+
+@needs_netns
+def test_cleanup_stale_removes_a_dead_processs_probe_and_keeps_a_live_ones(lab_name):
+    """A probe namespace (`netns_available`'s `NAME-PID-probe`) that its process died before deleting was never
+    removed: the pattern looked for `NAME-probe`, the probe's name before our process id went into it."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, live = f"{lab_name}-{gone.pid}-probe", f"{lab_name}-{os.getpid()}-probe"
+    for probe in (dead, live):
+        subprocess.run(["ip", "netns", "add", probe], check=True)
+    try:
+        assert cleanup_stale(lab_name) == [f"netns {dead}"]
+        assert live in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        for probe in (dead, live):
+            subprocess.run(["ip", "netns", "del", probe], capture_output=True)
