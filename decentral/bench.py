@@ -36,6 +36,7 @@ from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.data import load_corpus
+from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import format_table, human_bytes, read_metrics
 from decentral.models import build_model
 from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab, bandwidth_argument
@@ -95,35 +96,19 @@ def _command(method: str, recipe: Path, out: Path, index: int, hosts: int, addr:
              bootstrap: list[str], data: list[str]) -> list[str]:
     method = split_method(method)[0]
     module = "decentral.baselines.hivemind_optimizer" if method == "hivemind" else "decentral"
-    cmd = [sys.executable, "-m", module] + ([] if method == "hivemind" else ["train"])
-    cmd += ["--protocol", str(recipe), "--out", str(out / f"w{index}"), "--name", f"w{index}",
-            "--worker-index", str(index), "--num-workers", str(hosts)]
-    cmd += [a for path in data for a in ("--data", path)]
+    cmd = train_command(recipe, out, index, hosts, module=module) + [a for path in data for a in ("--data", path)]
     if method == REFERENCE:
         return cmd
     if method == "ddp":
         return cmd + ["--island", f"tcp://{addr0}:{ISLAND_PORT}", "--rank", str(index), "--world-size", str(hosts)]
-    cmd += ["--host", addr, "--min-peers", str(hosts)]
-    if index == 0:
-        return cmd + ["--maddr-file", str(out / "bootstrap.maddrs")]
-    return cmd + [a for m in bootstrap for a in ("--join", m)]
+    return cmd + ["--host", addr, *joining(index, min_peers=hosts, addresses_file=out / "bootstrap.maddrs",
+                                           join=bootstrap)]
 
 
 def _tx_bytes(lab: NetLab) -> list[int | None]:
     if lab.mode != "netns":
         return [None] * len(lab.hosts)
     return [int(h.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout) for h in lab.hosts]
-
-
-def _wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text().split()
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a worker exited before {path} appeared")
-        time.sleep(0.2)  # polling a file another process writes
-    raise RuntimeError(f"{path} did not appear within {timeout:.0f}s")
 
 
 @dataclass
@@ -171,7 +156,7 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
 
     try:
         start(first)
-        start(rest(_wait_for_file(bootstrap, procs, bootstrap_timeout) if bootstrap else []))
+        start(rest(wait_for_addresses(bootstrap, procs, bootstrap_timeout) if bootstrap else []))
         began = time.monotonic()
         while True:  # a progress line every PROGRESS_S until they all ended
             until = min(began + timeout, time.monotonic() + PROGRESS_S)

@@ -21,6 +21,7 @@ import yaml
 
 from decentral.cli import stop_processes
 from decentral.config import Recipe
+from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import read_metrics, write_report
 from decentral.models import build_model
 from decentral.swarm.admission import SwarmKey
@@ -34,17 +35,6 @@ def _relay(proc: subprocess.Popen) -> threading.Thread:
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
     return thread
-
-
-def _wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text().split()
-        if proc.poll() is not None:
-            raise RuntimeError(f"the first worker exited with code {proc.returncode} before the swarm was up")
-        time.sleep(0.2)  # polling a file another process writes; not standing in for a handshake
-    raise RuntimeError(f"the first worker did not start the swarm within {timeout:.0f}s")
 
 
 def ddp_bytes_per_step(num_params: int, workers: int) -> float:
@@ -83,12 +73,8 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
           f"outputs in {out}/", flush=True)
 
     def launch(index: int, join: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "decentral", "train", "--protocol", str(recipe_file),
-               "--out", str(out / f"w{index}"), "--name", f"w{index}",
-               "--worker-index", str(index), "--num-workers", str(workers)]
-        if swarm:
-            cmd += ["--min-peers", str(workers)]
-            cmd += ["--maddr-file", str(maddr_file)] if index == 0 else [a for m in join for a in ("--join", m)]
+        cmd = train_command(recipe_file, out, index, workers)
+        cmd += joining(index, min_peers=workers, addresses_file=maddr_file, join=join) if swarm else []
         cmd += ["--tensorboard", str(tensorboard / f"w{index}")] if tensorboard else []
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
@@ -97,7 +83,7 @@ def run_demo(recipe: Recipe, *, workers: int, out: Path, protocol_arg: str, tens
     relays = [_relay(procs[0])]
     try:
         try:
-            bootstrap = _wait_for_file(maddr_file, procs[0], timeout=120) if swarm else []
+            bootstrap = wait_for_addresses(maddr_file, procs, timeout=120) if swarm else []
         except RuntimeError as e:  # the first worker failed (it said why) or hangs: nobody to join
             stop_processes(procs)
             relays[0].join(timeout=5)

@@ -48,6 +48,7 @@ import yaml
 
 from decentral.cli import stop_processes
 from decentral.config import Recipe, load_recipe, protocol_params, recipe_path
+from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import format_table, read_metrics, results_folder
 from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
@@ -101,26 +102,19 @@ class Swarm:
             shutil.rmtree(folder / "checkpoint", ignore_errors=True)
             if (folder / "metrics.jsonl").exists():  # kept: a run without a checkpoint replaces its records
                 (folder / "metrics.jsonl").rename(folder / f"life{len(life_files(folder))}.metrics.jsonl")
-        cmd = [sys.executable, "-m", "decentral", "-v", "train", "--protocol", str(self.recipe_file),
-               "--out", str(self.out / f"w{index}"), "--name", f"w{index}", "--worker-index", str(index),
-               "--num-workers", str(len(self.lab.hosts)), "--steps", str(self.steps), "--host", host.address]
-        cmd += ["--min-peers", str(len(self.lab.hosts) if initial else 1)]
-        if index == 0:
-            cmd += ["--maddr-file", str(self.out / "bootstrap.maddrs")]
-        else:
-            cmd += [a for m in self.bootstrap for a in ("--join", m)]
+        cmd = train_command(self.recipe_file, self.out, index, len(self.lab.hosts), verbose=True)
+        cmd += ["--steps", str(self.steps), "--host", host.address]
+        cmd += joining(index, min_peers=len(self.lab.hosts) if initial else 1,
+                       addresses_file=self.out / "bootstrap.maddrs", join=self.bootstrap)
         log = open(self.out / f"w{index}.log", "a")
         self._logs.append(log)
         self.procs[index] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_for_bootstrap(self, timeout: float) -> None:
-        path = self.out / "bootstrap.maddrs"
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if self.procs[0].poll() is not None or time.monotonic() > deadline:
-                raise SoakFailed(f"w0 never wrote {path}; see {self.out / 'w0.log'}")
-            time.sleep(POLL_S)
-        self.bootstrap = path.read_text().split()
+        try:
+            self.bootstrap = wait_for_addresses(self.out / "bootstrap.maddrs", [self.procs[0]], timeout)
+        except RuntimeError as e:
+            raise SoakFailed(f"{e}; see {self.out / 'w0.log'}") from None
 
     def trained_steps(self, index: int) -> int:
         """How many trained-step records worker `index` has logged so far in its life now."""
