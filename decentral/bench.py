@@ -37,7 +37,7 @@ from decentral.cli import stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.data import load_corpus
 from decentral.members import joining, train_command, wait_for_addresses
-from decentral.metrics import format_table, human_bytes, read_metrics
+from decentral.metrics import cell, format_table, human_bytes, read_metrics
 from decentral.models import build_model
 from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab, bandwidth_argument
 
@@ -381,15 +381,14 @@ def format_results(results: dict) -> str:
     rows = [("method", "wall_s", "steps/s", "util", "blocked", "final", "best", "t_target", "ddp_t_final", "speedup",
              "sent/worker", "sent/step", "streams/worker", "sent/round", "peak/s")]
     for method, r in results["methods"].items():
-        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         label = method + ("" if r["ok"] else " (FAILED)") + (" (never averaged)" if _never_averaged(method, r) else "")
         # (DDP's rounds are its membership epochs: their bytes are every step's gradients, not an outer step's)
         per_round = None if split_method(method)[0] == "ddp" else r.get("stream_bytes_per_round")
-        rows.append((label, f(r["wall_s"], ".0f"), f(r["steps_per_s"], ".2f"),
-                     f(r.get("compute_utilisation"), ".0%"), f(r.get("blocked_fraction"), ".1%"),
-                     f(r["final_val_loss"], ".3f"), f(r["best_val_loss"], ".3f"),
-                     f(r.get("time_to_target_s"), ".0f"), f(r.get("ddp_time_to_final_s"), ".0f"),
-                     f(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
+        rows.append((label, cell(r["wall_s"], ".0f"), cell(r["steps_per_s"], ".2f"),
+                     cell(r.get("compute_utilisation"), ".0%"), cell(r.get("blocked_fraction"), ".1%"),
+                     cell(r["final_val_loss"], ".3f"), cell(r["best_val_loss"], ".3f"),
+                     cell(r.get("time_to_target_s"), ".0f"), cell(r.get("ddp_time_to_final_s"), ".0f"),
+                     cell(r.get("speedup_vs_ddp"), ".1f") + ("" if r.get("speedup_vs_ddp") is None else "x"),
                      human_bytes(r["bytes_sent_per_worker"]),
                      human_bytes(r["bytes_sent_per_worker_per_step"]),
                      human_bytes(r.get("stream_bytes_sent_per_worker")),

@@ -45,17 +45,13 @@ from decentral.bench import (ISLAND_PORT, REFERENCE, Launch, _command, _recipe_f
 from decentral.config import default_recipe_path, load_recipe
 from decentral.data import load_corpus
 from decentral.hierarchy import MODES
-from decentral.metrics import check_no_earlier_results, format_table, human_bytes
+from decentral.metrics import cell, check_no_earlier_results, format_table, human_bytes
 from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
 
 A_METHODS = (REFERENCE, "flat", "hierarchical")
 A_HOSTS = 2
 PER_HOST = 2  # training processes per host in part A: the island's ranks, or flat members
 PEER_TIMEOUT = 300.0  # part B: rendezvous, collectives, waiting for the other island
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _load() -> float:
@@ -140,8 +136,8 @@ def format_part_a(part: dict) -> str:
              "elapsed_s", "load")]
     for method, r in part["methods"].items():
         rows.append((method + ("" if r["ok"] else " (FAILED)"), str(r["members"]), str(r["processes"]),
-                     _fmt(r["wall_s"], ".0f"), _fmt(r["steps_per_s"], ".2f"), _fmt(r.get("compute_utilisation"), ".0%"),
-                     _fmt(r["final_val_loss"], ".3f"), human_bytes(r["uplink_bytes_per_host"]), _fmt(r["elapsed_s"], ".0f"),
+                     cell(r["wall_s"], ".0f"), cell(r["steps_per_s"], ".2f"), cell(r.get("compute_utilisation"), ".0%"),
+                     cell(r["final_val_loss"], ".3f"), human_bytes(r["uplink_bytes_per_host"]), cell(r["elapsed_s"], ".0f"),
                      "{:.1f}->{:.1f}".format(*r["load"])))
     return format_table(rows, numeric=False)
 
@@ -306,10 +302,10 @@ def format_part_b(part: dict) -> str:
         if not p["ok"]:
             rows.append((str(p["k"]), p["mode"] + " (FAILED)", *["-"] * 10))
             continue
-        rows.append((str(p["k"]), p["mode"], _fmt(p["sync_s"], ".3f"), _fmt(p.get("sync_ratio"), ".2f"),
+        rows.append((str(p["k"]), p["mode"], cell(p["sync_s"], ".3f"), cell(p.get("sync_ratio"), ".2f"),
                      "-" if p.get("sync_target") is None else f"<={p['sync_target']:.2f}", human_bytes(p["mean_rank_wan_bytes"]),
                      human_bytes(p["rank0_wan_bytes"]), human_bytes(p["max_rank_wan_bytes"]),
-                     _fmt(p.get("wan_ratio"), ".2f"), _fmt(p.get("wan_target"), ".2f"), str(p["incomplete"]),
+                     cell(p.get("wan_ratio"), ".2f"), cell(p.get("wan_target"), ".2f"), str(p["incomplete"]),
                      "{:.1f}->{:.1f}".format(*p["load"])))
     return format_table(rows, numeric=False)
 

@@ -236,9 +236,9 @@ def format_summary(summary: dict[str, dict]) -> str:
     header = ("worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "wall_s")
     rows = [header] + [
         (
-            str(worker), _number(s["final_step"], ""), _number(s["final_loss"], ".4f"),
-            _number(s["val_loss"], ".4f"), human_bytes(s["bytes_sent"]), human_bytes(s["bytes_received"]),
-            _number(s["wait_s"], ".1f"), _number(s["wall_s"], ".1f"),
+            str(worker), cell(s["final_step"], ""), cell(s["final_loss"], ".4f"),
+            cell(s["val_loss"], ".4f"), human_bytes(s["bytes_sent"]), human_bytes(s["bytes_received"]),
+            cell(s["wait_s"], ".1f"), cell(s["wall_s"], ".1f"),
         )
         for worker, s in summary.items()
     ]
@@ -337,5 +337,6 @@ def _last(rows: list[dict], key: str) -> Any:
     return values[-1] if values else None
 
 
-def _number(value: float | None, spec: str) -> str:
+def cell(value: float | None, spec: str = "") -> str:
+    """A table's cell: `value` formatted by `spec`, `-` for None."""
     return "-" if value is None else format(value, spec)

@@ -49,7 +49,7 @@ import yaml
 from decentral.cli import stop_processes
 from decentral.config import Recipe, load_recipe, protocol_params, recipe_path
 from decentral.members import joining, train_command, wait_for_addresses
-from decentral.metrics import format_table, read_metrics, results_folder
+from decentral.metrics import cell, format_table, read_metrics, results_folder
 from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
@@ -280,25 +280,24 @@ def summarize(steady: Run, churn: Run, keep: int) -> dict:
 
 
 def format_summary(summary: dict) -> str:
-    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     rows = [("never killed", "wall_s", "wait_s", "waiting", "steady waiting", "longest sync wait", "one round", "stalls")]
     for name, k in summary["kept"].items():
-        rows.append((name, f(k["wall_s"], ".0f"), f(k["wait_s"], ".1f"), f(k["wait_fraction"], ".1%"),
-                     f(k["steady_wait_fraction"], ".1%"), f(k["longest_sync_wait_s"], ".1f") + " s",
-                     f(k["round_s"], ".1f") + " s", f(k["stalls"], "d")))
+        rows.append((name, cell(k["wall_s"], ".0f"), cell(k["wait_s"], ".1f"), cell(k["wait_fraction"], ".1%"),
+                     cell(k["steady_wait_fraction"], ".1%"), cell(k["longest_sync_wait_s"], ".1f") + " s",
+                     cell(k["round_s"], ".1f") + " s", cell(k["stalls"], "d")))
     lines = [format_table(rows, numeric=False), ""]
     rejoins = [r["rejoin_s"] for r in summary["restarts"] if not r["killed_again"]]
     known = [r for r in rejoins if r is not None]
     lines.append(f"restarts: {len(summary['restarts'])} ({len(summary['restarts']) - len(rejoins)} killed again before "
                  f"they trained); trained again within one round ({summary['round_s']:.1f} s): "
                  f"{summary['rejoined_within_a_round']} of {len(rejoins)}; rejoin time median "
-                 f"{f(statistics.median(known) if known else None, '.1f')} s, max {f(max(known, default=None), '.1f')} s")
+                 f"{cell(statistics.median(known) if known else None, '.1f')} s, max {cell(max(known, default=None), '.1f')} s")
     d = summary["digests"]
     lines.append(f"replica digests agree in {d['churn']['agree']} of {d['churn']['rounds']} rounds under churn "
                  f"({d['churn']['repairs']} repairs), {d['steady']['agree']} of {d['steady']['rounds']} steady")
     loss = summary["final_val_loss"]
-    lines.append(f"final validation loss: steady {f(loss['steady'], '.4f')}, churn {f(loss['churn'], '.4f')} "
-                 f"(ratio {f(summary['loss_ratio'], '.4f')})")
+    lines.append(f"final validation loss: steady {cell(loss['steady'], '.4f')}, churn {cell(loss['churn'], '.4f')} "
+                 f"(ratio {cell(summary['loss_ratio'], '.4f')})")
     ends = summary["final_models"]
     lines.append(f"workers ending on one model (equal final loss): {ends['churn']['agree']} of {ends['churn']['workers']} "
                  f"under churn, {ends['steady']['agree']} of {ends['steady']['workers']} steady")
