@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from decentral.checkpoint import sole_writer
 from decentral.cli import interrupting, positive_int, stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe
 from decentral.data.domains import BUILTIN_DOMAINS, load_domains, parse_domain
@@ -259,12 +260,22 @@ def run_btm_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     domains = args.domains.split(",")
     check_domains(domains, args.heldout)
-    previous = [path for path in [out / "results.json", *(out / f"seed{seed}" for seed in range(args.seeds))]
+    _refuse_a_previous_run(out, args.seeds)
+    out.mkdir(parents=True, exist_ok=True)
+    with sole_writer(out):  # (a second bench given this --out stops here)
+        _refuse_a_previous_run(out, args.seeds)  # (one given it may have ended meanwhile)
+        return _run(args, out, domains)
+
+
+def _refuse_a_previous_run(out: Path, seeds: int) -> None:
+    previous = [path for path in [out / "results.json", *(out / f"seed{seed}" for seed in range(seeds))]
                 if path.exists()]
     if previous:
         redraw = f", or redraw its results with --report {out}" if (out / "results.json").is_file() else ""
         raise RecipeError(f"bench btm: --out {out} holds a previous run ({previous[0]}): give another --out{redraw}")
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _run(args: argparse.Namespace, out: Path, domains: list[str]) -> int:
     start = time.monotonic()
     per_seed = []
     for seed in range(args.seeds):

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from decentral.metrics import check_no_earlier_results, format_table
+from decentral.metrics import format_table, results_folder
 
 OFF = 1e6  # a heartbeat period that never comes in a measurement
 SETTLE_S = 0.5
@@ -115,21 +115,21 @@ def format_results(results: dict) -> str:
 
 def run_dhtbench(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    check_no_earlier_results(out, "bench dht")
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"config": {"peers": args.peers, "calls": args.calls, "seconds": args.seconds,
-                          "date": dt.date.today().isoformat(), "machine": f"{platform.node()} {platform.machine()}"}}
-    print(f"bench dht: {args.calls} calls of each kind among {args.peers} peers ...", flush=True)
-    results["per_call"] = per_call(args.peers, args.calls)
-    results["idle"] = []
-    for beat in args.heartbeats:
-        print(f"bench dht: idle for {args.seconds:g} s with a heartbeat every {beat:g} s ...", flush=True)
-        results["idle"].append({"heartbeat_s": beat, "bytes_per_s": idle_rate(args.peers, beat, args.seconds)})
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot_results(results, out / "dht.png")
-    print(format_results(results))
-    print(f"bench dht: results in {out / 'results.json'}, plot {out / 'dht.png'}")
-    return 0
+    with results_folder(out, "bench dht"):
+        results = {"config": {"peers": args.peers, "calls": args.calls, "seconds": args.seconds,
+                              "date": dt.date.today().isoformat(),
+                              "machine": f"{platform.node()} {platform.machine()}"}}
+        print(f"bench dht: {args.calls} calls of each kind among {args.peers} peers ...", flush=True)
+        results["per_call"] = per_call(args.peers, args.calls)
+        results["idle"] = []
+        for beat in args.heartbeats:
+            print(f"bench dht: idle for {args.seconds:g} s with a heartbeat every {beat:g} s ...", flush=True)
+            results["idle"].append({"heartbeat_s": beat, "bytes_per_s": idle_rate(args.peers, beat, args.seconds)})
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot_results(results, out / "dht.png")
+        print(format_results(results))
+        print(f"bench dht: results in {out / 'results.json'}, plot {out / 'dht.png'}")
+        return 0
 
 
 def _heartbeats(text: str) -> list[float]:

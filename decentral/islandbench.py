@@ -45,7 +45,7 @@ from decentral.bench import (ISLAND_PORT, REFERENCE, Launch, _command, _recipe_f
 from decentral.config import default_recipe_path, load_recipe
 from decentral.data import load_corpus
 from decentral.hierarchy import MODES
-from decentral.metrics import cell, check_no_earlier_results, format_table, human_bytes
+from decentral.metrics import cell, format_table, human_bytes, results_folder
 from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
 
 A_METHODS = (REFERENCE, "flat", "hierarchical")
@@ -366,33 +366,33 @@ def run_islands(args: argparse.Namespace) -> int:
                   f"{every} or more", file=sys.stderr)
             return 2
     out = Path(args.out)
-    check_no_earlier_results(out, "bench islands")
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"config": {"parts": sorted(parts), "bandwidth": args.bandwidth, "date": dt.date.today().isoformat(),
-                          "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-                          "python": platform.python_version(), **_source()}}
-    started = time.monotonic()
-    if "a" in parts:
-        results["a"] = run_part_a(args, out)
-        (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted suite keeps part A
-    if "b" in parts:
-        results["b"] = run_part_b(args, out)
-    results["config"]["wall_s"] = time.monotonic() - started
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot_islands(results, out / "islands.png")
-    if "a" in results:
-        print(f"(A) utilisation, {A_HOSTS} hosts x {PER_HOST} processes, {args.bandwidth or 'uncapped'} uplinks "
-              f"({results['a']['config']['mode']}), {args.steps} steps per process:")
-        print(format_part_a(results["a"]))
-    if "b" in results:
-        cfg = results["b"]["config"]
-        print(f"(B) sync of {cfg['numel']:,} floats ({cfg['codec']}), 2 islands of k ranks, "
-              f"{args.bandwidth or 'uncapped'} WAN per rank, uncapped LAN ({cfg['mode']}), median of "
-              f"{args.rounds - 1} rounds:")
-        print(format_part_b(results["b"]))
-    print(f"islands: {results['config']['wall_s']:.0f}s; results in {out / 'results.json'}, plot {out / 'islands.png'}")
-    ok = all(r["ok"] for r in results.get("a", {}).get("methods", {}).values())
-    return 0 if ok and all(p["ok"] for p in results.get("b", {}).get("points", [])) else 1
+    with results_folder(out, "bench islands"):
+        results = {"config": {"parts": sorted(parts), "bandwidth": args.bandwidth, "date": dt.date.today().isoformat(),
+                              "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+                              "python": platform.python_version(), **_source()}}
+        started = time.monotonic()
+        if "a" in parts:
+            results["a"] = run_part_a(args, out)
+            (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted suite keeps part A
+        if "b" in parts:
+            results["b"] = run_part_b(args, out)
+        results["config"]["wall_s"] = time.monotonic() - started
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot_islands(results, out / "islands.png")
+        if "a" in results:
+            print(f"(A) utilisation, {A_HOSTS} hosts x {PER_HOST} processes, {args.bandwidth or 'uncapped'} uplinks "
+                  f"({results['a']['config']['mode']}), {args.steps} steps per process:")
+            print(format_part_a(results["a"]))
+        if "b" in results:
+            cfg = results["b"]["config"]
+            print(f"(B) sync of {cfg['numel']:,} floats ({cfg['codec']}), 2 islands of k ranks, "
+                  f"{args.bandwidth or 'uncapped'} WAN per rank, uncapped LAN ({cfg['mode']}), median of "
+                  f"{args.rounds - 1} rounds:")
+            print(format_part_b(results["b"]))
+        print(f"islands: {results['config']['wall_s']:.0f}s; results in {out / 'results.json'}, "
+              f"plot {out / 'islands.png'}")
+        ok = all(r["ok"] for r in results.get("a", {}).get("methods", {}).values())
+        return 0 if ok and all(p["ok"] for p in results.get("b", {}).get("points", [])) else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

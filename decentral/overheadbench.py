@@ -48,7 +48,7 @@ import torch
 from decentral.config import Recipe, RecipeError, load_recipe, protocol_params, recipe_path
 from decentral.data.batches import train_batches
 from decentral.data.corpus import load_corpus
-from decentral.metrics import MetricsLog, check_no_earlier_results, format_table
+from decentral.metrics import MetricsLog, format_table, results_folder
 from decentral.models import GPT
 from decentral.swarm.monitor import StatusCard
 from decentral.sync import PROTOCOLS, SyncProtocol
@@ -298,31 +298,31 @@ def run_overhead(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     out = Path(args.out)
-    check_no_earlier_results(out, "bench overhead")
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    started = time.monotonic()
-    loops = measure(recipes, steps=args.steps, warmup=args.warmup, turn=args.turn, out=out, data=args.data)
-    r0 = recipes[0]
-    results = {
-        "config": {"protocols": [r.protocol for r in recipes], "steps": args.steps, "warmup": args.warmup,
-                   "turn": args.turn, "block": block, "threads": args.threads, "transport": "SoloTransport",
-                   "model": dataclasses.asdict(r0.model), "batch_size": r0.train.batch_size,
-                   "context": r0.train.context, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-                   "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                   "wall_s": time.monotonic() - started},
-        "target": TARGET,
-        "loops": summarize(loops, block),
-        "step_times_s": {loop.name: np.array(loop.phases).sum(axis=1).tolist() for loop in loops},
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot_results(results, out / "overhead.png")
-    print(format_results(results))
-    print(f"bench overhead: load average {load_before[0]:.1f} before, {results['config']['loadavg_after'][0]:.1f} "
-          f"after; results in {out / 'results.json'}, plot {out / 'overhead.png'}")
-    return 0
+    with results_folder(out, "bench overhead"):
+        torch.set_num_threads(args.threads)
+        load_before = os.getloadavg()
+        started = time.monotonic()
+        loops = measure(recipes, steps=args.steps, warmup=args.warmup, turn=args.turn, out=out, data=args.data)
+        r0 = recipes[0]
+        results = {
+            "config": {"protocols": [r.protocol for r in recipes], "steps": args.steps, "warmup": args.warmup,
+                       "turn": args.turn, "block": block, "threads": args.threads, "transport": "SoloTransport",
+                       "model": dataclasses.asdict(r0.model), "batch_size": r0.train.batch_size,
+                       "context": r0.train.context,
+                       "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                       "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+                       "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                       "wall_s": time.monotonic() - started},
+            "target": TARGET,
+            "loops": summarize(loops, block),
+            "step_times_s": {loop.name: np.array(loop.phases).sum(axis=1).tolist() for loop in loops},
+        }
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot_results(results, out / "overhead.png")
+        print(format_results(results))
+        print(f"bench overhead: load average {load_before[0]:.1f} before, {results['config']['loadavg_after'][0]:.1f} "
+              f"after; results in {out / 'results.json'}, plot {out / 'overhead.png'}")
+        return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

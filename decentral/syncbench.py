@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from decentral.config import SwarmConfig
-from decentral.metrics import check_no_earlier_results
+from decentral.metrics import results_folder
 from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, NetLab, bandwidth_argument
 
 METHODS = ("diloco", "noloco")
@@ -130,29 +130,31 @@ def _wait_for_peers(procs: list[subprocess.Popen], out: Path, timeout_s: float =
 
 def run_syncbench(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    check_no_earlier_results(out, "syncbench", "syncbench.json")
-    results = {"config": {"hosts": args.hosts, "bandwidth": args.bandwidth, "numel": args.numel, "rounds": args.rounds},
-               "points": []}
-    for count in args.hosts:
-        with NetLab(count, args.bandwidth, mode=args.mode, name="sync") as lab:
-            results["config"]["mode"] = lab.mode
-            for method in METHODS:
-                print(f"syncbench: {method}, {count} hosts ...", flush=True)
-                try:
-                    point = _run_sweep_point(lab, method, args.numel, args.rounds, out / f"{method}-{count}")
-                except PointFailed as e:
-                    print(f"syncbench: {method}, {count} hosts failed: {e}", file=sys.stderr, flush=True)
-                    return 1
-                results["points"].append({"method": method, "hosts": count, **point})
-                print(f"syncbench: {method}, {count} hosts: median {point['median_s']:.2f}s per sync, "
-                      f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer per sync", flush=True)
-    (out / "syncbench.json").write_text(json.dumps(results, indent=1))
-    _plot(results, out / "syncbench.png")
-    print(f"{'hosts':>5}  " + "  ".join(f"{m:>14}" for m in METHODS))
-    for count in args.hosts:
-        cells = [next(p for p in results["points"] if p["method"] == m and p["hosts"] == count) for m in METHODS]
-        print(f"{count:>5}  " + "  ".join(f"{c['median_s']:>13.2f}s" for c in cells))
-    return 0
+    with results_folder(out, "syncbench", "syncbench.json"):
+        results = {"config": {"hosts": args.hosts, "bandwidth": args.bandwidth, "numel": args.numel,
+                              "rounds": args.rounds},
+                   "points": []}
+        for count in args.hosts:
+            with NetLab(count, args.bandwidth, mode=args.mode, name="sync") as lab:
+                results["config"]["mode"] = lab.mode
+                for method in METHODS:
+                    print(f"syncbench: {method}, {count} hosts ...", flush=True)
+                    try:
+                        point = _run_sweep_point(lab, method, args.numel, args.rounds, out / f"{method}-{count}")
+                    except PointFailed as e:
+                        print(f"syncbench: {method}, {count} hosts failed: {e}", file=sys.stderr, flush=True)
+                        return 1
+                    results["points"].append({"method": method, "hosts": count, **point})
+                    print(f"syncbench: {method}, {count} hosts: median {point['median_s']:.2f}s per sync, "
+                          f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer per sync",
+                          flush=True)
+        (out / "syncbench.json").write_text(json.dumps(results, indent=1))
+        _plot(results, out / "syncbench.png")
+        print(f"{'hosts':>5}  " + "  ".join(f"{m:>14}" for m in METHODS))
+        for count in args.hosts:
+            cells = [next(p for p in results["points"] if p["method"] == m and p["hosts"] == count) for m in METHODS]
+            print(f"{count:>5}  " + "  ".join(f"{c['median_s']:>13.2f}s" for c in cells))
+        return 0
 
 
 def _plot(results: dict, out_png: Path) -> None:

@@ -189,13 +189,16 @@ with sole_writer(Path(sys.argv[1])):
 """
 
 
-@pytest.mark.parametrize("command", [["bench", "--mode", "loopback", "--protocols", "diloco"],
-                                     ["bench", "soak", "--mode", "loopback", "--hosts", "3"],
-                                     ["bench", "sweep", "--steps", "50"]], ids=lambda c: " ".join(c[:2]))
+@pytest.mark.parametrize("command", [
+    ["bench", "--mode", "loopback", "--protocols", "diloco"], ["bench", "soak", "--mode", "loopback", "--hosts", "3"],
+    ["bench", "sweep", "--steps", "50"], ["syncbench"], ["bench", "pipeline"], ["bench", "pipeline", "convergence"],
+    ["bench", "pipeline", "timing"], ["bench", "dht"], ["bench", "overhead"], ["bench", "islands"], ["bench", "merge"],
+    ["bench", "btm"]], ids=lambda c: " ".join(c[:3]))
 def test_a_bench_into_the_out_of_a_bench_running_now_stops_before_it_writes(command, tmp_path, capsys):
     """Two benches given one --out at once both passed its checks (neither had written yet), then garbled each
     other's logs and results (loopback mode; in netns mode the lab's name kept them apart); a second soak removed
-    the first's steady run and replaced its swarm key, a second sweep's workers failed on the first's."""
+    the first's steady run and replaced its swarm key, a second sweep's workers failed on the first's; the other
+    benches wrote over each other's results. Every bench holds its --out."""
     out = tmp_path / "out"
     out.mkdir()
     first = subprocess.Popen([sys.executable, "-c", HOLDING_THE_OUT, str(out)], stdout=subprocess.PIPE, text=True)

@@ -703,7 +703,8 @@ def test_merge_bench_runs_at_a_small_size(tmp_path):
     assert results["memory_ratio"] == results["rss_merge_above_baseline_bytes"] / results["model_bytes"]
     assert json.loads((tmp_path / "bench" / "results.json").read_text()) == results
     assert (tmp_path / "bench" / "merge_bench.png").stat().st_size > 0
-    assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == ["merge_bench.png", "results.json"]
+    assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == [".lock", "merge_bench.png", "results.json"]
+    # (its random models removed; .lock: the folder's run lock, metrics.results_folder)
 
 
 def test_merge_bench_refuses_settings_it_cannot_run(tmp_path, capsys):

@@ -41,7 +41,7 @@ import torch
 from decentral.experts.registry import MODEL_FILE, Expert, write_expert
 from decentral.merge import METHODS, MergeError
 from decentral.merge.tensors import SafetensorsWriter
-from decentral.metrics import check_no_earlier_results, human_bytes
+from decentral.metrics import human_bytes, results_folder
 from decentral.models import GPT, GPTConfig
 
 MEMORY_TARGET = 1.5  # peak RSS above baseline, in models
@@ -199,56 +199,55 @@ def run_merge_bench(out: Path, *, params: int = 100_000_000, experts: int | None
     if repeats < 1:
         raise MergeError(f"merge bench: repeats must be at least 1, got {repeats}")
     out = Path(out)
-    check_no_earlier_results(out, "bench merge")
-    out.mkdir(parents=True, exist_ok=True)
-    config = bench_config(params)
-    data = out / f".merge-bench-{uuid.uuid4().hex[:8]}"
-    try:
-        names = (["base"] if merge_method.needs_base else []) + [f"expert{i}" for i in range(experts)]
-        print(f"merge bench: writing {len(names)} random models of about {params:,} parameters "
-              f"(n_layer {config.n_layer}, d_model {config.d_model}) ...", flush=True)
-        inputs = write_random_experts(data / "inputs", config, names)
-        folders = [str(expert.folder) for expert in inputs]
-        recipe = {"method": method, "experts": folders[-experts:]}
-        if merge_method.needs_base:
-            recipe["base"] = folders[0]
-        if not cold:
-            _warm([expert.model_file for expert in inputs])
-        reads, merges = [], []
-        for run in range(repeats):
-            print(f"merge bench: read pass, merge pass ({run + 1}/{repeats}) ...", flush=True)
-            reads.append(_measure("read", {"folders": folders, "cold": cold}))
-            merges.append(_measure("merge", {"recipe": recipe, "out": str(data / "merged"), "cold": cold}))
-            model_bytes = (data / "merged" / MODEL_FILE).stat().st_size
-            shutil.rmtree(data / "merged")  # not replaced inside the next timed merge
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
-    results = {
-        "config": {"method": method, "experts": experts, "inputs": len(inputs),
-                   "params": sum(math.prod(s) for s in model_shapes(config).values()),
-                   "n_layer": config.n_layer, "d_model": config.d_model, "dtype": "float32", "repeats": repeats,
-                   "date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                   "python": platform.python_version(), "torch": torch.__version__,
-                   "cache": "cold: page cache dropped before each pass" if cold else
-                            "warm: every input read once before the passes",
-                   "rss_peak_reset": all(r["rss_peak_reset"] for r in reads + merges)},
-        "model_bytes": model_bytes,
-        "time_read_s": min(r["time_s"] for r in reads),
-        "time_merge_s": min(m["time_s"] for m in merges),
-        "time_verify_inputs_s": min(r["time_verify_s"] for r in reads),
-        "rss_baseline_bytes": max(m["rss_baseline"] for m in merges),
-        "rss_read_above_baseline_bytes": max(r["rss_peak"] - r["rss_baseline"] for r in reads),
-        "rss_merge_above_baseline_bytes": max(m["rss_peak"] - m["rss_baseline"] for m in merges),
-    }
-    results["time_ratio"] = results["time_merge_s"] / results["time_read_s"]
-    results["memory_ratio"] = results["rss_merge_above_baseline_bytes"] / model_bytes
-    results["targets"] = {"time_ratio_max": TIME_TARGET, "memory_ratio_max": MEMORY_TARGET,
-                          "time_ok": results["time_ratio"] < TIME_TARGET,
-                          "memory_ok": results["memory_ratio"] <= MEMORY_TARGET}
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot_merge_bench(results, out / "merge_bench.png")
-    print(format_merge_bench(results))
-    return results
+    with results_folder(out, "bench merge"):
+        config = bench_config(params)
+        data = out / f".merge-bench-{uuid.uuid4().hex[:8]}"
+        try:
+            names = (["base"] if merge_method.needs_base else []) + [f"expert{i}" for i in range(experts)]
+            print(f"merge bench: writing {len(names)} random models of about {params:,} parameters "
+                  f"(n_layer {config.n_layer}, d_model {config.d_model}) ...", flush=True)
+            inputs = write_random_experts(data / "inputs", config, names)
+            folders = [str(expert.folder) for expert in inputs]
+            recipe = {"method": method, "experts": folders[-experts:]}
+            if merge_method.needs_base:
+                recipe["base"] = folders[0]
+            if not cold:
+                _warm([expert.model_file for expert in inputs])
+            reads, merges = [], []
+            for run in range(repeats):
+                print(f"merge bench: read pass, merge pass ({run + 1}/{repeats}) ...", flush=True)
+                reads.append(_measure("read", {"folders": folders, "cold": cold}))
+                merges.append(_measure("merge", {"recipe": recipe, "out": str(data / "merged"), "cold": cold}))
+                model_bytes = (data / "merged" / MODEL_FILE).stat().st_size
+                shutil.rmtree(data / "merged")  # not replaced inside the next timed merge
+        finally:
+            shutil.rmtree(data, ignore_errors=True)
+        results = {
+            "config": {"method": method, "experts": experts, "inputs": len(inputs),
+                       "params": sum(math.prod(s) for s in model_shapes(config).values()),
+                       "n_layer": config.n_layer, "d_model": config.d_model, "dtype": "float32", "repeats": repeats,
+                       "date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                       "python": platform.python_version(), "torch": torch.__version__,
+                       "cache": "cold: page cache dropped before each pass" if cold else
+                                "warm: every input read once before the passes",
+                       "rss_peak_reset": all(r["rss_peak_reset"] for r in reads + merges)},
+            "model_bytes": model_bytes,
+            "time_read_s": min(r["time_s"] for r in reads),
+            "time_merge_s": min(m["time_s"] for m in merges),
+            "time_verify_inputs_s": min(r["time_verify_s"] for r in reads),
+            "rss_baseline_bytes": max(m["rss_baseline"] for m in merges),
+            "rss_read_above_baseline_bytes": max(r["rss_peak"] - r["rss_baseline"] for r in reads),
+            "rss_merge_above_baseline_bytes": max(m["rss_peak"] - m["rss_baseline"] for m in merges),
+        }
+        results["time_ratio"] = results["time_merge_s"] / results["time_read_s"]
+        results["memory_ratio"] = results["rss_merge_above_baseline_bytes"] / model_bytes
+        results["targets"] = {"time_ratio_max": TIME_TARGET, "memory_ratio_max": MEMORY_TARGET,
+                              "time_ok": results["time_ratio"] < TIME_TARGET,
+                              "memory_ok": results["memory_ratio"] <= MEMORY_TARGET}
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        plot_merge_bench(results, out / "merge_bench.png")
+        print(format_merge_bench(results))
+        return results
 
 
 def plot_merge_bench(results: dict, out_png: Path) -> Path:

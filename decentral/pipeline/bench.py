@@ -33,55 +33,57 @@ TARGETS = {"planned_vs_full": 0.5, "planned_vs_blind": -0.15, "plan_s": 10.0, "r
 def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 0.33, regions: int = 5,
                microbatches: int = 24, effort: float = 1.0, out: str | Path = "runs/bench-pipeline") -> list[dict]:
     """Run the benchmark (module docstring); print the table and return one row per seed, then the median row."""
-    from decentral.metrics import check_no_earlier_results, format_table
+    from decentral.metrics import format_table, results_folder
     from decentral.pipeline.plot import plot_bench, plot_plans
 
-    check_no_earlier_results(out, "bench pipeline")
-    rows, plans = [], {}
-    for seed in tqdm(seeds, desc="bench pipeline", unit="seed", disable=None, leave=False):  # on a terminal only
-        network = regions_network(nodes=nodes, regions=regions, seed=seed, stages=stages, skip=skip,
-                                  microbatches=microbatches)
-        start = time.perf_counter()
-        planned = plan(network, seed=seed, effort=effort)
-        plan_s = time.perf_counter() - start
-        full = full_pipeline(network, seed=seed, effort=effort)
-        blind = network_blind(network, seed=seed)
-        rng = np.random.default_rng(seed)
-        dead = planned.nodes[int(rng.choice([n for n, s in enumerate(planned.stage_of) if s != 0]))]
-        start = time.perf_counter()
-        after = replan(planned, network, dead=[dead], seed=seed)
-        replan_s = time.perf_counter() - start
-        rows.append({"seed": seed, "full_s": full.makespan_ms / 1e3, "blind_s": blind.makespan_ms / 1e3,
-                     "planned_s": planned.makespan_ms / 1e3, "planned_vs_full": planned.makespan_ms / full.makespan_ms,
-                     "planned_vs_blind": planned.makespan_ms / blind.makespan_ms - 1, "plan_s": plan_s,
-                     "dead": dead, "replan_s": replan_s, "after_death_s": after.makespan_ms / 1e3})
-        plans[seed] = (network, full, blind, planned)
-    median = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key not in ("seed", "dead")}
-    table = [("seed", "full", "blind", "planned", "planned/full", "vs blind", "plan", "replan", "after death")]
-    for row in rows + [{**median, "seed": "median"}]:
-        table.append((str(row["seed"]), f"{row['full_s']:.1f} s", f"{row['blind_s']:.1f} s",
-                      f"{row['planned_s']:.1f} s", f"{row['planned_vs_full']:.2f}", f"{row['planned_vs_blind']:+.0%}",
-                      f"{row['plan_s']:.1f} s", f"{row['replan_s']:.2f} s", f"{row['after_death_s']:.1f} s"))
-    print(f"{nodes} nodes in {regions} regions, {stages} stages, skip {skip}, {microbatches} microbatches, "
-          f"effort {effort}; simulated iteration times")
-    print(format_table(table))
-    met = {key: (median[key] <= limit) for key, limit in TARGETS.items()}
-    print("targets (median): " + ", ".join(f"{key} {median[key]:.3f} {'<=' if ok else '>'} {TARGETS[key]} "
-                                           f"{'met' if ok else 'MISSED'}" for key, ok in met.items()))
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {"nodes": nodes, "regions": regions, "stages": stages, "skip": skip, "microbatches": microbatches,
-                "effort": effort, "machine": platform.platform(), "python": platform.python_version()}
-    (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows, "median": median,
-                                                  "targets": TARGETS, "met": met}, indent=1) + "\n")
-    plot_bench(rows, out / "pipeline_bench.png",
-               title=f"{nodes} nodes, {regions} regions, {stages} stages, skip {skip}")
-    middle = sorted(rows, key=lambda row: row["planned_vs_full"])[len(rows) // 2]["seed"]
-    network, full, blind, planned = plans[middle]
-    plot_plans(network, [("full pipeline", full), ("network-blind skipping", blind), ("planned", planned)],
-               out / f"pipeline_gantt_seed{middle}.png")
-    print(f"wrote {out / 'results.json'}, {out / 'pipeline_bench.png'}, {out / f'pipeline_gantt_seed{middle}.png'}")
-    return rows + [{**median, "seed": "median"}]
+    with results_folder(out, "bench pipeline"):
+        rows, plans = [], {}
+        for seed in tqdm(seeds, desc="bench pipeline", unit="seed", disable=None, leave=False):  # on a terminal only
+            network = regions_network(nodes=nodes, regions=regions, seed=seed, stages=stages, skip=skip,
+                                      microbatches=microbatches)
+            start = time.perf_counter()
+            planned = plan(network, seed=seed, effort=effort)
+            plan_s = time.perf_counter() - start
+            full = full_pipeline(network, seed=seed, effort=effort)
+            blind = network_blind(network, seed=seed)
+            rng = np.random.default_rng(seed)
+            dead = planned.nodes[int(rng.choice([n for n, s in enumerate(planned.stage_of) if s != 0]))]
+            start = time.perf_counter()
+            after = replan(planned, network, dead=[dead], seed=seed)
+            replan_s = time.perf_counter() - start
+            rows.append({"seed": seed, "full_s": full.makespan_ms / 1e3, "blind_s": blind.makespan_ms / 1e3,
+                         "planned_s": planned.makespan_ms / 1e3,
+                         "planned_vs_full": planned.makespan_ms / full.makespan_ms,
+                         "planned_vs_blind": planned.makespan_ms / blind.makespan_ms - 1, "plan_s": plan_s,
+                         "dead": dead, "replan_s": replan_s, "after_death_s": after.makespan_ms / 1e3})
+            plans[seed] = (network, full, blind, planned)
+        median = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key not in ("seed", "dead")}
+        table = [("seed", "full", "blind", "planned", "planned/full", "vs blind", "plan", "replan", "after death")]
+        for row in rows + [{**median, "seed": "median"}]:
+            table.append((str(row["seed"]), f"{row['full_s']:.1f} s", f"{row['blind_s']:.1f} s",
+                          f"{row['planned_s']:.1f} s", f"{row['planned_vs_full']:.2f}",
+                          f"{row['planned_vs_blind']:+.0%}",
+                          f"{row['plan_s']:.1f} s", f"{row['replan_s']:.2f} s", f"{row['after_death_s']:.1f} s"))
+        print(f"{nodes} nodes in {regions} regions, {stages} stages, skip {skip}, {microbatches} microbatches, "
+              f"effort {effort}; simulated iteration times")
+        print(format_table(table))
+        met = {key: (median[key] <= limit) for key, limit in TARGETS.items()}
+        print("targets (median): " + ", ".join(f"{key} {median[key]:.3f} {'<=' if ok else '>'} {TARGETS[key]} "
+                                               f"{'met' if ok else 'MISSED'}" for key, ok in met.items()))
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        settings = {"nodes": nodes, "regions": regions, "stages": stages, "skip": skip, "microbatches": microbatches,
+                    "effort": effort, "machine": platform.platform(), "python": platform.python_version()}
+        (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows, "median": median,
+                                                      "targets": TARGETS, "met": met}, indent=1) + "\n")
+        plot_bench(rows, out / "pipeline_bench.png",
+                   title=f"{nodes} nodes, {regions} regions, {stages} stages, skip {skip}")
+        middle = sorted(rows, key=lambda row: row["planned_vs_full"])[len(rows) // 2]["seed"]
+        network, full, blind, planned = plans[middle]
+        plot_plans(network, [("full pipeline", full), ("network-blind skipping", blind), ("planned", planned)],
+                   out / f"pipeline_gantt_seed{middle}.png")
+        print(f"wrote {out / 'results.json'}, {out / 'pipeline_bench.png'}, {out / f'pipeline_gantt_seed{middle}.png'}")
+        return rows + [{**median, "seed": "median"}]
 
 
 def add_arguments(parser) -> None:

@@ -42,48 +42,48 @@ def convergence_bench(out: str | Path = "runs/bench-skippipe", recipe: str | Pat
                       steps: int | None = None, skips: tuple[float, ...] = (0.0, 0.33), drop: float = 0.5,
                       data=None, netlab: str | None = None) -> list[dict]:
     """Train the recipe at each skip ratio for `steps` iterations, evaluate, print the table (module docstring)."""
-    from decentral.metrics import check_no_earlier_results, format_table
+    from decentral.metrics import format_table, results_folder
     from decentral.pipeline.launch import train_run
 
     out = Path(out)
-    check_no_earlier_results(out, "bench pipeline convergence")
     base = yaml.safe_load(Path(recipe).read_text())
     stages = parse_pipeline_recipe(base, str(recipe)).pipeline.stages
     for skip in skips:  # every variant plannable before the first trains
         path_length(stages, skip)
-    rows = []
-    for skip in skips:
-        folder = out / f"skip{skip:g}"
-        folder.mkdir(parents=True, exist_ok=True)
-        variant = {**base, "pipeline": {**base.get("pipeline", {}), "skip": skip}}
-        (folder / "recipe.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
-        started = time.perf_counter()
-        result = train_run(folder / "recipe.yaml", folder, steps=steps, data=data, drop=drop, netlab=netlab)
-        records = [r for r in result["metrics"] if "loss" in r]
-        evaluation = result["evaluation"]
-        rows.append({"skip": skip, "iterations": len(records), "wall_s": time.perf_counter() - started,
-                     "iteration_s": statistics.median(r["wall_ms"] for r in records) / 1e3,
-                     "train_loss": statistics.mean(r["loss"] for r in records[-20:]), **evaluation,
-                     "losses": [r["loss"] for r in records]})
-    full, skipped = rows[0], rows[-1]
-    checks = {"skip_vs_full_val_loss": skipped["full_loss"] / full["full_loss"] - 1,
-              "skip_model_half_ppl": skipped["ppl_increase"]}
-    table = [("skip", "iterations", "train loss (last 20)", "val loss", "val ppl", f"ppl, {drop:.0%} dropped",
-              "vs whole", "s / iteration")]
-    for row in rows:
-        table.append((f"{row['skip']:g}", str(row["iterations"]), f"{row['train_loss']:.4f}", f"{row['full_loss']:.4f}",
-                      f"{row['full_ppl']:.3f}", f"{row['dropped_ppl']:.3f}", f"{row['ppl_increase']:+.1%}",
-                      f"{row['iteration_s']:.2f}"))
-    print(format_table(table))
-    print("targets: " + ", ".join(f"{key} {value:+.1%} (<= {CONVERGENCE_TARGETS[key]:.0%}: "
-                                  f"{'met' if value <= CONVERGENCE_TARGETS[key] else 'MISSED'})"
-                                  for key, value in checks.items()))
-    _write(out, {"settings": {"recipe": str(recipe), "steps": steps, "skips": list(skips), "drop": drop,
-                              "netlab": netlab, **_machine()}, "rows": rows, "checks": checks,
-                 "targets": CONVERGENCE_TARGETS})
-    _plot_convergence(rows, drop, out / "convergence.png")
-    print(f"wrote {out / 'results.json'}, {out / 'convergence.png'}")
-    return rows
+    with results_folder(out, "bench pipeline convergence"):
+        rows = []
+        for skip in skips:
+            folder = out / f"skip{skip:g}"
+            folder.mkdir(parents=True, exist_ok=True)
+            variant = {**base, "pipeline": {**base.get("pipeline", {}), "skip": skip}}
+            (folder / "recipe.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
+            started = time.perf_counter()
+            result = train_run(folder / "recipe.yaml", folder, steps=steps, data=data, drop=drop, netlab=netlab)
+            records = [r for r in result["metrics"] if "loss" in r]
+            evaluation = result["evaluation"]
+            rows.append({"skip": skip, "iterations": len(records), "wall_s": time.perf_counter() - started,
+                         "iteration_s": statistics.median(r["wall_ms"] for r in records) / 1e3,
+                         "train_loss": statistics.mean(r["loss"] for r in records[-20:]), **evaluation,
+                         "losses": [r["loss"] for r in records]})
+        full, skipped = rows[0], rows[-1]
+        checks = {"skip_vs_full_val_loss": skipped["full_loss"] / full["full_loss"] - 1,
+                  "skip_model_half_ppl": skipped["ppl_increase"]}
+        table = [("skip", "iterations", "train loss (last 20)", "val loss", "val ppl", f"ppl, {drop:.0%} dropped",
+                  "vs whole", "s / iteration")]
+        for row in rows:
+            table.append((f"{row['skip']:g}", str(row["iterations"]), f"{row['train_loss']:.4f}",
+                          f"{row['full_loss']:.4f}", f"{row['full_ppl']:.3f}", f"{row['dropped_ppl']:.3f}",
+                          f"{row['ppl_increase']:+.1%}", f"{row['iteration_s']:.2f}"))
+        print(format_table(table))
+        print("targets: " + ", ".join(f"{key} {value:+.1%} (<= {CONVERGENCE_TARGETS[key]:.0%}: "
+                                      f"{'met' if value <= CONVERGENCE_TARGETS[key] else 'MISSED'})"
+                                      for key, value in checks.items()))
+        _write(out, {"settings": {"recipe": str(recipe), "steps": steps, "skips": list(skips), "drop": drop,
+                                  "netlab": netlab, **_machine()}, "rows": rows, "checks": checks,
+                     "targets": CONVERGENCE_TARGETS})
+        _plot_convergence(rows, drop, out / "convergence.png")
+        print(f"wrote {out / 'results.json'}, {out / 'convergence.png'}")
+        return rows
 
 
 def calibrate(recipe, reps: int = 20) -> dict:
@@ -154,60 +154,63 @@ def timing_bench(out: str | Path = "runs/bench-skippipe-timing", recipe: str | P
                  skips: tuple[float, ...] = (0.0, 0.25), microbatches: int = 8, iterations: int = 6, warmup: int = 2,
                  data=None) -> list[dict]:
     """Measured against simulated iteration time on netlab hosts (module docstring); prints the table."""
-    from decentral.metrics import check_no_earlier_results, format_table
+    from decentral.metrics import format_table, results_folder
     from decentral.netlab import parse_rate
     from decentral.pipeline.launch import train_run
 
     out = Path(out)
-    check_no_earlier_results(out, "bench pipeline timing")
     for skip in skips:  # every variant plannable before the first runs
         path_length(stages, skip)
     base = yaml.safe_load(Path(recipe).read_text())
     rate_mbps = parse_rate(bandwidth) / 1e6
-    rows = []
-    for skip in skips:
-        folder = out / f"skip{skip:g}"
-        folder.mkdir(parents=True, exist_ok=True)
-        variant = {**base, "pipeline": {**base.get("pipeline", {}), "stages": stages, "skip": skip,
-                                        "microbatches": microbatches, "network": "", "calibrate_at": warmup},
-                   "model": {**base.get("model", {}), "n_layer": stages}, "protocol": {"name": "local"}}
-        (folder / "recipe.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
-        shaped = load_pipeline_recipe(folder / "recipe.yaml")
-        costs = calibrate(shaped)
-        network = timing_network(shaped, costs, nodes, rate_mbps, latency_ms)
-        (folder / "network.in.json").write_text(json.dumps(network, indent=1) + "\n")
-        result = train_run(folder / "recipe.yaml", folder, network_path=folder / "network.in.json", netlab=bandwidth,
-                           latency_ms=latency_ms, steps=iterations + warmup, data=data, evaluate=False)
-        records = [r for r in result["metrics"] if "makespan_ms" in r][warmup:]
-        uncalibrated = _file_predictions(folder / result["lead"] / "events.jsonl", folder / "network.json")
-        ratios = [r["makespan_ms"] / r["predicted_ms"] for r in records]
-        file_ratios = [r["makespan_ms"] / uncalibrated[r["iteration"]] for r in records]
-        rows.append({"skip": skip, "simulated_s": statistics.median(r["predicted_ms"] for r in records) / 1e3,
-                     "measured_s": statistics.median(r["makespan_ms"] for r in records) / 1e3,
-                     "ratio": statistics.median(ratios), "ratios": ratios,
-                     "file_s": statistics.median(uncalibrated[r["iteration"]] for r in records) / 1e3,
-                     "file_ratio": statistics.median(file_ratios), "file_ratios": file_ratios,
-                     "wall_s": statistics.median(r["wall_ms"] for r in records) / 1e3, "costs": costs,
-                     "iterations": len(records)})
-    table = [("skip", "measured (median)", "simulated (calibrated plan)", "measured / simulated",
-              "simulated, the file's compute", "measured / that", "wall per iteration")]
-    for row in rows:
-        table.append((f"{row['skip']:g}", f"{row['measured_s']:.2f} s", f"{row['simulated_s']:.2f} s",
-                      f"{row['ratio']:.3f} ({' '.join(f'{r:.2f}' for r in row['ratios'])})", f"{row['file_s']:.2f} s",
-                      f"{row['file_ratio']:.3f} ({' '.join(f'{r:.2f}' for r in row['file_ratios'])})",
-                      f"{row['wall_s']:.2f} s"))
-    print(f"{nodes} netlab hosts, uplinks {bandwidth}, latency {latency_ms:g} ms, {stages} stages, "
-          f"{microbatches} microbatches of {shaped.activation_bytes() / 2**10:.0f} KiB activations; "
-          f"re-planned after {warmup} warm-up iterations with the compute the nodes measured")
-    print(format_table(table))
-    worst = max(abs(row["ratio"] - 1) for row in rows)
-    print(f"target: within {TIMING_TARGET:.0%} of the plan's prediction: worst {worst:.1%}, "
-          f"{'met' if worst <= TIMING_TARGET else 'MISSED'}")
-    _write(out, {"settings": {"recipe": str(recipe), "bandwidth": bandwidth, "latency_ms": latency_ms, "nodes": nodes,
-                              "stages": stages, "microbatches": microbatches, "iterations": iterations,
-                              "warmup": warmup, **_machine()}, "rows": rows, "target": TIMING_TARGET})
-    print(f"wrote {out / 'results.json'}")
-    return rows
+    with results_folder(out, "bench pipeline timing"):
+        rows = []
+        for skip in skips:
+            folder = out / f"skip{skip:g}"
+            folder.mkdir(parents=True, exist_ok=True)
+            variant = {**base, "pipeline": {**base.get("pipeline", {}), "stages": stages, "skip": skip,
+                                            "microbatches": microbatches, "network": "", "calibrate_at": warmup},
+                       "model": {**base.get("model", {}), "n_layer": stages}, "protocol": {"name": "local"}}
+            (folder / "recipe.yaml").write_text(yaml.safe_dump(variant, sort_keys=False))
+            shaped = load_pipeline_recipe(folder / "recipe.yaml")
+            costs = calibrate(shaped)
+            network = timing_network(shaped, costs, nodes, rate_mbps, latency_ms)
+            (folder / "network.in.json").write_text(json.dumps(network, indent=1) + "\n")
+            result = train_run(folder / "recipe.yaml", folder, network_path=folder / "network.in.json",
+                               netlab=bandwidth,
+                               latency_ms=latency_ms, steps=iterations + warmup, data=data, evaluate=False)
+            records = [r for r in result["metrics"] if "makespan_ms" in r][warmup:]
+            uncalibrated = _file_predictions(folder / result["lead"] / "events.jsonl", folder / "network.json")
+            ratios = [r["makespan_ms"] / r["predicted_ms"] for r in records]
+            file_ratios = [r["makespan_ms"] / uncalibrated[r["iteration"]] for r in records]
+            rows.append({"skip": skip, "simulated_s": statistics.median(r["predicted_ms"] for r in records) / 1e3,
+                         "measured_s": statistics.median(r["makespan_ms"] for r in records) / 1e3,
+                         "ratio": statistics.median(ratios), "ratios": ratios,
+                         "file_s": statistics.median(uncalibrated[r["iteration"]] for r in records) / 1e3,
+                         "file_ratio": statistics.median(file_ratios), "file_ratios": file_ratios,
+                         "wall_s": statistics.median(r["wall_ms"] for r in records) / 1e3, "costs": costs,
+                         "iterations": len(records)})
+        table = [("skip", "measured (median)", "simulated (calibrated plan)", "measured / simulated",
+                  "simulated, the file's compute", "measured / that", "wall per iteration")]
+        for row in rows:
+            table.append((f"{row['skip']:g}", f"{row['measured_s']:.2f} s", f"{row['simulated_s']:.2f} s",
+                          f"{row['ratio']:.3f} ({' '.join(f'{r:.2f}' for r in row['ratios'])})",
+                          f"{row['file_s']:.2f} s",
+                          f"{row['file_ratio']:.3f} ({' '.join(f'{r:.2f}' for r in row['file_ratios'])})",
+                          f"{row['wall_s']:.2f} s"))
+        print(f"{nodes} netlab hosts, uplinks {bandwidth}, latency {latency_ms:g} ms, {stages} stages, "
+              f"{microbatches} microbatches of {shaped.activation_bytes() / 2**10:.0f} KiB activations; "
+              f"re-planned after {warmup} warm-up iterations with the compute the nodes measured")
+        print(format_table(table))
+        worst = max(abs(row["ratio"] - 1) for row in rows)
+        print(f"target: within {TIMING_TARGET:.0%} of the plan's prediction: worst {worst:.1%}, "
+              f"{'met' if worst <= TIMING_TARGET else 'MISSED'}")
+        _write(out, {"settings": {"recipe": str(recipe), "bandwidth": bandwidth, "latency_ms": latency_ms,
+                                  "nodes": nodes,
+                                  "stages": stages, "microbatches": microbatches, "iterations": iterations,
+                                  "warmup": warmup, **_machine()}, "rows": rows, "target": TIMING_TARGET})
+        print(f"wrote {out / 'results.json'}")
+        return rows
 
 
 def _file_predictions(events_path: Path, network_path: Path) -> dict[int, float]:
