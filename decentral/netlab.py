@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
 LAN_SUBNETS = ipaddress.ip_network("10.214.0.0/16")  # LAN g (of `lans`) is 10.214.g.0/24
@@ -458,6 +459,9 @@ class NetLab:
 
     def _teardown(self) -> None:
         procs = [proc for host in self.hosts for proc in host._procs]
+        # What they started (a worker's DHT process and its libp2p daemon): once their parent is killed they
+        # would live on, orphaned, until they notice (netns mode kills whatever is left in the namespaces).
+        started = _descendants([proc.pid for proc in procs if not _exited(proc)])
         # Never Popen.wait() here: close() also runs from the signal handler, which may have interrupted a
         # wait() on one of these processes in the main thread, whose lock a second wait() would block on forever
         # (Ctrl-C on `netlab -- CMD` hung so). poll() and waitid(WNOWAIT) never block.
@@ -468,6 +472,12 @@ class NetLab:
             deadline = time.monotonic() + _KILL_GRACE_S
             while any(not _exited(proc) for proc in procs) and time.monotonic() < deadline:
                 time.sleep(0.05)  # the signalled processes exiting (after SIGKILL: milliseconds)
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while any(map(_running, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (SIGKILL takes effect once the process is scheduled again)
         if self.mode == "netns":
             try:
                 cleanup_stale(self.name)
@@ -479,6 +489,29 @@ class NetLab:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _descendants(pids: list[int]) -> list[int]:
+    """The processes that `pids` started, and those that these started, ... (from /proc: every process's parent)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # (one that ended meanwhile)
+            fields = stat.read_text().rpartition(")")[2].split()  # (after the command's name, which may hold spaces)
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` is alive: not gone, nor a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _hold_lab_name(name: str):

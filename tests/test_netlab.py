@@ -338,3 +338,15 @@ def test_cleanup_stale_removes_a_dead_processs_probe_and_keeps_a_live_ones(lab_n
     finally:
         for probe in (dead, live):
             subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+
+
+@pytest.mark.parametrize("mode", ["loopback", pytest.param("netns", marks=needs_netns)])
+def test_closing_the_lab_ends_what_its_processes_started(lab_name, mode):
+    """A bench's worker killed at teardown left its DHT process and libp2p daemon running, orphaned, for 10-20 s
+    in loopback mode (netns mode kills all that is left in its namespaces)."""
+    starts_one = ("import subprocess, sys, time; child = subprocess.Popen(['sleep', '600']); "
+                  "print(child.pid, flush=True); time.sleep(600)")
+    with NetLab(1, None, name=lab_name, mode=mode) as lab:
+        parent = lab.hosts[0].popen([sys.executable, "-c", starts_one], stdout=subprocess.PIPE, text=True)
+        child = int(parent.stdout.readline())
+    assert process_gone(parent.pid) and process_gone(child)
