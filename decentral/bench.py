@@ -43,6 +43,7 @@ from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab,
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
+UNPACED_IN_LOOPBACK = ("ddp", "hivemind")  # their traffic is torch.distributed's and hivemind's, not our paced streams
 RUN_DEFAULTS = {"hosts": 4, "bandwidth": "20mbit", "protocols": ",".join(METHODS), "steps": 300, "mode": "auto",
                 "data": None, "method_timeout": 1200.0, "out": "runs/bench",
                 "recipes": str(default_recipe_path("diloco").parent)}  # what a run takes and `--report` does not
@@ -247,7 +248,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         """Per worker, how much of the cumulative `key` it used from its first record to its last."""
         return [c[-1][key] - c[0][key] for recs in by_worker.values() if len(c := [r for r in recs if key in r]) > 1]
 
-    streams = [max((r.get("bytes_sent") or 0) for r in recs) for recs in by_worker.values()]
+    streams = [max(sent) for recs in by_worker.values()  # (hivemind's baseline counts none)
+               if (sent := [r["bytes_sent"] for r in recs if r.get("bytes_sent") is not None])]
     counted = [b for b in raw["tx_bytes"] if b is not None] or streams  # loopback mode: the streams' counts
     ok = all(c == 0 for c in raw["codes"]) and len(walls) == (workers or len(raw["codes"]))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
@@ -332,11 +334,13 @@ def compare(results: dict, target_loss: float | None = None) -> None:
     compute_utilisation: steps/s ÷ the no-communication reference's. time_to_target_s: time to the
     target loss (`target_loss` when given, else DDP's final loss). ddp_time_to_final_s and speedup_vs_ddp: how long
     DDP took to reach this method's final loss, and that time ÷ this method's wall time (speed-up at
-    equal quality; None when DDP never got there, or when the method never averaged: it ran as local does).
+    equal quality; None when DDP never got there, when DDP's links were not capped (`paced` False: loopback
+    mode), or when the method never averaged: it ran as local does).
     """
     reference = results["methods"].get(REFERENCE, {}).get("steps_per_s")
     ddp = next((res for method, res in results["methods"].items() if split_method(method)[0] == "ddp"), None)
     target = target_loss or (ddp or {}).get("final_val_loss")
+    ddp = ddp if ddp is not None and ddp.get("paced", True) else None  # (its times are not those of capped links)
     results["config"]["target_loss"] = target
     for res in results["methods"].values():
         res["compute_utilisation"] = res["steps_per_s"] / reference if res["steps_per_s"] and reference else None
@@ -381,7 +385,8 @@ def format_results(results: dict) -> str:
     rows = [("method", "wall_s", "steps/s", "util", "blocked", "final", "best", "t_target", "ddp_t_final", "speedup",
              "sent/worker", "sent/step", "streams/worker", "sent/round", "peak/s")]
     for method, r in results["methods"].items():
-        label = method + ("" if r["ok"] else " (FAILED)") + (" (never averaged)" if _never_averaged(method, r) else "")
+        label = (method + ("" if r["ok"] else " (FAILED)") + (" (never averaged)" if _never_averaged(method, r) else "")
+                 + ("" if r.get("paced", True) else " (uncapped)"))
         # (DDP's rounds are its membership epochs: their bytes are every step's gradients, not an outer step's)
         per_round = None if split_method(method)[0] == "ddp" else r.get("stream_bytes_per_round")
         rows.append((label, cell(r["wall_s"], ".0f"), cell(r["steps_per_s"], ".2f"),
@@ -395,6 +400,12 @@ def format_results(results: dict) -> str:
                      human_bytes(per_round),
                      human_bytes(r.get("peak_stream_bytes_per_s"))))
     return format_table(rows, numeric=False)
+
+
+def _paced(method: str, mode: str, bandwidth: str | None) -> bool:
+    """Whether `method`'s traffic kept to the lab's --bandwidth: in loopback mode only our own streams are paced
+    (the swarm's averages and state), not DDP's torch.distributed traffic nor hivemind's."""
+    return not (mode == "loopback" and bandwidth is not None and split_method(method)[0] in UNPACED_IN_LOOPBACK)
 
 
 def _never_averaged(method: str, result: dict) -> bool:
@@ -481,6 +492,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     method_out = out / method
                     raw = run_method(lab, method, recipe, method_out, args.method_timeout, args.data or [])
                     res = summarize_method(raw, tokens_per_step=tokens_per_step, steps=recipe["train"]["steps"])
+                    res["paced"] = _paced(method, lab.mode, args.bandwidth)
                     results["methods"][method] = res
                     (out / "results.json").write_text(json.dumps(results, indent=1))  # an interrupted bench keeps these
                     print(f"bench: {method} done in {time.monotonic() - started:.0f}s "
@@ -528,7 +540,13 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
         print(f"bench: note: {', '.join(faster)} stepped faster than {REFERENCE}, the reference (utilisation above "
               f"100%): the machine was busier while {REFERENCE} ran; utilisation moves by about 10 points between "
               "runs on shared cores, repeat the bench to compare", file=sys.stderr)
-    alone = [m for m, r in results["methods"].items() if _never_averaged(m, r)]
+    uncapped = [m for m, r in results["methods"].items() if not r.get("paced", True)]
+    if uncapped:
+        print(f"bench: note: {', '.join(uncapped)} ran uncapped: in loopback mode only the swarm's own streams are "
+              f"paced to --bandwidth, not {' or '.join(UNPACED_IN_LOOPBACK)}'s traffic, so their times are not those "
+              "of capped links and nothing is compared with DDP's; netns mode (as root) caps every byte",
+              file=sys.stderr)
+    alone = [m for m, r in results["methods"].items() if r["ok"] and _never_averaged(m, r)]
     if alone:
         print(f"bench: {', '.join(alone)} never averaged (no round had two members: the run ended before the first "
               "average) and ran as local does; give more --steps", file=sys.stderr)

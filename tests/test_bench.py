@@ -451,3 +451,32 @@ def test_ctrl_c_as_the_lab_closes_after_every_method_still_reports(tmp_path, sma
     assert code == 130 and "after every method had run" in captured.err and "not run" not in captured.err, captured.err
     assert (out / "bench.png").is_file() and "ddp" in captured.out
     assert set(json.loads((out / "results.json").read_text())["methods"]) == {"local", "ddp"}
+
+
+def test_in_loopback_mode_ddp_and_hivemind_are_said_uncapped_and_nothing_is_compared_with_ddp(tmp_path, capsys):
+    """Loopback mode paces only the swarm's own streams: DDP's gloo traffic ran at loopback speed (86 Mbit/s on a
+    20mbit bench) and was the yardstick of every speed-up; hivemind's baseline, which counts no bytes, was tabled
+    as sending 0 B."""
+    def method(wall_per_step, vals, bytes_counted=True):
+        recs = records("w0", wall_per_step, 20, vals)
+        if not bytes_counted:
+            recs = [{k: v for k, v in r.items() if k != "bytes_sent"} for r in recs]
+        return summarize_method({"codes": [0], "tx_bytes": [None], "records": recs}, tokens_per_step=64, steps=20)
+
+    assert bench._paced("ddp@100", "loopback", "20mbit") is False and bench._paced("hivemind", "loopback", "20mbit") is False
+    assert bench._paced("diloco+int8", "loopback", "20mbit") and bench._paced("ddp", "netns", "20mbit")
+    assert bench._paced("ddp", "loopback", None)  # (uncapped links asked for)
+    results = {"config": {"hosts": 1, "bandwidth": "20mbit", "mode": "loopback", "steps": 20,
+                          "methods": ["ddp", "diloco", "hivemind"]},
+               "methods": {"local": method(0.5, [5.0, 4.2, 3.8]), "ddp": method(0.5, [5.0, 3.5, 3.0]),
+                           "diloco": method(0.6, [5.0, 4.0, 3.5]), "hivemind": method(0.6, [5.0, 4.0, 3.6], False)}}
+    for name, res in results["methods"].items():
+        res["paced"] = bench._paced(name, "loopback", "20mbit")
+    assert results["methods"]["hivemind"]["bytes_sent_per_worker"] is None  # (not 0: nothing was counted)
+    assert report(results, tmp_path) == 0
+    diloco = results["methods"]["diloco"]
+    assert results["config"]["target_loss"] == 3.0 and diloco["time_to_target_s"] is None  # (DDP's loss: a loss)
+    assert diloco["speedup_vs_ddp"] is None and diloco["ddp_time_to_final_s"] is None
+    out, err = capsys.readouterr()
+    assert "ddp (uncapped)" in out and "hivemind (uncapped)" in out and "diloco (uncapped)" not in out
+    assert "bench: note: ddp, hivemind ran uncapped: in loopback mode only the swarm's own streams" in err
