@@ -40,6 +40,7 @@ from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, human_bytes, read_metrics
 from decentral.models import build_model
 from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab, bandwidth_argument
+from decentral.ranks import free_port
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
 REFERENCE = "local"
@@ -93,15 +94,21 @@ def _recipe_for(method: str, recipes: Path, steps: int, run: str) -> dict:
     return parse_recipe(recipe.to_dict(), f"{method}'s recipe").to_dict()  # the codec checked against the protocol
 
 
+def island_port(lab: NetLab, offset: int = 0) -> int:
+    """Where an island's ranks meet on its first host: a fixed port in netns mode (each host has its own), a free one
+    on loopback, which every lab of the machine shares (two benches at once collided on the fixed one)."""
+    return ISLAND_PORT + offset if lab.mode == "netns" else free_port()
+
+
 def _command(method: str, recipe: Path, out: Path, index: int, hosts: int, addr: str, addr0: str,
-             bootstrap: list[str], data: list[str]) -> list[str]:
+             bootstrap: list[str], data: list[str], port: int = ISLAND_PORT) -> list[str]:
     method = split_method(method)[0]
     module = "decentral.baselines.hivemind_optimizer" if method == "hivemind" else "decentral"
     cmd = train_command(recipe, out, index, hosts, module=module) + [a for path in data for a in ("--data", path)]
     if method == REFERENCE:
         return cmd
     if method == "ddp":
-        return cmd + ["--island", f"tcp://{addr0}:{ISLAND_PORT}", "--rank", str(index), "--world-size", str(hosts)]
+        return cmd + ["--island", f"tcp://{addr0}:{port}", "--rank", str(index), "--world-size", str(hosts)]
     return cmd + ["--host", addr, *joining(index, min_peers=hosts, addresses_file=out / "bootstrap.maddrs",
                                            join=bootstrap)]
 
@@ -194,10 +201,10 @@ def run_method(lab: NetLab, method: str, recipe: dict, out: Path, timeout: float
     out.mkdir(parents=True, exist_ok=True)
     recipe_file = out / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    hosts, addr0 = len(lab.hosts), lab.hosts[0].address
+    hosts, addr0, port = len(lab.hosts), lab.hosts[0].address, island_port(lab)
 
     def launch(host, bootstrap) -> Launch:
-        cmd = _command(method, recipe_file, out, host.index, hosts, host.address, addr0, bootstrap, data)
+        cmd = _command(method, recipe_file, out, host.index, hosts, host.address, addr0, bootstrap, data, port)
         env = {"GLOO_SOCKET_IFNAME": "eth0"} if lab.mode == "netns" else None  # gloo: use the capped link
         return Launch(host, f"w{host.index}", cmd, env)
 

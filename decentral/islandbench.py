@@ -40,8 +40,8 @@ from pathlib import Path
 
 import yaml
 
-from decentral.bench import (ISLAND_PORT, REFERENCE, Launch, _command, _recipe_for, compare, plot_curves, run_launches,
-                             summarize_method)
+from decentral.bench import (REFERENCE, Launch, _command, _recipe_for, compare, island_port, plot_curves,
+                             run_launches, summarize_method)
 from decentral.config import default_recipe_path, load_recipe
 from decentral.data import load_corpus
 from decentral.hierarchy import MODES
@@ -219,13 +219,14 @@ def run_sync_point(lab: NetLab, k: int, mode: str, *, numel: int, rounds: int, c
     out.mkdir(parents=True)
     run = f"islandsync-{uuid.uuid4().hex[:6]}"
     bootstrap = out / "bootstrap.maddrs"
+    ports = [island_port(lab, island) for island in range(2)]
 
     def launch(index: int, join: list[str]) -> Launch:
         host = lab.hosts[index]
         island, rank = divmod(index, k)
         leader = lab.hosts[island * k]
         cmd = [sys.executable, "-m", "decentral.islandbench", "_peer", "--mode", mode, "--rank", str(rank),
-               "--ranks", str(k), "--island", f"tcp://{leader.lan_address}:{ISLAND_PORT + island}",
+               "--ranks", str(k), "--island", f"tcp://{leader.lan_address}:{ports[island]}",
                "--host", host.address, "--run", run, "--numel", str(numel), "--rounds", str(rounds),
                "--codec", codec, "--count", "eth0" if lab.mode == "netns" else "streams",
                "--out", str(out / f"h{index}.json"), *[a for m in join for a in ("--join", m)]]

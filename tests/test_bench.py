@@ -480,3 +480,20 @@ def test_in_loopback_mode_ddp_and_hivemind_are_said_uncapped_and_nothing_is_comp
     out, err = capsys.readouterr()
     assert "ddp (uncapped)" in out and "hivemind (uncapped)" in out and "diloco (uncapped)" not in out
     assert "bench: note: ddp, hivemind ran uncapped: in loopback mode only the swarm's own streams" in err
+
+
+def test_ddp_in_loopback_mode_meets_on_a_free_port(tmp_path, small_corpus, capsys):
+    """Two loopback benches at once (labs of other names, or another user's) both put DDP's rendezvous on port 29512
+    of 127.0.0.1: the second's rank 0 failed with EADDRINUSE, its rank 1 joined the first's. Here the port is held
+    as the other bench would hold it."""
+    import socket
+
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", bench.ISLAND_PORT))
+        held.listen()
+        code = cli_main(["bench", "--mode", "loopback", "--hosts", "2", "--steps", "10", "--protocols", "ddp",
+                         "--recipes", str(tiny_recipes(tmp_path / "recipes")), "--data", str(small_corpus),
+                         "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["methods"]["ddp"]["ok"]
