@@ -561,13 +561,13 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline() if ready else ""
 
 
-def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, port: int = 5201, *,
-                       lan: bool = False) -> float:
+def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, *, lan: bool = False) -> float:
     """Stream TCP bytes from host `src` to host `dst` for `seconds`; return the goodput in bits/s seen by dst
     (to dst's LAN address with `lan`: over their uncapped LAN).
 
-    A receiver (``python -m decentral.netlab _recv``) runs on dst and times the
-    stream from its first byte for `seconds`; a sender runs on src. In loopback
+    A receiver (``python -m decentral.netlab _recv``) runs on dst, on a port the system gives it (a fixed one
+    collided with another measurement, or anything else there), and times the stream from its first byte for
+    `seconds`; a sender runs on src. In loopback
     mode with a cap the sender paces itself at the cap (app shaping). Every
     step has a hard timeout; both processes are gone when this returns.
     """
@@ -577,17 +577,20 @@ def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, po
         raise ValueError(f"h{dst} is on no LAN")
     helper = [sys.executable, "-m", "decentral.netlab"]
     pace = lab.rate_bps if lab.app_shaping and not lan else 0
-    recv = dst_host.popen([*helper, "_recv", address, str(port), str(seconds)],
+    recv = dst_host.popen([*helper, "_recv", address, str(seconds)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     send = None
     try:
-        if _read_line(recv, 10.0).strip() != "ready":
-            raise NetLabError(f"receiver on h{dst} did not start: {recv.stderr.read() if recv.poll() is not None else ''}")
+        ready, _, port = _read_line(recv, 10.0).strip().partition(" ")
+        if ready != "ready":
+            said = recv.stderr.read().strip().splitlines() if recv.poll() is not None else []
+            raise NetLabError(f"receiver on h{dst} did not start: {said[-1] if said else 'no word within 10 s'}")
         send = src_host.popen([*helper, "_send", address, str(port), str(seconds + 10), str(pace)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out, err = recv.communicate(timeout=seconds + 15)
         if recv.returncode != 0:
-            raise NetLabError(f"receiver on h{dst} failed (exit {recv.returncode}): {err.strip()}")
+            said = err.strip().splitlines()
+            raise NetLabError(f"receiver on h{dst} failed (exit {recv.returncode}): {said[-1] if said else 'no word'}")
         result = json.loads(out)
         return result["bytes"] * 8 / result["seconds"]
     finally:
@@ -606,13 +609,14 @@ def _stop(proc: subprocess.Popen) -> None:
             pipe.close()
 
 
-def _recv_main(address: str, port: int, seconds: float) -> None:
-    """Receiver: accept one stream, time it from its first byte for `seconds`, print {"bytes", "seconds"}.
+def _recv_main(address: str, seconds: float) -> None:
+    """Receiver: say `ready PORT` (a free one), accept one stream, time it from its first byte for `seconds`, print
+    {"bytes", "seconds"}.
     A stream silent for RECV_SILENCE_S ends the measurement, its silence counted (a cap too low to carry
     a packet in that time measures as about 0)."""
-    with socket.create_server((address, port)) as server:
+    with socket.create_server((address, 0)) as server:
         server.settimeout(10.0)
-        print("ready", flush=True)
+        print(f"ready {server.getsockname()[1]}", flush=True)
         conn, _ = server.accept()
         with conn:
             conn.settimeout(RECV_SILENCE_S)
@@ -720,7 +724,8 @@ def main(args: argparse.Namespace) -> int:
             if args.measure:
                 rate = measure_throughput(lab, 0, 1, seconds=args.seconds)
                 cap = "uncapped" if lab.rate_bps is None else f"cap {human_rate(lab.rate_bps)} ({rate / lab.rate_bps:.0%})"
-                print(f"h0 -> h1: {human_rate(rate)}, {cap}", flush=True)
+                paced = " (loopback mode: the sender's own pacing, not a kernel's cap)" if lab.app_shaping else ""
+                print(f"h0 -> h1: {human_rate(rate)}, {cap}{paced}", flush=True)
             if cmd:
                 status = _run_everywhere(lab, cmd)
             elif not args.measure:
@@ -734,8 +739,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _helper_main(argv: list[str]) -> int:
     """Entry of `python -m decentral.netlab _recv|_send ...` (the halves of `measure_throughput`)."""
-    if argv[:1] == ["_recv"] and len(argv) == 4:
-        _recv_main(argv[1], int(argv[2]), float(argv[3]))
+    if argv[:1] == ["_recv"] and len(argv) == 3:
+        _recv_main(argv[1], float(argv[2]))
         return 0
     if argv[:1] == ["_send"] and len(argv) == 5:
         _send_main(argv[1], int(argv[2]), float(argv[3]), int(argv[4]))

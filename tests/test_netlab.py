@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -83,7 +82,11 @@ def test_loopback_mode_exposes_rate_to_apps(lab_name):
         assert all(h.namespace is None for h in lab.hosts)
         out = lab.hosts[2].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "x"}).stdout
         assert out.split() == ["2", "127.0.0.1", "20000000", "25", "loopback", "x"]
-        paced = measure_throughput(lab, 0, 1, seconds=1.0, port=20000 + secrets.randbelow(20000))
+        with socket.socket() as held:  # (iperf3's port, where the receiver listened: anything there failed it)
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind(("127.0.0.1", 5201))
+            held.listen()
+            paced = measure_throughput(lab, 0, 1, seconds=1.0)
         assert 0.7 * lab.rate_bps < paced < 1.05 * lab.rate_bps
     with NetLab(1, None, name=lab_name, mode="loopback") as lab:
         assert not lab.app_shaping and lab.hosts[0].env["DECENTRAL_LINK_RATE_BPS"] == ""
