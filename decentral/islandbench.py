@@ -77,7 +77,8 @@ def _source() -> dict:
 
 def _a_launch(method: str, lab: NetLab, recipe_file: Path, out: Path, data: list[str], index: int,
               bootstrap: list[str]) -> Launch:
-    """Process `index` of `method`: flat and local run 2 per host, hierarchical one island (2 ranks) per host."""
+    """Process `index` of `method`: flat and local run 2 per host, hierarchical one island (2 ranks) per host; in
+    loopback mode a flat member paces itself to its share of the host's uplink."""
     island = method == "hierarchical"
     per_host = 1 if island else PER_HOST
     host = lab.hosts[index // per_host]
@@ -86,6 +87,8 @@ def _a_launch(method: str, lab: NetLab, recipe_file: Path, out: Path, data: list
     if island:  # the ranks meet at 127.0.0.1 (spawn_ranks); gloo must bind there too, not the capped uplink
         return Launch(host, f"w{index}", cmd + ["--island-size", str(PER_HOST), "--island-mode", "leader"],
                       {"GLOO_SOCKET_IFNAME": "lo"})
+    if lab.app_shaping:  # loopback: each process paces itself; a host's share one uplink, as they average at once
+        return Launch(host, f"w{index}", cmd, {"DECENTRAL_LINK_RATE_BPS": str(int(lab.rate_bps // per_host))})
     return Launch(host, f"w{index}", cmd)
 
 

@@ -246,13 +246,13 @@ class Host:
     def popen(self, cmd: list[str], *, env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
         """Start `cmd` on this host (inside its namespace) and return the Popen.
 
-        The child's environment is the current one, updated with `env`, plus
-        DECENTRAL_HOST_INDEX, DECENTRAL_HOST_ADDR, DECENTRAL_LINK_RATE_BPS (the
-        cap in bits/s, empty when uncapped), DECENTRAL_LINK_LATENCY_MS and
-        DECENTRAL_NETLAB_MODE. The lab kills the process on teardown if it is
-        still running.
+        The child's environment is the current one, plus DECENTRAL_HOST_INDEX,
+        DECENTRAL_HOST_ADDR, DECENTRAL_LINK_RATE_BPS (the cap in bits/s, empty
+        when uncapped), DECENTRAL_LINK_LATENCY_MS and DECENTRAL_NETLAB_MODE,
+        updated with `env` (which may set one of those for this process alone).
+        The lab kills the process on teardown if it is still running.
         """
-        full_env = {**os.environ, **(env or {}), **self.env}
+        full_env = {**os.environ, **self.env, **(env or {})}
         argv = list(cmd) if self.namespace is None else [shutil.which("ip") or "ip", "netns", "exec", self.namespace, *cmd]
         proc = subprocess.Popen(argv, env=full_env, **popen_kwargs)
         self._procs.append(proc)

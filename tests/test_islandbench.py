@@ -59,6 +59,8 @@ def test_part_a_runs_the_same_processes_flat_and_as_islands():
         flat = [islandbench._a_launch("flat", lab, recipe, out, [], i, ["/boot"]) for i in range(4)]
         islands = [islandbench._a_launch("hierarchical", lab, recipe, out, [], i, ["/boot"]) for i in range(2)]
     assert [launch.host.index for launch in flat] == [0, 0, 1, 1]
+    # loopback: a process paces itself, so a host's two flat members take half its uplink each (each had all of it)
+    assert all(launch.env == {"DECENTRAL_LINK_RATE_BPS": "10000000"} for launch in flat)
     assert all(launch.cmd[launch.cmd.index("--num-workers") + 1] == "4" for launch in flat)
     assert all("--island-size" not in launch.cmd for launch in flat)
     for index, launch in enumerate(islands):

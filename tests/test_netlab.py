@@ -82,6 +82,9 @@ def test_loopback_mode_exposes_rate_to_apps(lab_name):
         assert all(h.namespace is None for h in lab.hosts)
         out = lab.hosts[2].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "x"}).stdout
         assert out.split() == ["2", "127.0.0.1", "20000000", "25", "loopback", "x"]
+        out = lab.hosts[2].run([sys.executable, "-c", PRINT_ENV], timeout=30,
+                               env={"EXTRA": "y", "DECENTRAL_LINK_RATE_BPS": "5"}).stdout  # (one process's own)
+        assert out.split() == ["2", "127.0.0.1", "5", "25", "loopback", "y"]
         with socket.socket() as held:  # (iperf3's port, where the receiver listened: anything there failed it)
             held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             held.bind(("127.0.0.1", 5201))
