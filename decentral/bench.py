@@ -39,7 +39,7 @@ from decentral.data import load_corpus
 from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, human_bytes, read_metrics
 from decentral.models import build_model
-from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, Host, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, add_mode_argument, bandwidth_argument
 from decentral.ranks import free_port
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
@@ -603,7 +603,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inner steps per worker (the same for every method without @STEPS; default: "
                              "%(default)s)")
     parser.add_argument("--out", help="the run's folder (default: %(default)s)")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), help=MODE_HELP)
+    add_mode_argument(parser)
     parser.add_argument("--recipes", help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
                              "DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")

@@ -46,7 +46,7 @@ from decentral.config import default_recipe_path, load_recipe
 from decentral.data import load_corpus
 from decentral.hierarchy import MODES
 from decentral.metrics import cell, format_table, human_bytes, results_folder
-from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, NetLab, add_mode_argument, bandwidth_argument
 
 A_METHODS = (REFERENCE, "flat", "hierarchical")
 A_HOSTS = 2
@@ -417,7 +417,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", action="append", metavar="PATH", help="(A) text to train on (default: Python's stdlib)")
     parser.add_argument("--timeout", type=number_type(float, 0, strict=True), default=900.0,
                         help="seconds before one run (a method, a point) is killed")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
+    add_mode_argument(parser)
     parser.add_argument("--lab-name", default="isl", help="prefix of the labs' namespaces and links (part A's "
                         "lab is NAMEa, part B's NAMEb); a lab's leftovers are removed when one of that name opens")
     parser.add_argument("--out", default="runs/islands")

@@ -120,6 +120,19 @@ BANDWIDTH_HELP = ("uplink cap per host, in bits per second: 20mbit, 512kbit, 1gb
                   "reads mbps as bytes), or 'none' (default: %(default)s)")
 MODE_HELP = ("netns: a network namespace per host, uplinks capped by tc (root); loopback: every host on 127.0.0.1, "
              "the applications pace their own sends; auto: netns where root can (default)")
+LAB_MODES = ("auto", "netns", "loopback")
+
+
+def add_mode_argument(parser: argparse.ArgumentParser) -> None:
+    """A command's `--mode` of its lab (default auto); netns refused when parsed where it cannot run."""
+    parser.add_argument("--mode", type=_mode_argument, choices=LAB_MODES, default="auto", help=MODE_HELP)
+
+
+def _mode_argument(text: str) -> str:
+    if text == "netns" and (os.geteuid() != 0 or shutil.which("ip") is None):
+        raise argparse.ArgumentTypeError("netns mode needs root and `ip` (iproute2): run as root, or give --mode "
+                                         "loopback (or leave --mode out: auto runs loopback here)")
+    return text
 
 
 def bandwidth_argument(text: str) -> str | None:
@@ -307,7 +320,7 @@ class NetLab:
             raise LabSettingsError(f"lans must be at most 256 non-empty groups, got {lans}")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", name) or len(f"{name}-v{hosts - 1}") > 15:
             raise LabSettingsError(f"lab name must be alphanumeric and short enough for '{name}-v{hosts - 1}' to fit 15 chars")
-        if mode not in ("auto", "netns", "loopback"):
+        if mode not in LAB_MODES:
             raise LabSettingsError(f"mode must be auto, netns or loopback, got {mode!r}")
         if latency_ms < 0:
             raise LabSettingsError(f"latency_ms must be >= 0, got {latency_ms}")
@@ -670,7 +683,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=BANDWIDTH_HELP)
     parser.add_argument("--latency-ms", type=number_type(float, 0), default=0.0,
                         help="link latency passed to apps (not kernel-enforced)")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
+    add_mode_argument(parser)
     parser.add_argument("--name", default="dcl", help="prefix of the namespaces, veths and bridge")
     parser.add_argument("--measure", action="store_true", help="measure host0 -> host1 throughput against the cap")
     parser.add_argument("--seconds", type=number_type(float, 0, strict=True), default=3.0, help="duration of --measure")

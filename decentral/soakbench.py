@@ -50,7 +50,7 @@ from decentral.cli import stop_processes
 from decentral.config import Recipe, load_recipe, protocol_params, recipe_path
 from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, read_metrics, results_folder
-from decentral.netlab import BANDWIDTH_HELP, MODE_HELP, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, NetLab, add_mode_argument, bandwidth_argument
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
@@ -411,6 +411,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="which workers get killed")
     parser.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
                         help="seconds before a run is given up")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
+    add_mode_argument(parser)
     parser.add_argument("--out", default="runs/soak")
     parser.set_defaults(func=run_soak)

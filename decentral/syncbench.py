@@ -22,7 +22,7 @@ import torch
 
 from decentral.config import SwarmConfig
 from decentral.metrics import results_folder
-from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, MODE_HELP, NetLab, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, NetLab, add_mode_argument, bandwidth_argument
 
 METHODS = ("diloco", "noloco")
 
@@ -192,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")
     parser.add_argument("--rounds", type=_rounds, default=4, help="syncs per point, at least 2: the first warms "
                         "up and is not counted")
-    parser.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto", help=MODE_HELP)
+    add_mode_argument(parser)
     parser.add_argument("--out", default="runs/syncbench")
 
 

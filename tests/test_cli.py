@@ -632,3 +632,16 @@ def test_a_commands_own_options_before_its_suites_name_are_refused(command, caps
     assert f"given before `{command[-1]}`" in err and "does not read" in err, err
     assert main(["bench", "soak", "--hosts", "1"]) == 2  # (after the name: read, here refused as too few)
     assert "--hosts must be at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["netlab"], ["bench"], ["bench", "soak"], ["syncbench"], ["bench", "islands"]])
+def test_netns_mode_without_root_is_refused_as_the_command_is_read(command, monkeypatch, capsys, tmp_path):
+    """It was refused once the lab opened, in the Python API's words (mode='loopback'), after a bench had made its
+    --out and written files there (a soak's swarm key)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--mode", "netns", "--out", str(tmp_path / "out")] if command != ["netlab"]
+             else [*command, "--mode", "netns"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "netns mode needs root" in err and "give --mode loopback" in err, err
+    assert not (tmp_path / "out").exists()
