@@ -111,20 +111,14 @@ def test_a_measured_stream_that_falls_silent_ends_the_measurement_with_what_arri
     """A cap too low to carry a packet in RECV_SILENCE_S (`--bandwidth 8bit --measure`): the receiver timed out
     and `netlab` ended in its flattened traceback. Now the silence ends the measurement, counted in its time."""
     monkeypatch.setattr(netlab, "RECV_SILENCE_S", 0.5)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    receiver = threading.Thread(target=netlab._recv_main, args=("127.0.0.1", port, 30.0))
+    receiver = threading.Thread(target=netlab._recv_main, args=("127.0.0.1", 30.0))
     receiver.start()
-    sender = None
-    deadline = time.monotonic() + 10
-    while sender is None:
-        try:
-            sender = socket.create_connection(("127.0.0.1", port), timeout=1)
-        except ConnectionRefusedError:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)  # the receiver is not listening yet
-    with sender:
+    said, deadline = "", time.monotonic() + 10
+    while not said.startswith("ready "):  # the port it listens on, once it does
+        assert time.monotonic() < deadline
+        said += capsys.readouterr().out
+        time.sleep(0.01)
+    with socket.create_connection(("127.0.0.1", int(said.split()[1])), timeout=1) as sender:
         sender.sendall(b"x" * 1000)  # starts the clock
         sender.sendall(b"y" * 3000)
         receiver.join(timeout=10)
