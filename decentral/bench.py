@@ -39,7 +39,8 @@ from decentral.data import load_corpus
 from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, human_bytes, read_metrics
 from decentral.models import build_model
-from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, add_mode_argument, bandwidth_argument
+from decentral.netlab import (BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, add_mode_argument, bandwidth_argument,
+                              mode_note)
 from decentral.ranks import free_port
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
@@ -537,6 +538,10 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     compare(results, target_loss)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_bench(results, out / "bench.png")
+    config = results["config"]
+    hosts = config.get("hosts")
+    print(f"bench: {hosts} host{'' if hosts == 1 else 's'}, {config.get('bandwidth') or 'uncapped'} links, "
+          f"{mode_note(config.get('mode'))}")
     print(format_results(results))
     print(format_cpu(results))
     target = results["config"]["target_loss"]

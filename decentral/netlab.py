@@ -123,6 +123,13 @@ MODE_HELP = ("netns: a network namespace per host, uplinks capped by tc (root); 
 LAB_MODES = ("auto", "netns", "loopback")
 
 
+def mode_note(mode: str | None) -> str:
+    """What a result measured in lab mode `mode` (a run's config.mode) rests on, in a few words for its table."""
+    return {"netns": "netns mode: every host's traffic capped by tc",
+            "loopback": "loopback mode: only the swarm's own streams paced to the rate, each process alone; bytes are "
+                        "what those streams counted"}.get(mode or "", f"lab mode {mode or 'not recorded'}")
+
+
 def add_mode_argument(parser: argparse.ArgumentParser) -> None:
     """A command's `--mode` of its lab (default auto); netns refused when parsed where it cannot run."""
     parser.add_argument("--mode", type=_mode_argument, choices=LAB_MODES, default="auto", help=MODE_HELP)

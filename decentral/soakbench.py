@@ -50,7 +50,7 @@ from decentral.cli import stop_processes
 from decentral.config import Recipe, load_recipe, protocol_params, recipe_path
 from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, read_metrics, results_folder
-from decentral.netlab import BANDWIDTH_HELP, NetLab, add_mode_argument, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, NetLab, add_mode_argument, bandwidth_argument, mode_note
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
@@ -374,7 +374,8 @@ def _soak(args: argparse.Namespace, recipe: Recipe, out: Path) -> int:
     (out / "results.json").write_text(json.dumps({"config": config, **summary}, indent=1))
     plot_soak(runs["steady"], runs["churn"], args.keep, out / "soak.png")
     print(format_summary(summary))
-    print(f"soak: results in {out / 'results.json'}, plot {out / 'soak.png'}")
+    print(f"soak: {args.hosts} hosts, {args.bandwidth or 'uncapped'} links, {mode_note(config['mode'])}; results in "
+          f"{out / 'results.json'}, plot {out / 'soak.png'}")
     failed = failures(runs.values(), out)
     for line in failed:
         print(line, file=sys.stderr)

@@ -22,7 +22,7 @@ import torch
 
 from decentral.config import SwarmConfig
 from decentral.metrics import results_folder
-from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, NetLab, add_mode_argument, bandwidth_argument
+from decentral.netlab import BANDWIDTH_HELP, MAX_HOSTS, NetLab, add_mode_argument, bandwidth_argument, mode_note
 
 METHODS = ("diloco", "noloco")
 
@@ -154,6 +154,9 @@ def run_syncbench(args: argparse.Namespace) -> int:
         for count in args.hosts:
             cells = [next(p for p in results["points"] if p["method"] == m and p["hosts"] == count) for m in METHODS]
             print(f"{count:>5}  " + "  ".join(f"{c['median_s']:>13.2f}s" for c in cells))
+        print(f"syncbench: median seconds per sync, {args.bandwidth or 'uncapped'} links, "
+              f"{mode_note(results['config']['mode'])}; results in {out / 'syncbench.json'}, plot "
+              f"{out / 'syncbench.png'}")
         return 0
 
 

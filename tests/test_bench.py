@@ -479,6 +479,7 @@ def test_in_loopback_mode_ddp_and_hivemind_are_said_uncapped_and_nothing_is_comp
     assert diloco["speedup_vs_ddp"] is None and diloco["ddp_time_to_final_s"] is None
     out, err = capsys.readouterr()
     assert "ddp (uncapped)" in out and "hivemind (uncapped)" in out and "diloco (uncapped)" not in out
+    assert "bench: 1 host, 20mbit links, loopback mode: only the swarm's own streams paced" in out  # (the table's)
     assert "bench: note: ddp, hivemind ran uncapped: in loopback mode only the swarm's own streams" in err
 
 
