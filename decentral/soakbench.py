@@ -332,7 +332,8 @@ def plot_soak(steady: Run, churn: Run, keep: int, out_png: Path) -> Path:
 def run_soak(args: argparse.Namespace) -> int:
     if not 1 <= args.keep < args.hosts:
         print(f"bench soak: --keep {args.keep} with --hosts {args.hosts}: at least one worker is kept and one killed, "
-              "so --hosts must be at least 2 and --keep in 1..HOSTS-1", file=sys.stderr)
+              "so --hosts must be at least 2 and --keep in 1..HOSTS-1"
+              + (f" (e.g. --keep {args.hosts - 1})" if args.hosts >= 2 else ""), file=sys.stderr)
         return 2
     recipe = load_recipe(recipe_path(args.protocol))
     if recipe.protocol == "local":
@@ -360,15 +361,18 @@ def _soak(args: argparse.Namespace, recipe: Recipe, out: Path) -> int:
         for name, churn in (("steady", False), ("churn", True)):
             recipe.swarm.run = f"soak-{name}-{uuid.uuid4().hex[:6]}"
             print(f"soak: {name} run of {args.hosts} workers, {args.steps} steps ...", flush=True)
+            kept = "".join(f"; the {done} run's records are in {out / done} (`decentral report {out / done}` tables "
+                           "them)" for done in runs)
             try:
                 runs[name] = run_swarm(lab, recipe, out / name, steps=args.steps, timeout=args.timeout,
                                        kill_every=args.kill_every if churn else None, minutes=args.minutes,
                                        keep=args.keep, seed=args.seed)
             except SoakFailed as e:
-                kept = "".join(f"; the {done} run's records are in {out / done} (`decentral report {out / done}` "
-                               "tables them)" for done in runs)
                 print(f"bench soak: the {name} run failed: {e}{kept}", file=sys.stderr)
                 return 1
+            except KeyboardInterrupt:
+                print(f"bench soak: interrupted in the {name} run{kept}", file=sys.stderr, flush=True)
+                return 130
             print(f"soak: {name} run done in {runs[name].wall_s:.0f}s, exit codes {runs[name].codes}", flush=True)
     summary = summarize(runs["steady"], runs["churn"], args.keep)
     (out / "results.json").write_text(json.dumps({"config": config, **summary}, indent=1))
@@ -377,6 +381,9 @@ def _soak(args: argparse.Namespace, recipe: Recipe, out: Path) -> int:
     print(f"soak: {args.hosts} hosts, {args.bandwidth or 'uncapped'} links, {mode_note(config['mode'])}; results in "
           f"{out / 'results.json'}, plot {out / 'soak.png'}")
     failed = failures(runs.values(), out)
+    if not runs["churn"].restarts:  # (then the soak compared two steady runs)
+        failed.append(f"bench soak: nobody was killed: the churn run ended before its first kill (--kill-every "
+                      f"{args.kill_every:g} s); give more --steps or a shorter --kill-every")
     for line in failed:
         print(line, file=sys.stderr)
     return 1 if failed else 0

@@ -137,3 +137,18 @@ def _processes_naming(out) -> list[str]:
         if str(out) in text and not zombie:
             found.append(text)
     return found
+
+
+def test_a_soak_whose_churn_run_killed_nobody_says_so_and_exits_1(tmp_path, capsys):
+    """A churn run that ended before its first kill compared two steady runs, exit 0, "restarts: 0"."""
+    from conftest import write_recipe
+
+    from decentral.cli import main as cli_main
+
+    recipe = write_recipe(tmp_path / "diloco.yaml", {"name": "diloco", "every": 10}, steps=30)
+    out = tmp_path / "out"
+    code = cli_main(["bench", "soak", "--mode", "loopback", "--hosts", "2", "--keep", "1", "--protocol", str(recipe),
+                     "--steps", "30", "--kill-every", "600", "--minutes", "1", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1 and "bench soak: nobody was killed: the churn run ended before its first kill" in captured.err
+    assert "loopback mode" in captured.out and (out / "results.json").is_file()  # (the runs' tables are kept)
