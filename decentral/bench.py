@@ -511,7 +511,8 @@ def run_bench(args: argparse.Namespace) -> int:
             print("bench: interrupted as the lab closed, after every method had run", file=sys.stderr, flush=True)
             report(results, out, args.target_loss)
             return 130
-        print(f"bench: interrupted; not run: {','.join(rest)}" + (
+        cut = "" if REFERENCE in results["methods"] else f"{REFERENCE} (the reference, cut off),"
+        print(f"bench: interrupted; not run: {cut}{','.join(rest)}" + (
             f"; the finished ones are in {out / 'results.json'} (`decentral bench --report {out}` tables them)"
             if results["methods"] else "") + f"; run the rest with --protocols {','.join(rest)} and another --out",
               file=sys.stderr, flush=True)

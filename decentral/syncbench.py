@@ -144,6 +144,11 @@ def run_syncbench(args: argparse.Namespace) -> int:
                     except PointFailed as e:
                         print(f"syncbench: {method}, {count} hosts failed: {e}", file=sys.stderr, flush=True)
                         return 1
+                    except KeyboardInterrupt:
+                        print(f"syncbench: interrupted at {method}, {count} hosts; "
+                              f"{len(results['points'])} point(s) done before it, said above", file=sys.stderr,
+                              flush=True)
+                        return 130
                     results["points"].append({"method": method, "hosts": count, **point})
                     print(f"syncbench: {method}, {count} hosts: median {point['median_s']:.2f}s per sync, "
                           f"{point['bytes_sent_per_peer_per_round'] / 2**20:.1f} MiB sent per peer per sync",
