@@ -142,10 +142,12 @@ def _heartbeats(text: str) -> list[float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type, positive_int
 
-    parser.add_argument("--peers", type=number_type(int, 2), default=4)
-    parser.add_argument("--calls", type=positive_int, default=10, help="calls of each kind, one after another")
-    parser.add_argument("--heartbeats", type=_heartbeats, default="2,6,10", help="heartbeat periods (s) to measure idle")
+    parser.add_argument("--peers", type=number_type(int, 2), default=4, help="DHT peers (default: %(default)s)")
+    parser.add_argument("--calls", type=positive_int, default=10,
+                        help="calls of each kind, one after another (default: %(default)s)")
+    parser.add_argument("--heartbeats", type=_heartbeats, default="2,6,10",
+                        help="heartbeat periods (s) to measure idle (default: %(default)s)")
     parser.add_argument("--seconds", type=number_type(float, 0, strict=True), default=30.0,
-                        help="how long each idle swarm is measured")
-    parser.add_argument("--out", default="runs/bench-dht")
+                        help="how long each idle swarm is measured (default: %(default)ss)")
+    parser.add_argument("--out", default="runs/bench-dht", help="(default: %(default)s)")
     parser.set_defaults(func=run_dhtbench)

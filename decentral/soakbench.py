@@ -407,18 +407,20 @@ def failures(runs, out: Path) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type, positive_int
 
-    parser.add_argument("--hosts", type=int, default=6)
+    parser.add_argument("--hosts", type=int, default=6, help="one worker each (default: %(default)s)")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help=BANDWIDTH_HELP)
     parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
     parser.add_argument("--steps", type=positive_int, default=3000,
                         help="the swarm's inner steps (default: ~20 min on 2 cores)")
-    parser.add_argument("--kill-every", type=number_type(float, 0, strict=True), default=60.0, help="seconds between kills")
-    parser.add_argument("--minutes", type=number_type(float, 0, strict=True), default=20.0, help="how long the kills go on")
-    parser.add_argument("--keep", type=int, default=2, help="w0..w(keep-1) are never killed")
-    parser.add_argument("--seed", type=int, default=0, help="which workers get killed")
+    parser.add_argument("--kill-every", type=number_type(float, 0, strict=True), default=60.0,
+                        help="seconds between kills (default: %(default)s)")
+    parser.add_argument("--minutes", type=number_type(float, 0, strict=True), default=20.0,
+                        help="how long the kills go on (default: %(default)s)")
+    parser.add_argument("--keep", type=int, default=2, help="w0..w(keep-1) are never killed (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="which workers get killed (default: %(default)s)")
     parser.add_argument("--timeout", type=number_type(float, 0, strict=True), default=3600.0,
-                        help="seconds before a run is given up")
+                        help="seconds before a run is given up (default: %(default)s)")
     add_mode_argument(parser)
-    parser.add_argument("--out", default="runs/soak")
+    parser.add_argument("--out", default="runs/soak", help="(default: %(default)s)")
     parser.set_defaults(func=run_soak)

@@ -197,11 +197,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="2,4,8", help="comma-separated host counts (default: %(default)s)")
     parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
                         help=BANDWIDTH_HELP)
-    parser.add_argument("--numel", type=positive_int, default=1_000_000, help="model size (floats) being synced")
+    parser.add_argument("--numel", type=positive_int, default=1_000_000,
+                        help="model size (floats) being synced (default: %(default)s)")
     parser.add_argument("--rounds", type=_rounds, default=4, help="syncs per point, at least 2: the first warms "
-                        "up and is not counted")
+                        "up and is not counted (default: %(default)s)")
     add_mode_argument(parser)
-    parser.add_argument("--out", default="runs/syncbench")
+    parser.add_argument("--out", default="runs/syncbench",
+                        help="where syncbench.json and the plot go (default: %(default)s)")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_peer"]:
