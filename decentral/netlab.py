@@ -437,7 +437,7 @@ class NetLab:
         shaping = ("NOT enforced by the kernel, apps must pace themselves (DECENTRAL_LINK_RATE_BPS)"
                    if self.app_shaping else "no isolation")
         where = "host on 127.0.0.1" if len(self.hosts) == 1 else "hosts all on 127.0.0.1"
-        return f"netlab: loopback mode, {len(self.hosts)} {where}, bandwidth {cap} {shaping}; {latency}"
+        return f"netlab: loopback mode, {len(self.hosts)} {where}, bandwidth {cap}, {shaping}; {latency}"
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
