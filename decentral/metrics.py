@@ -1,7 +1,8 @@
 """Training metrics: JSON Lines logs written while training, read back, summarised and plotted.
 
 A record is a flat dict with at least `worker`, `step`, `wall_s` and, for training steps, `loss`;
-evaluations (every `train.eval_every` steps, and a run's last, `final`) add `val_loss`. Cumulative counters `bytes_sent`, `bytes_received` and `wait_s` are optional.
+evaluations (every `train.eval_every` steps, and a run's last, `final`) add `val_loss`. Cumulative
+counters `bytes_sent`, `bytes_received` and `wait_s` are optional.
 A log can pass every record on to a sink as well: `TensorBoardSink` (the `tensorboard` extra, imported
 only when one is made).
 """

@@ -159,7 +159,7 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport, 
         model, sync = load_training_state(tensors, meta, protocol.optimizer)
         protocol.model.load_state_dict(model)
         protocol.load_state_dict(sync)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # metadata that passed its checksum-less read
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # (metadata another version wrote)
         raise CheckpointError(f"{path}: its metadata does not fit this run ({type(e).__name__}: {e}); resume with the "
                               "recipe it was written with") from None
     theirs, data = meta.get("recipe"), meta.get("data")
