@@ -149,8 +149,8 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
                  timeout_option: str = "--method-timeout") -> dict:
     """Start `first`; once `bootstrap` (a multiaddr file the first write) exists, `rest(its multiaddrs)`
     (at once with [] when no bootstrap is given); wait up to `timeout` for them all (the command's
-    `timeout_option`, which the message names), killing them all if one hangs, and say every PROGRESS_S how far they are (`progress`, of `steps`). Returns the raw outcome:
-    exit codes, the metrics records under OUT/*/ (ranks' included) and what each host's interface sent
+    `timeout_option`, which the message names), killing them all if one hangs, and say every PROGRESS_S how
+    far they are (`progress`, of `steps`). Returns the raw outcome: exit codes, the metrics records under OUT/*/ (ranks' included) and what each host's interface sent
     meanwhile (None in loopback mode)."""
     logs = {}
     before = _tx_bytes(lab)
@@ -511,7 +511,7 @@ def run_bench(args: argparse.Namespace) -> int:
             print("bench: interrupted as the lab closed, after every method had run", file=sys.stderr, flush=True)
             report(results, out, args.target_loss)
             return 130
-        cut = "" if REFERENCE in results["methods"] else f"{REFERENCE} (the reference, cut off),"
+        cut = "" if REFERENCE in results["methods"] else f"{REFERENCE} (the reference, cut off), "
         print(f"bench: interrupted; not run: {cut}{','.join(rest)}" + (
             f"; the finished ones are in {out / 'results.json'} (`decentral bench --report {out}` tables them)"
             if results["methods"] else "") + f"; run the rest with --protocols {','.join(rest)} and another --out",
