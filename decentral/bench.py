@@ -150,8 +150,8 @@ def run_launches(lab: NetLab, out: Path, label: str, first: list[Launch],
     """Start `first`; once `bootstrap` (a multiaddr file the first write) exists, `rest(its multiaddrs)`
     (at once with [] when no bootstrap is given); wait up to `timeout` for them all (the command's
     `timeout_option`, which the message names), killing them all if one hangs, and say every PROGRESS_S how
-    far they are (`progress`, of `steps`). Returns the raw outcome: exit codes, the metrics records under OUT/*/ (ranks' included) and what each host's interface sent
-    meanwhile (None in loopback mode)."""
+    far they are (`progress`, of `steps`). Returns the raw outcome: exit codes, the metrics records under
+    OUT/*/ (ranks' included) and what each host's interface sent meanwhile (None in loopback mode)."""
     logs = {}
     before = _tx_bytes(lab)
     procs: list[subprocess.Popen] = []

@@ -213,7 +213,8 @@ def cleanup_stale(name: str = "dcl") -> list[str]:
 
     Kills the processes still inside its namespaces ``{name}-h*``, deletes the
     root ends of its veths ``{name}-v*`` and ``{name}-l*``, its bridges
-    ``{name}br`` and ``{name}lb*``, the namespaces, and the probes ``{name}-PID-probe`` of processes gone. Removes nothing else. Items that cannot be removed are tried all
+    ``{name}br`` and ``{name}lb*``, the namespaces, and the probes ``{name}-PID-probe``
+    of processes gone. Removes nothing else. Items that cannot be removed are tried all
     the same and reported together in one NetLabError afterwards.
     """
     namespaces, links = _stale_names(name)
