@@ -680,7 +680,8 @@ def _negative_values_attached(argv: list[str]) -> list[str]:
         if token == "--":
             return attached + argv[i:]
         previous = attached[-1] if attached else ""
-        if re.fullmatch(r"-\d\S*", token) and previous.startswith("--") and "=" not in previous:
+        plain_number = re.fullmatch(r"-\d+|-\d*\.\d+", token)  # (argparse reads those as values, also of nargs="+")
+        if re.fullmatch(r"-\d\S*", token) and not plain_number and previous.startswith("--") and "=" not in previous:
             attached[-1] = f"{previous}={token}"
         else:
             attached.append(token)

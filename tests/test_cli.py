@@ -645,3 +645,9 @@ def test_netns_mode_without_root_is_refused_as_the_command_is_read(command, monk
     err = capsys.readouterr().err
     assert done.value.code == 2 and "netns mode needs root" in err and "give --mode loopback" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plain_negative_number_is_left_to_argparse_also_in_a_list():
+    """(Attached as --skips=-0.5, a list option would have taken it alone and refused the values after it.)"""
+    assert _negative_values_attached(["bench", "--skips", "-0.5", "0.3", "--bandwidth", "-5mbit"]) == [
+        "bench", "--skips", "-0.5", "0.3", "--bandwidth=-5mbit"]
