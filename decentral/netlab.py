@@ -55,6 +55,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decentral.cpu import descendants
+
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
 LAN_SUBNETS = ipaddress.ip_network("10.214.0.0/16")  # LAN g (of `lans`) is 10.214.g.0/24
 MAX_HOSTS = 253  # .1 .. .253; .254 is left for a bridge address nobody gets
@@ -482,7 +484,7 @@ class NetLab:
         procs = [proc for host in self.hosts for proc in host._procs]
         # What they started (a worker's DHT process and its libp2p daemon): once their parent is killed they
         # would live on, orphaned, until they notice (netns mode kills whatever is left in the namespaces).
-        started = _descendants([proc.pid for proc in procs if not _exited(proc)])
+        started = {child for proc in procs if not _exited(proc) for child in descendants(proc.pid)}
         # Never Popen.wait() here: close() also runs from the signal handler, which may have interrupted a
         # wait() on one of these processes in the main thread, whose lock a second wait() would block on forever
         # (Ctrl-C on `netlab -- CMD` hung so). poll() and waitid(WNOWAIT) never block.
@@ -510,21 +512,6 @@ class NetLab:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _descendants(pids: list[int]) -> list[int]:
-    """The processes that `pids` started, and those that these started, ... (from /proc: every process's parent)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):  # (one that ended meanwhile)
-            fields = stat.read_text().rpartition(")")[2].split()  # (after the command's name, which may hold spaces)
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], list(pids)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _running(pid: int) -> bool:
