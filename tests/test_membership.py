@@ -185,12 +185,15 @@ def test_a_dht_process_whose_shutdown_is_stuck_ends_with_its_daemon_while_its_ow
     dht = StuckShutdown(start=True)
     below = {dht.pid} | descendants(dht.pid)
     assert len(below) >= 2, "the DHT process runs its own libp2p daemon"
+    sockets = [path for pid in below for path in peer_module._daemon_sockets(pid)]
+    assert len(sockets) == 2 and os.path.exists(sockets[0]), sockets  # the daemon's (hivemind's: once it serves)
     try:
         dht.shutdown()
         wait_until(lambda: not any(running(pid) for pid in below), 10, "the DHT process and its daemon to end")
     finally:
         for pid in filter(running, below):  # left behind when the test fails
             os.kill(pid, signal.SIGKILL)
+    assert not any(os.path.exists(path) for path in sockets), sockets  # (each killed peer left both in /tmp)
 
 
 def test_a_peer_that_fails_to_start_leaves_no_dht_process_behind(monkeypatch):

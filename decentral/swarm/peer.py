@@ -200,10 +200,30 @@ class _DHTProcess(DHT):
 
 
 def _kill(pids) -> None:
-    """SIGKILL each of `pids` (a DHT process's, whose shutdown hangs); one that has ended already is passed over."""
+    """SIGKILL each of `pids` (a DHT process's, whose shutdown hangs); one that has ended already is passed over.
+    The unix sockets of a libp2p daemon among them go too (hivemind removes them only in a shutdown that runs:
+    each killed peer left two in /tmp)."""
+    sockets = [path for pid in pids for path in _daemon_sockets(pid)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    for path in sockets:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _daemon_sockets(pid: int) -> list[str]:
+    """The unix sockets of p2pd process `pid` (its `-listen=/unix/DIR/hivemind-p2pd-ID.sock`, and hivemind's client
+    socket of the same ID beside it); [] for another process."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+    for arg in args:
+        if arg.startswith("-listen=/unix/") and "hivemind-p2pd-" in arg:
+            daemon = arg.removeprefix("-listen=/unix")
+            return [daemon, daemon.replace("hivemind-p2pd-", "hivemind-p2pclient-")]
+    return []
 
 
 def _interrupt_between_callbacks(signum, frame) -> None:
