@@ -102,11 +102,14 @@ def test_seed_branch_train_ensemble_end_to_end(tmp_path, prefork):
     common = ["--protocol", str(recipe), "--registry", "reg"]
     run_cli(prefork, "experts", "seed", "--domain", "code", "--domain", "legal", "--share", "0.5", *common, cwd=tmp_path)
     for name in ("code", "legal"):
-        out = run_cli(prefork, "experts", "branch", name, "--from", "seed", "--domain", name, *common, cwd=tmp_path)
+        own = ["--set", "train.eval_every=10"] if name == "code" else []  # (the seed's schedule, but for this)
+        out = run_cli(prefork, "experts", "branch", name, "--from", "seed", "--domain", name, *common, *own,
+                      cwd=tmp_path)
         assert "AdamW starts fresh" not in out  # the seed keeps its optimizer state
 
     registry = Registry(tmp_path / "reg")
     seed, code, legal = registry.get("seed"), registry.get("code"), registry.get("legal")
+    assert code.recipe["train"]["eval_every"] == 10 and legal.recipe["train"]["eval_every"] == 20  # (--set was lost)
     assert seed.steps == 40 and seed.optimizer is not None and seed.parent is None
     for expert in (code, legal):
         verify_expert(expert)

@@ -26,7 +26,7 @@ from decentral.cli import (
     train_worker,
 )
 from decentral.checkpoint import CheckpointError, checkpoint_present, read_checkpoint_meta
-from decentral.config import RecipeError, parse_recipe, parse_settings
+from decentral.config import RecipeError, parse_recipe, parse_settings, with_settings
 from decentral.metrics import format_table
 from decentral.experts.registry import (
     CONFIG_FILE, META_FILE, Registry, RegistryError, trained_domains, verify_expert,
@@ -148,11 +148,13 @@ def cmd_branch(args) -> int:
             verify_expert(parent, with_optimizer=False)  # AdamW starts fresh
     recipe = _recipe(args)
     first = parents[0]
-    if first.recipe:  # the schedule follows the parent; protocol and swarm come from --protocol
-        inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")
-        recipe.train = dataclasses.replace(inherited.train, steps=args.steps or inherited.train.steps,
-                                           batch_size=args.batch_size or inherited.train.batch_size,
-                                           device=args.device or inherited.train.device)
+    if first.recipe:  # the schedule follows the parent, but for what --set train.* changes; protocol and swarm
+        inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")  # come from --protocol
+        own = {k: v for k, v in parse_settings(args.set or []).items() if k.startswith("train.")}
+        train = parse_recipe(with_settings({"train": inherited.to_dict()["train"]}, own), "--set").train
+        recipe.train = dataclasses.replace(train, steps=args.steps or train.steps,
+                                           batch_size=args.batch_size or train.batch_size,
+                                           device=args.device or train.device)
     else:
         print(f"experts: {first.name} has no training recipe (a merge or a download without one): the schedule is "
               f"this run's ({recipe.train.steps} steps in all, from its step {first.steps})", flush=True)
