@@ -309,3 +309,25 @@ def test_cluster_cli_refuses_a_used_out_and_bad_counts_and_replace_clears_old_cl
         done = prefork.run(["experts", "cluster", "--data", "docs", "--out", "new", *bad], tmp_path, timeout=60)
         assert done.returncode == 2 and "must be at least 1" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_clustering_or_routing_without_sklearn_or_on_wordless_text_is_one_line(tmp_path, monkeypatch, capsys,
+                                                                                 corpus, fitted):
+    """Each ended in a traceback (exit 1); `experts eval --router` only after it had scored every expert."""
+    from decentral.cli import main as cli_main
+
+    data = tmp_path / "docs"
+    data.mkdir()
+    for i in range(6):
+        (data / f"{i}.txt").write_text("a b " * (50 + i))  # (one-letter words: no term to embed)
+    assert cli_main(["experts", "cluster", "--data", str(data), "--k", "2", "--out", str(tmp_path / "out")]) == 2
+    assert "cannot cluster the documents" in capsys.readouterr().err
+    fitted[0].save(tmp_path / "router.npz")
+    for name in [m for m in sys.modules if m.split(".")[0] in ("sklearn", "scipy")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert cli_main(["experts", "cluster", "--data", str(data), "--k", "2", "--out", str(tmp_path / "o2")]) == 2
+    assert "pip install 'decentral[cluster]'" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+    (tmp_path / "reg").mkdir()
+    code = cli_main(["experts", "eval", "--registry", str(tmp_path / "reg"), "--experts", "a,b,c", "--domain", "code",
+                     "--router", str(tmp_path / "router.npz")])
+    assert code == 2 and "pip install 'decentral[cluster]'" in capsys.readouterr().err

@@ -329,6 +329,8 @@ def cmd_eval(args) -> int:
     from decentral.experts.ensemble import PriorCache
     from decentral.experts.evaluate import EvalConfig, ensemble_report, format_report, score_experts
 
+    if args.router:
+        _check_sklearn()  # (routing needs it: before anything, not once every expert is scored)
     registry = Registry(args.registry)
     if args.experts is not None and "" in args.experts.split(","):
         raise RegistryError(f"--experts {args.experts!r}: an empty name (names are separated by single commas)")
@@ -378,17 +380,32 @@ def _old_clusters(out: Path, replace: bool) -> list[Path]:
     return [p for p in held if (p.is_dir() and CLUSTER_FOLDER.fullmatch(p.name)) or p.name == ROUTER_FILE]
 
 
+def _check_sklearn() -> None:
+    """RegistryError (one line, exit 2) where c-BTM's clustering and routing cannot run: scikit-learn is missing."""
+    from decentral.experts.clusters import check_sklearn
+
+    try:
+        check_sklearn()
+    except ImportError as e:
+        raise RegistryError(str(e)) from None
+
+
 def cmd_cluster(args) -> int:
     from decentral.data.corpus import load_documents
     from decentral.experts.clusters import fit_router
 
+    _check_sklearn()
     out = Path(args.out)
     old = _old_clusters(out, args.replace)
     documents, source = load_documents(args.data, max_bytes=args.max_bytes)
     if len(documents) < 2 * args.k:
         raise RegistryError(f"{len(documents)} documents from {source} are too few for {args.k} clusters")
     print(f"experts: clustering {len(documents)} documents from {source} into {args.k}", file=sys.stderr, flush=True)
-    router, assignment = fit_router([d.text.decode("utf-8", "replace") for d in documents], args.k, seed=args.seed)
+    try:
+        router, assignment = fit_router([d.text.decode("utf-8", "replace") for d in documents], args.k,
+                                        seed=args.seed)
+    except ValueError as e:  # (text with too few distinct words to embed)
+        raise RegistryError(f"cannot cluster the documents from {source}: {e}") from None
     for path in old:
         if path.is_dir():
             shutil.rmtree(path)

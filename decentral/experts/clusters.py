@@ -51,6 +51,14 @@ def _needs_sklearn() -> Iterator[None]:
         raise ImportError(SKLEARN_MISSING) from e
 
 
+def check_sklearn() -> None:
+    """ImportError saying how to install them unless scikit-learn and scipy import: for a command to call before
+    its work, where `fit_router` or `Router.weights` would fail only once they run."""
+    with _needs_sklearn():
+        import scipy  # noqa: F401
+        import sklearn  # noqa: F401
+
+
 def _hashed_counts(texts: Sequence[str], n_features: int):
     """Term counts of `texts` hashed into `n_features` columns (a scipy CSR matrix)."""
     with _needs_sklearn():
