@@ -14,9 +14,9 @@ domains, b sequences per expert step and a schedule of S + B inner steps (ALGORI
 Every model trains as its own `decentral train` process (`--jobs` at a time); each runs alone, as an
 expert would on its own machine. Then every model, ensemble and merge is scored on the test split of
 each training domain and of a held-out domain (priors from each domain's dev split): the BTM
-ensemble (previous-token posterior, the default, and full-prefix), the uniform mixture, the
-uniform parameter average, the posterior-weighted parameter average (weights = the domain's prior)
-and the same for the no-seed experts. Writes OUT/results.json and OUT/btm.png and prints the
+ensemble (previous-token posterior, the default, and full-prefix), the mixture by the domain's prior
+and the uniform one, the uniform parameter average, the posterior-weighted parameter average
+(weights = the domain's prior), and for the no-seed experts their ensemble and uniform average. Writes OUT/results.json and OUT/btm.png and prints the
 test perplexities, mean ± std over seeds, and the ratios the targets are about.
 """
 
@@ -124,7 +124,7 @@ def plan_seed(out: Path, seed: int, domains: list[str], seed_steps: int, branch_
 
 
 def _merged(registry: Registry, name: str, experts: list, method: str = "linear", **parameters):
-    recipe = parse_merge_recipe({"method": method, "experts": [str(e.folder) for e in experts],
+    recipe = parse_merge_recipe({"method": method, "experts": [str(e.folder.resolve()) for e in experts],
                                  "parameters": parameters}, f"the bench's {name}")
     return merge(recipe, registry.folder(name), progress=False)
 

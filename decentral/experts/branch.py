@@ -111,7 +111,7 @@ def averaged_start(parents: list[Expert], domain: str, folder: Path) -> Expert:
     `domain`'s prior over them, from its dev split), at the step the parents branched at."""
     from decentral.merge import merge, parse_merge_recipe
 
-    recipe = parse_merge_recipe({"method": "posterior", "experts": [str(p.folder) for p in parents],
+    recipe = parse_merge_recipe({"method": "posterior", "experts": [str(p.folder.resolve()) for p in parents],
                                  "parameters": {"domain": domain}}, "the branch's average")
     expert = merge(recipe, folder, progress=False)
     expert.steps = min(p.start_step for p in parents)

@@ -271,6 +271,8 @@ def cmd_fetch(args) -> int:
 
     if not args.join:
         raise RegistryError("fetch needs --join: the multiaddr of any peer of the swarm that publishes")
+    if args.sha256 and len(args.names) > 1:  # (one version's hash: every other name would match none)
+        raise RegistryError(f"--sha256 picks the version of one expert: fetch {args.names[0]} with it on its own")
     registry = Registry(args.registry)
     for name in _distinct(args.names, "fetch"):
         _check_new_expert(registry, name, args.replace)

@@ -183,6 +183,9 @@ class ExpertSharing:
         except (asyncio.IncompleteReadError, ConnectionError):
             raise RegistryError(f"{name}/{file}: the publisher closed the connection after {received} of {size} bytes "
                                 "(it stopped, or its copy is gone)") from None
+        except TimeoutError:  # (asyncio.wait_for's: no message of its own)
+            raise RegistryError(f"{name}/{file}: the publisher sent nothing for {CHUNK_TIMEOUT_S:g} s after {received} "
+                                f"of {size} bytes") from None
         finally:
             writer.close()
         if received != size or hasher.hexdigest() != digest:
