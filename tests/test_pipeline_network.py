@@ -53,6 +53,9 @@ def test_links_defaults_and_directions():
     ({"default_link": {"latency_ms": 1, "bandwidth_mbps": 0}}, "default_link.bandwidth_mbps must be a positive number"),
     ({"links": [{"from": "n0", "to": "zz", "latency_ms": 1, "bandwidth_mbps": 1}]},
      "links[0].to must name a node, got 'zz'"),
+    ({"links": [{"from": ["n0"], "to": "n1", "latency_ms": 1, "bandwidth_mbps": 1}]},  # (a TypeError traceback)
+     "links[0].from must name a node"),
+    ({"nodes": [{"name": "a", "compute_ms": 10 ** 400}]}, "nodes[0].compute_ms must be a positive number"),  # Overflow
     ({"links": [{"from": "n0", "to": "n1", "latency_ms": -3, "bandwidth_mbps": 1}]},
      "links[0].latency_ms must be a number >= 0, got -3"),
     ({"default_link": None}, "no link from 'n0' to 'n1' and no default_link"),

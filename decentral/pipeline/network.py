@@ -210,7 +210,7 @@ def parse_network(data: Any, source: str = "network", shape: dict[str, Any] | No
         cost = _parse_link_cost(raw, where, extra={"from", "to", "both_ways"})
         ends = []
         for key in ("from", "to"):
-            if raw.get(key) not in names:
+            if not isinstance(raw.get(key), str) or raw[key] not in names:  # (a list, a mapping: unhashable)
                 raise NetworkError(f"{where}.{key} must name a node, got {_shown(raw.get(key))}")
             ends.append(names[raw[key]])
         if ends[0] == ends[1]:
@@ -341,7 +341,12 @@ def _no_unknown_keys(raw: dict, allowed: set[str], where: str) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # (an int of hundreds of digits, which no float holds)
+        return False
 
 
 def _is_int(value: Any) -> bool:
