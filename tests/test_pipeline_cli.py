@@ -133,3 +133,16 @@ def test_bench_reports_every_seed_and_the_median(tmp_path, capsys):
     assert [row["dead"] for row in saved["rows"]] == [rows[0]["dead"], rows[1]["dead"]]
     assert (tmp_path / "pipeline_bench.png").exists()
     assert "median" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [(["bench", "pipeline", "--seeds", "-1"], "--seeds: must be at least 0"),
+                                        (["bench", "pipeline", "timing", "--iterations", "0"],
+                                         "--iterations: must be at least 1")])
+def test_pipeline_bench_arguments_that_cannot_run_are_refused_as_they_are_read(argv, says, capsys):
+    """--seeds -1 reached numpy's default_rng (a ValueError traceback); --iterations 0 trained on netlab for
+    minutes, then took the median of nothing (a StatisticsError traceback)."""
+    from decentral.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2 and says in capsys.readouterr().err

@@ -6,8 +6,8 @@ For each seed, a synthetic geo-distributed network (network.regions_network: `no
 planned; the three plans' iterations are simulated; then one random node that is not a head dies
 and the plan is re-planned. Reported per seed and as the median over seeds: the iteration times,
 planned ÷ full, planned against blind, planning time, re-planning time and the iteration after the
-death. Writes OUT/results.json and OUT/pipeline_bench.png (bars per seed, and the Gantt charts of
-the median seed). The issue's targets: planned ≤ 0.5 × full, ≥ 15% below blind, planning < 10 s,
+death. Writes OUT/results.json, OUT/pipeline_bench.png (bars per seed) and
+OUT/pipeline_gantt_seedN.png (the Gantt charts of the median seed N). The issue's targets: planned ≤ 0.5 × full, ≥ 15% below blind, planning < 10 s,
 re-planning < 2 s.
 """
 
@@ -89,7 +89,7 @@ def plan_bench(seeds=(0, 1, 2), nodes: int = 20, stages: int = 6, skip: float = 
 def add_arguments(parser) -> None:
     """`decentral bench pipeline` (the planner), `... pipeline convergence` and `... pipeline timing` (the
     runtime: decentral.pipeline.trainbench)."""
-    from decentral.cli import example, number_type
+    from decentral.cli import example, number_type, positive_int
     from decentral.pipeline import trainbench
     from decentral.pipeline.recipe import SHIPPED_RECIPE
 
@@ -119,7 +119,7 @@ def add_arguments(parser) -> None:
     timing.add_argument("--stages", type=int, default=4)
     timing.add_argument("--skips", type=float, nargs="+", default=[0.0, 0.25])
     timing.add_argument("--microbatches", type=int, default=8)
-    timing.add_argument("--iterations", type=int, default=6, help="measured iterations (after the warm-up)")
+    timing.add_argument("--iterations", type=positive_int, default=6, help="measured iterations (after the warm-up)")
     timing.add_argument("--warmup", type=int, default=2, help="iterations whose measured compute the plan is "
                         "made again with, left out of the comparison")
     timing.add_argument("--data", action="append", metavar="PATH")
@@ -127,7 +127,7 @@ def add_arguments(parser) -> None:
     timing.set_defaults(func=lambda args: trainbench.timing_bench(
         args.out, args.recipe, args.bandwidth, args.latency_ms, args.nodes, args.stages, tuple(args.skips),
         args.microbatches, args.iterations, args.warmup, args.data) and 0)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=number_type(int, 0), nargs="+", default=[0, 1, 2])
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--regions", type=int, default=5)
     parser.add_argument("--stages", type=int, default=6)
