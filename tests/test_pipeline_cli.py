@@ -146,3 +146,18 @@ def test_pipeline_bench_arguments_that_cannot_run_are_refused_as_they_are_read(a
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_plan_whose_network_blind_baseline_deadlocks_is_tabled_written_and_drawn(tmp_path, capsys):
+    """Network-blind skipping can order a node's work into a deadlock (one microbatch in memory, stage replicas):
+    the table said inf and nan, plan.json held `Infinity` (not JSON), and --plot ended in a Deadlock traceback."""
+    from decentral.cli import main
+    from decentral.pipeline.network import regions_network
+
+    regions_network(nodes=12, regions=2, seed=1, stages=6, skip=0, microbatches=24, memory=1).save(tmp_path / "n.json")
+    assert main(["pipeline", "plan", str(tmp_path / "n.json"), "--seed", "1", "--effort", "0.05", "--out",
+                 str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png")]) == 0
+    out = capsys.readouterr().out
+    assert "network-blind skipping  deadlocks" in out and "inf" not in out and "nan" not in out, out
+    timed = json.loads((tmp_path / "plan.json").read_text())["iteration_ms"]
+    assert timed["network_blind"] is None and timed["planned"] > 0 and (tmp_path / "plan.png").stat().st_size > 0

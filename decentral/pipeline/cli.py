@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -209,7 +210,7 @@ def cmd_node(args) -> int:
 def cmd_plan(args) -> int:
     from tqdm import tqdm
 
-    from decentral.metrics import format_table
+    from decentral.metrics import cell, format_table
 
     out = Path(args.out)
     if out.is_dir():
@@ -235,8 +236,10 @@ def cmd_plan(args) -> int:
           f"({length} stages per path), {network.microbatches} microbatches")
     rows = [("simulated iteration", "time", "vs full", "vs blind")]
     for name, found in (("full pipeline", full), ("network-blind skipping", blind), ("planned", planned)):
-        rows.append((name, f"{found.makespan_ms / 1e3:.1f} s", f"{found.makespan_ms / full.makespan_ms:.2f}x",
-                     f"{found.makespan_ms / blind.makespan_ms - 1:+.0%}"))
+        ms, full_ms, blind_ms = _iteration_ms(found), _iteration_ms(full), _iteration_ms(blind)
+        rows.append((name, "deadlocks" if ms is None else f"{ms / 1e3:.1f} s",
+                     cell(ms and full_ms and ms / full_ms, ".2f") + ("x" if ms and full_ms else ""),
+                     cell(ms and blind_ms and ms / blind_ms - 1, "+.0%")))
     print(format_table(rows))
     target = out
     try:
@@ -259,11 +262,16 @@ def _plan_record(args, network, length: int, planned: Plan, full: Plan, blind: P
         "inputs": {"network": str(args.network), "nodes": len(network), "stages": network.stages,
                    "skip": network.skip, "path_length": length, "microbatches": network.microbatches,
                    "activation_bytes": network.activation_bytes, "seed": args.seed, "effort": args.effort},
-        "iteration_ms": {"full_pipeline": round(full.makespan_ms, 3), "network_blind": round(blind.makespan_ms, 3),
-                         "planned": round(planned.makespan_ms, 3)},
+        "iteration_ms": {"full_pipeline": _iteration_ms(full), "network_blind": _iteration_ms(blind),
+                         "planned": _iteration_ms(planned)},  # (null: the plan deadlocks)
         "planning_s": round(planning_s, 3),
         **planned.to_json(),
     }
+
+
+def _iteration_ms(plan: Plan) -> float | None:
+    """`plan`'s simulated iteration in ms (3 decimals); None when it deadlocks (JSON has no infinity)."""
+    return round(plan.makespan_ms, 3) if math.isfinite(plan.makespan_ms) else None
 
 
 def _compact_json(record: dict) -> str:
