@@ -29,6 +29,21 @@ def test_mean_of_three_peers_equals_independent_mean(make_swarm):
     assert all(p.bytes_sent > 0 and p.bytes_received > 0 for p in peers)
 
 
+def test_a_chunk_that_is_zero_in_every_part_averages_and_commits(make_swarm):
+    """Frozen weights give an outer gradient (or DDP a gradient) of exact zeros there: their chunk's owner
+    reported only zero norms, which read as "averages no part at all", and each member banned the other for good."""
+    peers = make_swarm(2)
+    group = sorted(p.peer_id for p in peers)
+    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for x in xs:
+        x[:600] = 0  # (chunk 0, the first 501 values, all zeros in both parts)
+    results = run_in_threads([lambda p=p, x=x: p.average(x, group, "z") for p, x in zip(peers, xs)])
+    for r in results:
+        assert r.complete and r.contributors == 2 and not r.rejected, r
+        torch.testing.assert_close(r.tensor, (xs[0] + xs[1]) / 2, rtol=0, atol=1e-6)
+    assert not any(p.averager.banned for p in peers)
+
+
 def test_an_averages_model_sized_work_runs_off_the_event_loop_that_answers_probes(make_swarm, monkeypatch):
     """Encoding, decoding, the part checks, the reduction and the digests of an average run in worker
     threads, never on a peer's event loop: a loop busy with a large model for `hang_s` would not answer
@@ -348,8 +363,15 @@ def test_part_checks_clip_bound_and_owner_results():
     torch.testing.assert_close(clip(ref * 30, float((ref * 30).norm()), 5.0).norm(), torch.tensor(5.0))
     assert torch.equal(clip(ref, float(ref.norm()), 5.0), ref)
     mean = torch.ones(10)  # norm 3.16, as the mean of parts of norm 3.16 would be
-    assert check_owner_result(mean, [3.17, 3.17, 3.17], 0, 3.17, 2.0, "mean") is None
-    assert "more than its parts" in check_owner_result(mean * 5, [3.17, 3.17, 3.17], 0, 3.17, 2.0, "mean")
-    assert "reports our part" in check_owner_result(mean, [9.0, 3.17, 3.17], 0, 3.17, 2.0, "mean")
-    assert "beyond the" in check_owner_result(mean, [3.17, 3.17, 30.0], 0, 3.17, 2.0, "mean")
-    assert "without the norms" in check_owner_result(mean, None, 0, 3.17, 2.0, "mean")
+    assert check_owner_result(mean, [3.17, 3.17, 3.17], 0, 3.17, 2.0, "mean", 3) is None
+    assert "more than its parts" in check_owner_result(mean * 5, [3.17, 3.17, 3.17], 0, 3.17, 2.0, "mean", 3)
+    assert "reports our part" in check_owner_result(mean, [9.0, 3.17, 3.17], 0, 3.17, 2.0, "mean", 3)
+    assert "beyond the" in check_owner_result(mean, [3.17, 3.17, 30.0], 0, 3.17, 2.0, "mean", 3)
+    assert "without the norms" in check_owner_result(mean, None, 0, 3.17, 2.0, "mean", 3)
+    # one norm per member: padded with large ones, the lower median (so the bound) rose and a 50x result passed;
+    # short, our own entry was read past its end (an IndexError out of the average)
+    assert "without the norms of the 2 parts" in check_owner_result(mean * 10, [3.17, 3.17, 99, 99], 0, 3.17, 2.0,
+                                                                      "mean", 2)
+    assert "without the norms of the 3 parts" in check_owner_result(mean, [3.17], 2, 3.17, 2.0, "mean", 3)
+    # every part all zeros (frozen weights): an honest result, not "no part at all" (its owner was banned for it)
+    assert check_owner_result(torch.zeros(10), [0.0, 0.0], 0, 0.0, 2.0, "mean", 2) is None

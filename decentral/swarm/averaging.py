@@ -162,19 +162,20 @@ def clip(part: torch.Tensor, norm: float, bound: float) -> torch.Tensor:
 
 
 def check_owner_result(result: torch.Tensor, norms: object, mine: int, own_norm: float | None, ratio: float,
-                       aggregation: str) -> str | None:
-    """Why a chunk owner's average may not be taken (None when it may). The owner reports the norms of
-    the parts it averaged, after clipping (0 for members it had nothing from); we check that our own
-    entry is not longer than the part we sent, that no part exceeds the clip bound those norms imply,
-    and that the result is no longer than such parts can make it (a mean: the longest part; a trimmed
-    mean: sqrt(n) times it)."""
-    if not (isinstance(norms, list) and all(isinstance(n, (int, float)) and math.isfinite(n) and n >= 0 for n in norms)):
-        return "its result came without the norms of the parts it averaged"
-    used = [float(n) for n in norms if n > 0]
-    if not used:
-        return "its result averages no part at all"
+                       aggregation: str, members: int) -> str | None:
+    """Why a chunk owner's average may not be taken (None when it may). The owner reports the norm of
+    each of the `members` parts it averaged, after clipping (it sends a result only once it holds every
+    member's part; a part may be all zeros: frozen weights); we check that there is one norm per member,
+    that our own entry is not longer than the part we sent, that no part exceeds the clip bound those
+    norms imply, and that the result is no longer than such parts can make it (a mean: the longest part;
+    a trimmed mean: sqrt(n) times it)."""
+    if not (isinstance(norms, list) and len(norms) == members
+            and all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n >= 0
+                    for n in norms)):
+        return f"its result came without the norms of the {members} parts it averaged"
+    used = [float(n) for n in norms]
     slack = 1 + 1e-2  # rounding to the wire dtype may lengthen a result by its unit roundoff (bfloat16: 0.4%)
-    if own_norm is not None and mine < len(norms) and norms[mine] > own_norm * slack + 1e-6:
+    if own_norm is not None and norms[mine] > own_norm * slack + 1e-6:
         return f"it reports our part at norm {norms[mine]:.4g}, we sent {own_norm:.4g}"
     if max(used) > norm_bound(used, ratio, result.numel()) * slack:
         return f"it reports a part at norm {max(used):.4g}, beyond the {ratio}x bound of the others"
@@ -730,7 +731,6 @@ class GroupAverager:
                     log.info("%s: clipped the part from %s to the group's bound %.3g", tag, sender[-8:], bound)
             counted = list(own)  # our input as the average counted it (for a sparse codec: after phase 2)
             counted[mine] = counted_mine
-            my_norms = [min(sizes[p], bound) if p in parts else 0.0 for p in group]
             elsewhere |= set(self.banned)  # members we just excluded: we refuse their pushes from now on
             part_missing = len(parts) < len(group)
             received = checked = parts = None  # averaged: their memory is free for the gather's chunks
@@ -749,6 +749,7 @@ class GroupAverager:
                 result, counts, disagree = list(own), [1] * len(group), []
             else:
                 # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
+                my_norms = [min(sizes[p], bound) for p in group]  # (every member's part is in: none is missing)
                 deadline = max(deadline, loop.time() + timeout / 2)
                 sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", encoded_mine, deadline, view,
                                                            {"norms": my_norms}, round))
@@ -762,11 +763,12 @@ class GroupAverager:
 
                 def weigh(sender: str, msg: Message) -> tuple[str | None, list[float], torch.Tensor | None]:
                     """Why an owner's result may not be taken (None when it may), the norms it reports, and our
-                    part as it counted it: clipped to the norm it reports for us (0: not at all)."""
+                    part as it counted it: clipped to the norm it reports for us."""
                     j = group.index(sender)
                     own_norm = float(own[j].norm())
                     reason = check_part(msg.tensor, own[j]) or check_owner_result(
-                        msg.tensor, msg.meta.get("norms"), mine, own_norm, self.max_norm_ratio, self.aggregation)
+                        msg.tensor, msg.meta.get("norms"), mine, own_norm, self.max_norm_ratio, self.aggregation,
+                        len(group))
                     if reason:
                         return reason, [], None
                     reported = [float(n) for n in msg.meta["norms"]]
@@ -780,7 +782,7 @@ class GroupAverager:
                         j = group.index(sender)
                         result[j], norms[j], counted[j] = candidates[sender].tensor, reported, ours
                         wire[j] = (candidates[sender].payload, result[j].numel())
-                        counts[j] = sum(n > 0 for n in reported)
+                        counts[j] = len(reported)  # (one per member, check_owner_result: it averaged every part)
 
                 # phase 3: commit. Members swap digests of the chunks they hold; the average stands only where
                 # every member that answered holds exactly what we hold.
