@@ -514,7 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=number_type(float, 0, strict=True), default=2.0, metavar="S",
                         help="seconds between refreshes")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
-    status.add_argument("--json", action="store_true", help="print one JSON document {run, peers} and exit")
+    status.add_argument("--json", action="store_true", help="print one JSON document {run, reachable, peers} and "
+                        "exit")
     status.set_defaults(func=cmd_status)
 
     train = sub.add_parser("train", help="train as one swarm member (starts a swarm when --join is not given)",

@@ -103,12 +103,6 @@ class SwarmKey:
             return None
 
 
-def resolve_swarm_key(path: str | Path | None) -> SwarmKey | None:
-    """The key at `path`, else at $DECENTRAL_SWARM_KEY, else None (an open swarm)."""
-    path = path or os.environ.get(KEY_ENV)
-    return SwarmKey.load(path) if path else None
-
-
 OPEN_SWARM_NOTICE = ("note: this swarm is open: anyone who can reach a member can join it, push parts and read "
                      "its records. `decentral swarm keygen FILE` makes a key; give it to every member with "
                      f"--swarm-key FILE (or ${KEY_ENV}).")

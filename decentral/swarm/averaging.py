@@ -3,7 +3,7 @@
 Peer j of the sorted group owns chunk j. Phase 1: every peer pushes chunk j of its tensor to peer j,
 which averages what arrived. Phase 2: peer j pushes its averaged chunk to everyone. Each peer sends
 2(k-1)/k of the tensor, the bandwidth optimum of an all-reduce, in the swarm's codec
-(decentral.swarm.codec): each chunk is encoded on its own, every part decoded and averaged in float32,
+(decentral.codec): each chunk is encoded on its own, every part decoded and averaged in float32,
 and the owner's average encoded again, so every member holds what the owner's encoding decodes to (and,
 once committed, that encoding, `AverageResult.encoded`, which a newcomer may replay: decentral.rounds).
 With a codec that drops most of a tensor (`error_feedback`), the owner's re-encoding drops entries of

@@ -351,10 +351,6 @@ class SwarmPeer:
         """Run a coroutine on the swarm's loop; returns a concurrent Future."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
     # ----- addresses and records -----
     def _dht_send(self, send: Callable[[], MPFuture]) -> MPFuture:
         """Start the DHT call that `send` makes: only the send holds the DHT lock, so a call that waits out

@@ -36,10 +36,11 @@ HEARTBEAT_STALL_S = 3 * DHT_RPC_TIMEOUT_S
 class SwarmTransport:
     """Join (or start) the swarm of run `run` and offer what protocols need.
 
-    timeout: how long an average waits for late or dead peers (it takes at most 1.5x this); also how long
-        a peer's heartbeat stays valid (at least 3 heartbeats, and HEARTBEAT_STALL_S), so a dead peer leaves
-        every view within it.
-    codec: how averages travel (decentral.swarm.codec: float32, float16, bfloat16, int8, int4, topk[:DENSITY]).
+    timeout: how long an average waits for late or dead peers (one attempt takes at most 1.75x this: its
+        gather and commit get timeout/2 and timeout/4 more; a redo without a dead member, as long again);
+        also how long a peer's heartbeat stays valid (at least 3 heartbeats, and HEARTBEAT_STALL_S), so a
+        dead peer leaves every view within it.
+    codec: how averages travel (decentral.codec: float32, float16, bfloat16, int8, int4, topk[:DENSITY]).
     identity_path: a key file that keeps the peer id across restarts (see SwarmPeer).
     max_norm_ratio: every part is clipped to this multiple of the lower median of its chunk's parts'
         norms (ours included), which bounds what one member can move an average by.
