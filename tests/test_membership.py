@@ -213,3 +213,29 @@ def test_a_peer_that_fails_to_start_leaves_no_dht_process_behind(monkeypatch):
     finally:
         for pid in filter(running, started):  # left behind when the test fails
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("setting", [{"aggregation": "median"}, {"hang_s": 1.0}])
+def test_a_transport_refused_for_a_setting_leaves_no_peer_behind(setting):
+    """The peer and its heartbeat were up before the averager refused the setting: a live ghost member, beating
+    its heartbeat and serving no average, for the life of the process."""
+    from decentral.swarm.transport import SwarmTransport
+
+    def started() -> set[int]:  # (but the helpers a library's first use starts and keeps)
+        return {pid for pid in descendants(os.getpid()) - before if running(pid) and not _library_helper(pid)}
+
+    before = descendants(os.getpid())
+    with pytest.raises(SwarmError, match="aggregation|hang_s"):
+        SwarmTransport(f"t{time.monotonic_ns()}", **setting)
+    wait_until(lambda: not started(), 15, "the DHT process and its daemon to end")
+    assert not [t for t in threading.enumerate() if t.name == "heartbeat" and t.is_alive()]
+
+
+def _library_helper(pid: int) -> bool:
+    """Whether `pid` is multiprocessing's resource tracker or torch's shared-memory manager, which live on."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"resource_tracker" in cmdline or b"torch_shm_manager" in cmdline

@@ -77,12 +77,20 @@ class SwarmTransport:
         self.lookahead = lookahead
         self.peer = SwarmPeer(run, initial_peers, host=host, port=port, announce_host=announce_host,
                               identity_path=identity_path, swarm_key=swarm_key)
-        self.membership = Membership(self.peer, heartbeat_s=heartbeat_s,
-                                     expire_s=max(3 * heartbeat_s, timeout, HEARTBEAT_STALL_S))
-        self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
-                                      aggregation=aggregation, is_member=self.membership.is_alive,
-                                      read_timeout=1.5 * timeout, hang_s=hang_s)
-        self.state = StateExchange(self.peer, live_step=lambda: self.membership.step, join_timeout=timeout)
+        membership = None
+        try:  # (a setting refused below left the peer up, beating its heartbeat and serving nothing)
+            membership = Membership(self.peer, heartbeat_s=heartbeat_s,
+                                    expire_s=max(3 * heartbeat_s, timeout, HEARTBEAT_STALL_S))
+            self.averager = GroupAverager(self.peer, codec=wire_codec, max_norm_ratio=max_norm_ratio,
+                                          aggregation=aggregation, is_member=membership.is_alive,
+                                          read_timeout=1.5 * timeout, hang_s=hang_s)
+            self.state = StateExchange(self.peer, live_step=lambda: membership.step, join_timeout=timeout)
+        except BaseException:
+            if membership is not None:
+                membership.close()
+            self.peer.shutdown()
+            raise
+        self.membership = membership
 
     @property
     def peer_id(self) -> str:
