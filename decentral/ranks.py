@@ -70,7 +70,8 @@ def spawn_ranks(argv: Sequence[str], size: int, print_fn=print) -> int:
     """Run `python -m decentral ARGV` as ranks 0..size-1 of one island on this machine, each with torchrun's
     environment; wait for them all. SIGTERM is passed on to every rank, and a rank gets SIGTERM when
     this process dies, however it dies. Returns 0 when every rank
-    succeeded, else the first failed rank's exit code."""
+    succeeded, else the first failed rank's exit code (128 + N for a rank signal N ended, as a shell says it:
+    returned as -N, it became exit status 256 - N)."""
     port = free_port()
     print_fn(f"island: starting {size} ranks (rendezvous at 127.0.0.1:{port})")
     procs = []
@@ -97,5 +98,6 @@ def spawn_ranks(argv: Sequence[str], size: int, print_fn=print) -> int:
     failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
     if failed:
         print_fn(f"island: ranks {[r for r, _ in failed]} exited with codes {[c for _, c in failed]}")
-        return failed[0][1]
+        code = failed[0][1]
+        return code if code > 0 else 128 - code
     return 0
