@@ -3,6 +3,7 @@ stay finite, within a stated bound of the honest mean, and nobody waits out the 
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -536,3 +537,21 @@ def test_a_flood_from_one_sender_never_erases_another_senders_part():
     got, newest, oldest = asyncio.run(scenario())
     assert torch.equal(got["honest"].tensor, torch.ones(3))
     assert newest == {"flooder"} and oldest == set()  # the flooder's own oldest went
+
+
+def test_a_request_that_is_no_json_is_one_warning_not_a_traceback(make_swarm, caplog):
+    """A state request that is not JSON (or a push announcing `"numel": Infinity`) was logged as a handler's
+    failure with the whole traceback, as a bug of ours would be."""
+    donor, asker = make_swarm(2, timeout=1.0)
+
+    async def ask_in_garbage():
+        reader, writer = await asker.peer.open_stream(donor.peer_id, "state")
+        await write_frame(writer, b"not json", asker.peer.stats)
+        with contextlib.suppress(Exception):
+            await reader.read()  # (the donor closes the stream)
+        writer.close()
+
+    with caplog.at_level(logging.WARNING, logger="decentral.swarm.peer"):
+        asker.peer.call(ask_in_garbage()).result(timeout=30)
+        wait_until(lambda: "dropping a malformed or late request on state" in caplog.text, 10, "the donor's warning")
+    assert "failed on a stream" not in caplog.text and "Traceback" not in caplog.text

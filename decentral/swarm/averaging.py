@@ -344,8 +344,8 @@ class GroupAverager:
                     del self._partial[(tag, sender)]
                 if len(payload) != size:
                     raise WireError(f"payload of {len(payload)} bytes, the header announced {size}")
-        except (WireError, KeyError, TypeError, ValueError, TimeoutError) as e:
-            log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)
+        except (WireError, KeyError, TypeError, ValueError, OverflowError, TimeoutError) as e:  # (Overflow:
+            log.warning("dropping a malformed or late push from %s: %r", sender[-8:], e)  # "numel": Infinity)
             return
         average = tag.rpartition("/")[0]
         latest = f"{average}/again" if f"{average}/again" in self._groups else average  # a redo's group counts

@@ -35,7 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from decentral.cpu import descendants
 from decentral.swarm.admission import TOKEN_BYTES, SignedRecords, SwarmKey, ensure_identity
 from decentral.swarm.reach import ip_and_port, plain_dial, serve_reach_checks
-from decentral.swarm.wire import TrafficStats, read_frame, write_frame
+from decentral.swarm.wire import TrafficStats, WireError, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -428,6 +428,8 @@ class SwarmPeer:
                 await handler(str(info.peer_id), *where, reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 log.debug("stream %s from %s ended early: %s", name, info.peer_id, e)
+            except (WireError, ValueError, OverflowError, TimeoutError) as e:  # its request: not JSON, too big, late
+                log.warning("dropping a malformed or late request on %s from %s: %r", name, info.peer_id, e)
             except asyncio.CancelledError:  # we are shutting down. Ended quietly: Python 3.11's stream callback
                 log.debug("stream %s from %s cut off: we are leaving", name, info.peer_id)  # logs an ERROR for
                 # a handler task that ends cancelled (3.12 checks `task.cancelled()` first)
