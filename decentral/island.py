@@ -74,7 +74,7 @@ def _check_rendezvous_answers(init_method: str, where: str, rank: int, world_siz
                                   f"{timeout:g}s (another program on that port? give the island another port)")
     if failed:
         raise RendezvousError(f"rank {rank} of {world_size} could not join the island at {where} (timeout "
-                              f"{timeout:g}s): {str(failed[0]).splitlines()[0]}")
+                              f"{timeout:g}s): {_said(failed[0])}")
 
 
 class IslandTransport:
