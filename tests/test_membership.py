@@ -239,3 +239,23 @@ def _library_helper(pid: int) -> bool:
     except OSError:
         return False
     return b"resource_tracker" in cmdline or b"torch_shm_manager" in cmdline
+
+
+def test_why_a_join_failed_is_told_also_from_inside_a_running_event_loop():
+    """A notebook's cell runs in an event loop: the diagnosis of a join that failed (asyncio.run of a plain dial)
+    raised "asyncio.run() cannot be called from a running event loop" instead of saying what was wrong."""
+    import asyncio
+    import socket
+
+    from decentral.swarm.peer import startup_error
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # (nothing listens there once closed)
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+    async def in_a_loop():
+        return startup_error(RuntimeError("bootstrap failed"), [address], "127.0.0.1", 0)
+
+    said = asyncio.run(in_a_loop())
+    assert said.startswith(f"could not reach any peer at {address}: nothing answered there"), said

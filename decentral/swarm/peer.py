@@ -21,7 +21,7 @@ import socket
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
@@ -91,6 +91,16 @@ def check_listenable(host: str, port: int) -> None:
             probe.bind((host, port))
 
 
+def _run_alone(coroutine: Awaitable[Any]) -> Any:
+    """asyncio.run(`coroutine`), also where an event loop runs already (a notebook's cell): in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
+
+
 def startup_error(error: Exception, initial_peers: Sequence[str], host: str, port: int) -> str:
     """Why our DHT process did not start, in one line (p2pd's last log line, without its timestamp, or the
     OSError of `check_listenable`)."""
@@ -101,7 +111,7 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
         return f"cannot listen on {host}: it is not an address of this machine (--host)"
     if "failed to connect to bootstrap peers" in text or "bootstrap failed" in text:
         addresses = [(ip, port) for ip, port in map(ip_and_port, initial_peers) if ip and port]
-        if asyncio.run(plain_dial(addresses)) == "accepted":
+        if _run_alone(plain_dial(addresses)) == "accepted":
             return (f"could not join through {', '.join(map(str, initial_peers))}: a process answers there, but not "
                     "as that peer (is the peer id right? copy the whole address a member prints; a peer restarted "
                     "with another --out has a new id)")
