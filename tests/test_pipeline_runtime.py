@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -539,3 +540,24 @@ def test_every_command_ends_its_help_with_an_example_and_refuses_bad_input_as_on
         with pytest.raises(SystemExit):                                         # rate, after OUT/swarm.key was made
             parser.parse_args(["pipeline", *bad])
         assert says in capsys.readouterr().err, bad
+
+
+def test_a_copy_of_a_nodes_weights_waits_for_the_update_under_way():
+    """A step's update (AdamW's step, and a replica protocol's outer sync: seconds) ran after the step's commit
+    point and outside the node's lock: a newcomer copying the stage got some weights before it and some after."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    node = StageNode("h", make_stage(recipe.recipe.model, 2, 1, 0), recipe, memory=3)
+    try:
+        with node._cond:
+            node._updating = True  # (as `_step` leaves it from its commit point to the end of its update)
+        copied = threading.Event()
+        copier = threading.Thread(target=lambda: (node._weights({}), copied.set()))
+        copier.start()
+        assert not copied.wait(0.5)  # it waits for the update
+        with node._cond:
+            node._updating = False
+            node._cond.notify_all()
+        assert copied.wait(10)
+        copier.join()
+    finally:
+        node.close()

@@ -162,6 +162,7 @@ class StageNode:
         self._last_step: dict | None = None  # the last step command applied: what a new lead needs
         self.ended = False  # it stepped the run's last iteration: a lead gone now has ended the run
         self._cond = threading.Condition()
+        self._updating = False  # a step's update is going into the weights (after its commit point): `_weights` waits
         self._iteration = -1  # the iteration begun; work of later ones waits for its begin
         self._open = False  # whether it has not stepped yet (work of a stepped iteration is dropped)
         self._coordinator = ""
@@ -347,7 +348,8 @@ class StageNode:
                               "term": self.term})
 
     def _weights(self, body: dict) -> bytes:
-        with self._cond:  # not in the middle of a step
+        with self._cond:  # not in the middle of a step, nor of its update (a replica's outer sync: seconds)
+            self._cond.wait_for(lambda: not self._updating)
             tensors = {k: v.detach().clone() for k, v in self.stage.global_state_dict().items()}
         return reply_of(body={"iteration": self.iterations_done}, data=save_tensors(tensors))
 
@@ -511,13 +513,19 @@ class StageNode:
             self._resident.clear()
             self._ready = [t for t in self._ready if t.key[0] > iteration]
             self._open = False
-        with_grad = [p for p in self.params if p.grad is not None]
-        if with_grad:
-            torch.nn.utils.clip_grad_norm_(with_grad, train.grad_clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = inner_lr(iteration, self.recipe.recipe, body.get("steps"))  # the lead's run length
-        self.optimizer.step()  # once per iteration; a replica protocol's hooks run here
-        self.optimizer.zero_grad(set_to_none=True)
+            self._updating = True  # (a newcomer copying our weights got some before this update and some after)
+        try:
+            with_grad = [p for p in self.params if p.grad is not None]
+            if with_grad:
+                torch.nn.utils.clip_grad_norm_(with_grad, train.grad_clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = inner_lr(iteration, self.recipe.recipe, body.get("steps"))  # the lead's run length
+            self.optimizer.step()  # once per iteration; a replica protocol's hooks run here
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()
         spent = self._compute
         times = {FORWARD: spent.get(START, []) + spent.get(FORWARD, []), LOSS: spent.get(LOSS, []),
                  BACKWARD: spent.get(BACKWARD, []) + spent.get(FINISH, [])}
