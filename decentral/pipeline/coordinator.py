@@ -345,12 +345,17 @@ class Coordinator:
                             log.warning("%s refused %s: %s", name, kind, error)
                         replies[name] = None if is_gone(error) else {}
                     else:
-                        ok, message, reply_body, _ = decode_reply(reply)
-                        if not ok and reply_body.get("term", -1) > self.term:
-                            newer.append(message)
-                        elif not ok:
-                            log.warning("%s: %s", name, message)
-                        replies[name] = reply_body if ok else {}
+                        try:
+                            ok, message, reply_body, _ = decode_reply(reply)
+                            term = reply_body.get("term", -1)
+                            if not ok and isinstance(term, int) and term > self.term:
+                                newer.append(message)
+                            elif not ok:
+                                log.warning("%s: %s", name, message)
+                            replies[name] = reply_body if ok else {}
+                        except (AttributeError, TypeError, ValueError) as e:  # (frames.FrameError is one)
+                            log.warning("%s: a reply to %s that cannot be read: %r", name, kind, e)
+                            replies[name] = {}  # (no answer in it; left unset, the wait below never ended)
                     finished.notify_all()
             return done
 
