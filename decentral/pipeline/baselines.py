@@ -39,6 +39,10 @@ def network_blind(network: Network, seed: int = 0) -> Plan:
             if free:
                 stage_of[free[0]] = stage_of[i]
             stage_of[i] = node.stage
+    for s in range(stages):  # a pinned node left a stage no free node could refill: one from the fullest stage
+        movable = [j for j in range(count) if network.nodes[j].stage is None and (stage_of == stage_of[j]).sum() > 1]
+        if not (stage_of == s).any() and movable:
+            stage_of[max(movable, key=lambda j: (stage_of == stage_of[j]).sum())] = s
     members = [np.flatnonzero(stage_of == s) for s in range(stages)]
     if any(len(m) == 0 for m in members):
         raise NetworkError(f"{network.source}: the pinned stages leave a stage without a node")
