@@ -278,7 +278,7 @@ class StageNode:
             self._iteration, self._begun, self._open = iteration, time.monotonic(), True
             self._coordinator, self._directory = str(body["coordinator"]), dict(body["directory"])
             self._aborted.clear()
-            self._ready = [task for task in self._ready if task.key[0] >= iteration]
+            self._ready = self._dropped_before(iteration, f"iteration {iteration} has begun")
             self._queue_launches(iteration, body.get("launches", []))
             self._cond.notify_all()
         return reply_of()
@@ -319,11 +319,22 @@ class StageNode:
             self._cond.notify_all()
         return reply_of()
 
+    def _dropped_before(self, iteration: int, why: str) -> list[_Task]:
+        """The ready tasks of `iteration` and later; a step command among those dropped is answered (refused:
+        `why`), else its caller waited for good. Called holding `_cond`."""
+        for task in self._ready:
+            if task.key[0] < iteration and task.finished is not None:
+                task.result = {"refused": f"{self.name}: {why}"}
+                task.finished.set()
+        return [task for task in self._ready if task.key[0] >= iteration]
+
     def _step_command(self, body: dict) -> bytes:
         task = _Task(STEP, (int(body["iteration"]), -1, -1), (), 0, time.monotonic(), 0, body=body,
                      finished=threading.Event())
         self._queue(task)
-        task.finished.wait()
+        while not task.finished.wait(1.0):  # (answered when stepped, or dropped: `_dropped_before`)
+            if self.stopped.is_set():
+                return reply_of(False, f"{self.name} is stopping")
         if task.result is None:
             return reply_of(False, f"{self.name}: the step failed (see its log)")
         if "refused" in task.result:
@@ -511,7 +522,7 @@ class StageNode:
             self._pending.clear()
             self._losses.clear()
             self._resident.clear()
-            self._ready = [t for t in self._ready if t.key[0] > iteration]
+            self._ready = self._dropped_before(iteration + 1, f"iteration {iteration} was stepped")
             self._open = False
             self._updating = True  # (a newcomer copying our weights got some before this update and some after)
         try:
