@@ -561,3 +561,25 @@ def test_a_copy_of_a_nodes_weights_waits_for_the_update_under_way():
         copier.join()
     finally:
         node.close()
+
+
+def test_a_step_command_waiting_while_its_node_stops_is_answered():
+    """A step command waited on its task with no end: a task the node dropped, or one queued as it stopped, held
+    the gRPC thread for good (and with it the process's exit)."""
+    from decentral.pipeline.frames import decode_reply
+
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    node = StageNode("h", make_stage(recipe.recipe.model, 2, 1, 0), recipe, memory=3)  # (its worker not started)
+    try:
+        replies = []
+        waiting = threading.Thread(target=lambda: replies.append(node._step_command({"iteration": 0, "finished": {}})))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # nobody steps it
+        node.stopped.set()
+        waiting.join(10)
+        assert not waiting.is_alive()
+        ok, message, _, _ = decode_reply(replies[0])
+        assert not ok and "stopping" in message, message
+    finally:
+        node.close()
