@@ -724,3 +724,12 @@ def test_merge_bench_refuses_settings_it_cannot_run(tmp_path, capsys):
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "b").exists()
+
+
+def test_a_verified_posterior_merge_of_a_corrupt_expert_scores_and_caches_nothing(registry, out_parent, text_domain):
+    """The prior was scored from the unverified weights and cached under the recorded sha256, and the merge only
+    then found the file corrupt: a good copy fetched again (the same sha256) reused the bad prior."""
+    flip_a_data_byte(registry / "legal" / "model.safetensors")
+    assert_fails_leaving_nothing(recipe_for(registry, "posterior", ("code", "legal"), domain=text_domain, verify=True),
+                                 out_parent / "p", "expert 'legal': .* does not match the sha256 recorded")
+    assert not (registry / "priors.json").exists()

@@ -105,12 +105,11 @@ def merge(recipe: MergeRecipe | str | Path, out_dir: str | Path, progress: bool 
             model = _common_model(inputs)
         except MergeError:
             if recipe.verify:  # a damaged header reads as another model: name the damaged file instead
-                for i in inputs:
-                    for path, digest in i.checked_files().items():
-                        if file_sha256(path) != digest:
-                            _corrupt(i, path)
+                _verify(inputs)
             raise
         if recipe.method.weights_from is not None:  # once the inputs fit together: posterior scores them
+            if recipe.verify:  # (first: the prior it scores, and caches under their sha256, must be the recorded's)
+                _verify(inputs)
             for i, weight in zip([i for i in inputs if i.role == "expert"], recipe.method.weights_from(recipe)):
                 i.ref = replace(i.ref, weight=weight)
         base = inputs[0].expert if recipe.base else None
@@ -362,6 +361,14 @@ def _raise_if_corrupt(rereads: dict[Future, tuple[_Input, Path, str]], wait: boo
     for future, (i, path, digest) in rereads.items():
         if (wait or future.done()) and future.result() != digest:
             _corrupt(i, path)
+
+
+def _verify(inputs: list[_Input]) -> None:
+    """MergeError naming the first input file that does not match its recorded sha256."""
+    for i in inputs:
+        for path, digest in i.checked_files().items():
+            if file_sha256(path) != digest:
+                _corrupt(i, path)
 
 
 def _corrupt(i: _Input, path: Path) -> None:
