@@ -1,6 +1,7 @@
 """Experts published on one real swarm peer and fetched by another, hash-checked."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from safetensors.torch import load_file
 from decentral.experts.registry import Registry, RegistryError, verify_expert
 from decentral.experts.sharing import ExpertSharing
 from decentral.swarm import SwarmPeer
+from conftest import wait_until
 from test_experts import tiny_expert
 
 
@@ -88,3 +90,31 @@ def test_fetch_checks_every_name_is_published_before_fetching_any(tmp_path, shar
     done_bytes, total = said[-1].removeprefix("fetch code: ").split(" of ")
     assert total.endswith("B") and total[:-1].replace(".", "").rstrip("kMG").isdigit(), said  # "1.59MB"
     assert done_bytes == total, done.stderr
+
+
+def test_a_version_published_with_and_without_its_optimizer_is_fetched_whole_from_who_has_it(tmp_path, sharing):
+    """Versions were told apart by the model's sha256 alone: a peer that fetched with --no-optimizer and published
+    again made the swarm's version look optimizer-less (whose record came first decided), or was asked for the
+    optimizer state it does not have."""
+    from decentral.experts.registry import write_expert
+
+    publisher, fetcher = sharing
+    expert, state = tiny_expert(tmp_path / "plain", name="legal")
+    optimizer = ({"exp_avg": torch.ones(3)}, [{"lr": 0.1}])
+    write_expert(tmp_path / "a" / "legal", lambda path: path.write_bytes((expert.folder / "model.safetensors")
+                                                                         .read_bytes()), expert, optimizer=optimizer)
+    publisher.publish(["legal"])
+    fetcher.fetch("legal", with_optimizer=False)
+    fetcher.publish(["legal"])
+    third = ExpertSharing(SwarmPeer(publisher.peer.run, publisher.peer.multiaddrs()), Registry(tmp_path / "c"))
+    try:
+        wait_until(lambda: len(third.available().get("legal", [None])[0].peers) == 2, 20, "both publishers' records")
+        [version] = third.available()["legal"]
+        assert version.expert.optimizer is not None and version.without_optimizer == {fetcher.peer.peer_id}
+        for _ in range(4):  # (publishers are tried in random order: each time from the one that has it all)
+            got = third.fetch("legal")
+            assert got.optimizer is not None and (got.folder / "optimizer.safetensors").is_file()
+            shutil.rmtree(got.folder)
+    finally:
+        third.close()
+        third.peer.shutdown()

@@ -17,11 +17,11 @@ import logging
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from decentral.experts.registry import (
-    Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
+    OPTIMIZER_FILE, Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
 )
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import read_frame, write_frame
@@ -35,10 +35,12 @@ CHUNK_TIMEOUT_S = 30.0  # a publisher that sends nothing for this long is given 
 
 @dataclass
 class Published:
-    """An expert as the swarm's records describe it, and who serves it."""
+    """An expert as the swarm's records describe it, and who serves it (`without_optimizer`: those of `peers`
+    that publish its model alone, having fetched it with --no-optimizer)."""
 
     expert: Expert
     peers: list[str]
+    without_optimizer: set[str] = field(default_factory=set)
 
     def files(self, with_optimizer: bool = True) -> dict[str, tuple[str, int]]:
         """{file name: (sha256, size)} of what a download fetches (`Expert.files`, less the optimizer state
@@ -110,6 +112,10 @@ class ExpertSharing:
                 continue
             entry = found.setdefault(name, {}).setdefault(expert.sha256, Published(expert, []))
             entry.peers.append(peer)
+            if not expert.optimizer:
+                entry.without_optimizer.add(peer)
+            elif not entry.expert.optimizer:  # (a version is its model: the records that carry more describe it)
+                entry.expert = expert
         return {name: list(by_hash.values()) for name, by_hash in sorted(found.items())}
 
     def find(self, name: str, sha256: str | None = None) -> Published:
@@ -146,7 +152,8 @@ class ExpertSharing:
         if not with_optimizer:
             expert.optimizer = None  # (its expert.json then names none)
         errors = []
-        peers = random.sample(published.peers, len(published.peers))
+        peers = [p for p in published.peers if OPTIMIZER_FILE not in files or p not in published.without_optimizer]
+        peers = random.sample(peers, len(peers))
         for tried, peer in enumerate(peers, 1):
             try:
                 with staging(self.registry.folder(name)) as tmp:
