@@ -583,3 +583,15 @@ def test_a_step_command_waiting_while_its_node_stops_is_answered():
         assert not ok and "stopping" in message, message
     finally:
         node.close()
+
+
+def test_a_stage_checkpoint_left_aside_by_a_save_cut_off_is_found_at_its_iteration(tmp_path):
+    """A save killed between its two renames leaves the stage's last checkpoint aside (.stage.old), where loading
+    finds it: the resume hint read meta.json by hand from the missing folder and called the stage unreadable."""
+    from decentral.checkpoint import save_checkpoint
+    from decentral.pipeline.launch import stage_checkpoints
+
+    save_checkpoint(tmp_path / "n0" / "stage", {"w": torch.zeros(1)}, {"iteration": 7})
+    save_checkpoint(tmp_path / "n1" / "stage", {"w": torch.zeros(1)}, {"iteration": 9})
+    (tmp_path / "n1" / "stage").rename(tmp_path / "n1" / ".stage.old")
+    assert stage_checkpoints(tmp_path) == {"n0": 7, "n1": 9}

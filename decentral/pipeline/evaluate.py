@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decentral.checkpoint import load_checkpoint
+from decentral.checkpoint import checkpoint_present, load_checkpoint
 from decentral.data.batches import Batch
 from decentral.pipeline.network import PipelineError
 from decentral.pipeline.recipe import PipelineRecipe, parse_pipeline_recipe
@@ -37,7 +37,8 @@ def load_run(run: str | Path) -> tuple[nn.Module, PipelineRecipe]:
         raise PipelineError(f"{run}: no such folder (give a `decentral pipeline train` run's --out)")
     found: dict[int, tuple[int, dict]] = {}  # stage -> (iterations stepped, model tensors)
     recipe = None
-    for folder in sorted(p.parent for p in run.glob("*/stage/meta.json")):
+    # (by checkpoint_present: a save cut off between its two renames left the stage aside, where loading finds it)
+    for folder in sorted(p / "stage" for p in run.iterdir() if checkpoint_present(p / "stage")):
         tensors, meta = load_checkpoint(folder)
         recipe = recipe or parse_pipeline_recipe(meta["recipe"], str(folder))
         stage, stepped = int(meta["stage"]), int(meta.get("iteration", 0))

@@ -9,7 +9,6 @@ it dies, another head takes over (decentral.pipeline.serve).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -205,15 +204,15 @@ def run_metrics(out: str | Path) -> list[dict]:
 def stage_checkpoints(out: str | Path) -> dict[str, int | None]:
     """The nodes of run folder `out` that left a stage checkpoint (OUT/<node>/stage), each with the iteration
     it holds (None when its meta.json cannot be read: loading it says why)."""
-    from decentral.checkpoint import checkpoint_present
+    from decentral.checkpoint import CheckpointError, checkpoint_present, read_checkpoint_meta
 
     found: dict[str, int | None] = {}
     folders = sorted(p for p in Path(out).iterdir() if p.is_dir()) if Path(out).is_dir() else []
     for folder in folders:
-        if checkpoint_present(folder / "stage"):
+        if checkpoint_present(folder / "stage"):  # (read as loading reads it: a save cut off left it aside)
             try:
-                found[folder.name] = int(json.loads((folder / "stage" / "meta.json").read_text())["iteration"])
-            except (OSError, ValueError, KeyError, TypeError):
+                found[folder.name] = int(read_checkpoint_meta(folder / "stage")["iteration"])
+            except (CheckpointError, ValueError, KeyError, TypeError):
                 found[folder.name] = None
     return found
 
