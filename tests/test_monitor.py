@@ -337,3 +337,32 @@ def test_a_swarm_with_no_peer_publishing_yet_is_a_table_of_headers():
     assert lines[0].startswith("run 'decentral': 0 peers alive") and lines[1].split()[0] == "PEER"
     assert lines[0].endswith("no peer of this run has a record yet (is --run its name?)")  # a typo in --run too
     assert len(lines) == 2
+
+
+def test_a_monitor_whose_dht_process_died_says_so_instead_of_waiting_for_good(make_swarm):
+    """Its reads called the DHT process without the live check a peer's calls make: with the process killed
+    (the OOM killer), `decentral status --once` or `--json` in a script waited forever."""
+    import signal
+
+    from decentral.swarm import SwarmError
+
+    (a,) = make_swarm(1)
+    monitor = SwarmMonitor(a.peer.run, a.multiaddrs())
+    try:
+        os.kill(monitor.dht.pid, signal.SIGKILL)
+        monitor.dht.join(10)
+        read = []
+        reader = threading.Thread(target=lambda: read.append(_raised(monitor.rows)), daemon=True)
+        reader.start()
+        reader.join(20)
+        assert not reader.is_alive() and isinstance(read[0], SwarmError) and "is gone" in str(read[0]), read
+    finally:
+        monitor.close()
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+    return None

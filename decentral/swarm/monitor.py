@@ -37,7 +37,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
 from decentral.swarm.membership import ENTRY_KEY
-from decentral.swarm.peer import SwarmError, _DHTProcess, check_multiaddrs, startup_error
+from decentral.swarm.peer import SwarmError, _DHTProcess, check_multiaddrs, dht_result, startup_error
 
 WINDOW_S = 3.0  # the shortest window a card's loss and tokens per second are measured over
 BYTES_WINDOW_S = 60.0  # the window a card's bytes per second are measured over (shorter in the first minute)
@@ -178,11 +178,11 @@ class SwarmMonitor:
     def reachable(self) -> bool:
         """Whether our DHT node knows a node that still answers: a request that a node does not answer takes
         it out of the routing table, so when the swarm (or the way to it) is gone, none is left."""
-        return self.dht.run_coroutine(_routing_table_size) > 0
+        return dht_result(self.dht, self.dht.run_coroutine(_routing_table_size, return_future=True)) > 0
 
     def _records(self, name: str) -> tuple[dict[str, dict], int]:
         """The records under `run/name` that pass a member's checks, {peer id: value}, and how many did not."""
-        found = self.dht.get(f"{self.run}/{name}", latest=True)
+        found = dht_result(self.dht, self.dht.get(f"{self.run}/{name}", latest=True, return_future=True))
         stored = found.value if found is not None and isinstance(found.value, dict) else {}
         key = DHTID.generate(source=f"{self.run}/{name}").to_bytes()  # as stored
         opened = [self._open(item.value, key) for item in stored.values()]

@@ -91,6 +91,23 @@ def check_listenable(host: str, port: int) -> None:
             probe.bind((host, port))
 
 
+def check_dht_alive(dht: DHT) -> None:
+    """SwarmError when DHT process `dht` is gone."""
+    if not dht.is_alive():
+        raise SwarmError(f"this peer's DHT process (pid {dht.pid}) is gone (exit code {dht.exitcode}): the peer "
+                         "cannot reach the swarm any more")
+
+
+def dht_result(dht: DHT, future: MPFuture) -> Any:
+    """The result of `future`, a call to DHT process `dht`. SwarmError when the process is dead or dies during
+    the call: its answer would never come, and the caller would hang."""
+    while True:
+        try:
+            return future.result(timeout=DHT_CHECK_S)
+        except TimeoutError:
+            check_dht_alive(dht)
+
+
 def _run_alone(coroutine: Awaitable[Any]) -> Any:
     """asyncio.run(`coroutine`), also where an event loop runs already (a notebook's cell): in a thread of its own."""
     try:
@@ -370,19 +387,11 @@ class SwarmPeer:
             return send()
 
     def _dht_call(self, send: Callable[[], MPFuture]) -> Any:
-        """The result of the DHT call that `send` starts. SwarmError when the DHT process is dead or dies
-        during the call: its answer would never come, and the caller would hang."""
-        future = self._dht_send(send)
-        while True:
-            try:
-                return future.result(timeout=DHT_CHECK_S)
-            except TimeoutError:
-                self._check_dht()
+        """The result of the DHT call that `send` starts (`dht_result`)."""
+        return dht_result(self.dht, self._dht_send(send))
 
     def _check_dht(self) -> None:
-        if not self.dht.is_alive():
-            raise SwarmError(f"this peer's DHT process (pid {self.dht.pid}) is gone (exit code {self.dht.exitcode}): "
-                             "the peer cannot reach the swarm any more")
+        check_dht_alive(self.dht)
 
     def multiaddrs(self) -> list[str]:
         maddrs = self._dht_call(lambda: self.dht.run_coroutine(DHT._get_visible_maddrs, return_future=True))
