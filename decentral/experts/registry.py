@@ -424,9 +424,6 @@ class Registry:
             return []
         return sorted(p.name for p in self.root.iterdir() if (p / META_FILE).is_file() and not p.name.startswith("."))
 
-    def experts(self) -> list[Expert]:
-        return [self.get(name) for name in self.names()]
-
     def folder(self, name: str) -> Path:
         return self.root / check_name(name)
 
