@@ -148,8 +148,8 @@ def cmd_branch(args) -> int:
             verify_expert(parent, with_optimizer=False)  # AdamW starts fresh
     recipe = _recipe(args)
     first = parents[0]
-    if first.recipe:  # the schedule follows the parent, but for what --set train.* changes; protocol and swarm
-        inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")  # come from --protocol
+    if first.recipe:  # the schedule follows the parent's, --set train.* over it; protocol, swarm: --protocol's
+        inherited = parse_recipe(first.recipe, f"the recipe of expert {first.name!r}")
         own = {k: v for k, v in parse_settings(args.set or []).items() if k.startswith("train.")}
         train = parse_recipe(with_settings({"train": inherited.to_dict()["train"]}, own), "--set").train
         recipe.train = dataclasses.replace(train, steps=args.steps or train.steps,
