@@ -610,8 +610,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "%(default)s)")
     parser.add_argument("--out", help="the run's folder (default: %(default)s)")
     add_mode_argument(parser)
-    parser.add_argument("--recipes", help="folder with local.yaml and one recipe per method (hivemind: hivemind.yaml, a "
-                             "DiLoCo recipe, else diloco.yaml)")
+    parser.add_argument("--recipes", help="folder with local.yaml and one recipe per method (hivemind: "
+                        "hivemind.yaml, a DiLoCo recipe, else diloco.yaml)")
     parser.add_argument("--data", action="append", metavar="PATH", help="text for every method (default: Python's stdlib)")
     parser.add_argument("--target-loss", type=number_type(float, 0, strict=True),
                         help="the validation loss each method is timed to (default: DDP's final loss; with --report: "

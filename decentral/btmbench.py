@@ -16,8 +16,9 @@ expert would on its own machine. Then every model, ensemble and merge is scored 
 each training domain and of a held-out domain (priors from each domain's dev split): the BTM
 ensemble (previous-token posterior, the default, and full-prefix), the mixture by the domain's prior
 and the uniform one, the uniform parameter average, the posterior-weighted parameter average
-(weights = the domain's prior), and for the no-seed experts their ensemble and uniform average. Writes OUT/results.json and OUT/btm.png and prints the
-test perplexities, mean ± std over seeds, and the ratios the targets are about.
+(weights = the domain's prior), and for the no-seed experts their ensemble and uniform average.
+Writes OUT/results.json and OUT/btm.png and prints the test perplexities, mean ± std over seeds,
+and the ratios the targets are about.
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ def format_part_a(part: dict) -> str:
     for method, r in part["methods"].items():
         rows.append((method + ("" if r["ok"] else " (FAILED)"), str(r["members"]), str(r["processes"]),
                      cell(r["wall_s"], ".0f"), cell(r["steps_per_s"], ".2f"), cell(r.get("compute_utilisation"), ".0%"),
-                     cell(r["final_val_loss"], ".3f"), human_bytes(r["uplink_bytes_per_host"]), cell(r["elapsed_s"], ".0f"),
+                     cell(r["final_val_loss"], ".3f"), human_bytes(r["uplink_bytes_per_host"]),
+                     cell(r["elapsed_s"], ".0f"),
                      "{:.1f}->{:.1f}".format(*r["load"])))
     return format_table(rows, numeric=False)
 

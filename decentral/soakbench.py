@@ -291,7 +291,8 @@ def format_summary(summary: dict) -> str:
     lines.append(f"restarts: {len(summary['restarts'])} ({len(summary['restarts']) - len(rejoins)} killed again before "
                  f"they trained); trained again within one round ({summary['round_s']:.1f} s): "
                  f"{summary['rejoined_within_a_round']} of {len(rejoins)}; rejoin time median "
-                 f"{cell(statistics.median(known) if known else None, '.1f')} s, max {cell(max(known, default=None), '.1f')} s")
+                 f"{cell(statistics.median(known) if known else None, '.1f')} s, "
+                 f"max {cell(max(known, default=None), '.1f')} s")
     d = summary["digests"]
     lines.append(f"replica digests agree in {d['churn']['agree']} of {d['churn']['rounds']} rounds under churn "
                  f"({d['churn']['repairs']} repairs), {d['steady']['agree']} of {d['steady']['rounds']} steady")

@@ -231,6 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=400, help="inner steps per worker (the schedule's length)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--with-local", action="store_true", help="also train the workers without communication")
-    parser.add_argument("--data", action="append", metavar="PATH", help="text for every point (default: Python's stdlib)")
+    parser.add_argument("--data", action="append", metavar="PATH",
+                        help="text for every point (default: Python's stdlib)")
     parser.add_argument("--out", default="runs/sweep")
     parser.set_defaults(func=run_sweep)

@@ -7,8 +7,8 @@ planned; the three plans' iterations are simulated; then one random node that is
 and the plan is re-planned. Reported per seed and as the median over seeds: the iteration times,
 planned ÷ full, planned against blind, planning time, re-planning time and the iteration after the
 death. Writes OUT/results.json, OUT/pipeline_bench.png (bars per seed) and
-OUT/pipeline_gantt_seedN.png (the Gantt charts of the median seed N). The issue's targets: planned ≤ 0.5 × full, ≥ 15% below blind, planning < 10 s,
-re-planning < 2 s.
+OUT/pipeline_gantt_seedN.png (the Gantt charts of the median seed N). The issue's targets:
+planned ≤ 0.5 × full, ≥ 15% below blind, planning < 10 s, re-planning < 2 s.
 """
 
 from __future__ import annotations
