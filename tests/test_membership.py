@@ -182,16 +182,21 @@ def test_a_dht_process_whose_shutdown_is_stuck_ends_with_its_daemon_while_its_ow
     """hivemind's shutdown asks, waits, then sends SIGTERM and returns: a DHT process stuck (or stopped) went on
     living beside the process that started it, its libp2p daemon a zombie (seen once in a test run). It is
     killed, with its daemon, once the SIGTERM has had its grace period."""
-    dht = StuckShutdown(start=True)
-    below = {dht.pid} | descendants(dht.pid)
-    assert len(below) >= 2, "the DHT process runs its own libp2p daemon"
-    sockets = [path for pid in below for path in peer_module._daemon_sockets(pid)]
-    assert len(sockets) == 2 and os.path.exists(sockets[0]), sockets  # the daemon's (hivemind's: once it serves)
+    dht = StuckShutdown(start=False)
+    below = set()
     try:
-        dht.shutdown()
+        dht.run_in_background(await_ready=True, timeout=60)  # (one that never came up would hang the suite)
+        below = {dht.pid} | descendants(dht.pid)
+        assert len(below) >= 2, "the DHT process runs its own libp2p daemon"
+        sockets = [path for pid in below for path in peer_module._daemon_sockets(pid)]
+        assert len(sockets) == 2 and os.path.exists(sockets[0]), sockets  # the daemon's (hivemind's: once it serves)
+        shutting = threading.Thread(target=dht.shutdown, daemon=True)
+        shutting.start()
+        shutting.join(60)
+        assert not shutting.is_alive(), "the shutdown returned"
         wait_until(lambda: not any(running(pid) for pid in below), 10, "the DHT process and its daemon to end")
     finally:
-        for pid in filter(running, below):  # left behind when the test fails
+        for pid in filter(running, below | ({dht.pid} if dht.pid else set())):  # left behind when the test fails
             os.kill(pid, signal.SIGKILL)
     assert not any(os.path.exists(path) for path in sockets), sockets  # (each killed peer left both in /tmp)
 
