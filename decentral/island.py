@@ -12,7 +12,6 @@ its state), so all ranks start from rank 0's state without any change to the pro
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -122,7 +121,6 @@ class IslandTransport:
         self._device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         self._state_shared = False
         self._closed = False
-        self._in_flight: list = []  # (work, its callback's future) of each asynchronous average: `close`
         self._bytes = 0
 
     @property
@@ -207,8 +205,7 @@ class IslandTransport:
             except Exception as e:  # a non-finite mean
                 future.set_exception(e)
 
-        self._in_flight = [pair for pair in self._in_flight if not pair[1].done()]
-        self._in_flight.append((work, work.get_future().then(done)))
+        work.get_future().then(done)
         return future
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
@@ -260,17 +257,10 @@ class IslandTransport:
         return box[0]
 
     def close(self) -> None:
-        """Leave the island (destroys the process group); safe to call twice. The callbacks of asynchronous
-        averages run first, and their work is let go of here, after: the last reference to the process group
-        dropped on its own thread (a callback's) made its destructor join that thread, and the process abort
-        ("terminate called ... Resource deadlock avoided", seen once under load)."""
-        for _, callback in self._in_flight:
-            with contextlib.suppress(Exception):
-                callback.wait()
+        """Leave the island (destroys the process group); safe to call twice."""
         if not self._closed and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._closed = True
-        self._in_flight = []
 
 
 def _failed(rank: int, error: Exception) -> IslandError:
