@@ -211,6 +211,8 @@ def _average_async_after_rank_1_left(transport, rank: int) -> str:
         return str(e)
 
 
+@pytest.mark.solo  # (under load a rank aborted once in two CI runs at its island's end: torch's "terminate called ...
+# Resource deadlock avoided", the process group's last reference dropped on its own thread; not fixed, see the notes)
 @pytest.mark.parametrize("average", [_average_after_rank_1_left, _average_async_after_rank_1_left],
                          ids=["blocking", "async"])
 def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own(average):
