@@ -13,6 +13,7 @@ its state), so all ranks start from rank 0's state without any change to the pro
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import urllib.parse
@@ -122,6 +123,8 @@ class IslandTransport:
         self._state_shared = False
         self._closed = False
         self._bytes = 0
+        self._collectives: queue.SimpleQueue = queue.SimpleQueue()  # started asynchronous all-reduces, in order
+        self._waiter: threading.Thread | None = None  # finishes their futures: `_finish_averages`
 
     @property
     def bytes_sent(self) -> int:
@@ -190,22 +193,11 @@ class IslandTransport:
         except RuntimeError as e:
             future.set_exception(_failed(self.rank, e))
             return future
-        rank, ids = self.rank, list(self._ids)
-
-        def done(collective) -> None:  # on a thread of the process group's, which lets go of this function after
-            # it returns: holding nothing of the transport, it never holds the last reference to the process group,
-            # whose destructor joins that very thread (a rank that closed its island at once ended in terminate)
-            try:
-                collective.wait()  # raises what failed the collective: its buffer is then not a sum
-            except RuntimeError as e:
-                future.set_exception(_failed(rank, e))
-                return
-            try:
-                future.set_result(_mean(values, buffer, ids, tag))
-            except Exception as e:  # a non-finite mean
-                future.set_exception(e)
-
-        work.get_future().then(done)
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=_finish_averages, args=(self._collectives, self.rank, self._ids),
+                                            daemon=True, name=f"island-rank{self.rank}-averages")
+            self._waiter.start()
+        self._collectives.put((work, values, buffer, future, tag))
         return future
 
     def wait_for_peers(self, count: int, timeout_s: float, round: int = 0) -> None:
@@ -260,7 +252,30 @@ class IslandTransport:
         """Leave the island (destroys the process group); safe to call twice."""
         if not self._closed and dist.is_initialized():
             dist.destroy_process_group(self._group)
+        if not self._closed and self._waiter is not None:
+            self._collectives.put(None)  # its last collectives end with the group's connections
         self._closed = True
+
+
+def _finish_averages(collectives: queue.SimpleQueue, rank: int, ids: list[str]) -> None:
+    """(a thread of ours per island) wait for each asynchronous all-reduce in the order they were started and finish
+    its future. Not a callback on the collective's own future: that runs on a thread of the process group's and
+    stays referenced from its work; whatever the future then reaches (an IslandError's traceback, the frames in it,
+    the transport) could be let go there last, and the group's destructor, joining that very thread, aborted the
+    process ("terminate called ... Resource deadlock avoided", exit 134 where a rank of a CO2 island died)."""
+    while (started := collectives.get()) is not None:
+        work, values, buffer, future, tag = started
+        del started
+        try:
+            work.wait()  # raises what failed the collective: its buffer is then not a sum
+        except RuntimeError as e:
+            future.set_exception(_failed(rank, e))
+        else:
+            try:
+                future.set_result(_mean(values, buffer, ids, tag))
+            except Exception as e:  # a non-finite mean
+                future.set_exception(e)
+        del work, values, buffer, future
 
 
 def _failed(rank: int, error: Exception) -> IslandError:

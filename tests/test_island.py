@@ -3,6 +3,7 @@ against arithmetic done independently here in the parent."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing as mp
 import socket
 import threading
@@ -211,8 +212,6 @@ def _average_async_after_rank_1_left(transport, rank: int) -> str:
         return str(e)
 
 
-@pytest.mark.solo  # (under load a rank aborted once in two CI runs at its island's end: torch's "terminate called ...
-# Resource deadlock avoided", the process group's last reference dropped on its own thread; not fixed, see the notes)
 @pytest.mark.parametrize("average", [_average_after_rank_1_left, _average_async_after_rank_1_left],
                          ids=["blocking", "async"])
 def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own(average):
@@ -220,6 +219,56 @@ def test_an_average_after_a_rank_left_is_an_island_error_not_gloos_own(average):
     the asynchronous average (CO2, Streaming) handed back the unsummed buffer as the mean."""
     said, left = run_island(average, 2)
     assert left == "left" and said.startswith("rank 0: the all-reduce with the other ranks failed, a rank is gone")
+
+
+def _failed_average(transport: IslandTransport) -> str:
+    try:  # (the IslandError's traceback keeps this frame, and so the transport, for as long as the error lives)
+        transport.average_async(torch.ones(4), None, "second").result(timeout=60)
+    except IslandError as e:
+        return str(e)
+    return "averaged alone"
+
+
+def _rank_lets_go_of_its_island(rank: int, port: int, said) -> None:
+    """Rank 1 leaves after one average; rank 0's next fails, and it lets go of its island while the thread that
+    finished the failed future is still holding it (slowed here by two seconds)."""
+    if rank == 0:
+        set_exception = concurrent.futures.Future.set_exception
+
+        def set_exception_slowly(future, error):
+            set_exception(future, error)
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(2.0)  # the process group's own thread or ours: it lets go of the future after ours
+        concurrent.futures.Future.set_exception = set_exception_slowly
+    transport = IslandTransport(f"tcp://127.0.0.1:{port}", rank, 2, backend="gloo", timeout=20.0)
+    transport.average_async(torch.ones(4), None, "first").result(timeout=60)
+    if rank == 0:
+        said.put(_failed_average(transport))
+    transport.close()
+    del transport
+    time.sleep(3.0 if rank == 0 else 0.0)  # until the slowed thread has let go of the last of it
+
+
+def test_a_rank_that_lets_go_of_its_island_after_a_failed_async_average_exits_cleanly():
+    """The future of an asynchronous average was finished by a callback on the process group's own thread, which
+    kept it (through the IslandError's traceback: the frames, the transport, the group) after the rank let go: the
+    group's destructor ran there and joined its own thread, and the rank aborted (torch's "terminate called ...
+    Resource deadlock avoided", exit 134) where it should have said which rank failed."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "decentral.island", __name__])
+    said, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=_rank_lets_go_of_its_island, args=(rank, port, said)) for rank in range(2)]
+    for rank in ranks:
+        rank.start()
+    try:
+        assert said.get(timeout=TIMEOUT).startswith("rank 0: the all-reduce with the other ranks failed")
+        for rank in ranks:
+            rank.join(timeout=TIMEOUT)
+        assert [rank.exitcode for rank in ranks] == [0, 0]
+    finally:
+        for rank in ranks:
+            if rank.is_alive():
+                rank.kill()
 
 
 def _offer_a_state(transport: IslandTransport, rank: int) -> str:
