@@ -72,6 +72,32 @@ def test_a_new_lead_finishes_the_step_its_predecessor_left_half_sent_and_the_old
         failing.close()
 
 
+def test_a_new_lead_has_the_nodes_behind_save_and_end_as_the_step_they_missed_asked(tmp_path, small_corpus):
+    """The lead died sending the run's last step, a saving one, to a: the new lead re-sent it to a with
+    `save: False` and without `last`, so a's checkpoint stayed an iteration behind h's (a resume met a pipeline
+    of two iterations) and a did not know the run had ended."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a": 1}, load_corpus([small_corpus]).train)
+    try:
+        h, a = pipeline.nodes["h"], pipeline.nodes["a"]
+        h.out, a.out = tmp_path / "h", tmp_path / "a"
+        old = pipeline.coordinator
+        old.run_iteration(0, save=True)
+        send = old._command_all
+        old._command_all = lambda names, kind, body, timeout_s=None: send(
+            [n for n in names if kind != "step" or n != "a"], kind, body, timeout_s)
+        old.run_iteration(1, save=True, last=True)
+        assert (h.iterations_done, a.iterations_done, h.ended, a.ended) == (2, 1, True, False)
+        new = Coordinator(old.network, lambda: dict(pipeline.servers), h.links, h.address,
+                          seed=recipe.recipe.train.seed, term=1)
+        h.coordinator = new
+        assert new.take_over(None)[0] == 2
+        assert a.iterations_done == 2 and a.ended
+        assert [load_checkpoint(node.out / "stage")[1]["iteration"] for node in (h, a)] == [2, 2]
+    finally:
+        pipeline.close()
+
+
 def test_a_node_that_stepped_the_last_iteration_leaves_as_done_when_its_lead_is_gone(tmp_path, small_corpus):
     """The lead's stop does not reach a node (its lead ended the run and left): a node that stepped the
     run's last iteration finds its lead gone and leaves with 0, without looking for a successor (a node

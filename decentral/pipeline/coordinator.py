@@ -371,7 +371,8 @@ class Coordinator:
     def take_over(self, gone: str | None) -> tuple[int, dict | None]:
         """Lead from now on, as a lead of `self.term` after the one at address `gone` (None: any) died
         (module docstring). Returns the iteration to run next and the last step the nodes took (its
-        command: iteration, finished, loss), None before the first."""
+        command: iteration, finished, loss, steps, save, last), None before the first; the nodes that missed
+        it take it now, as it was sent."""
         self.dead.update({name: server.incarnation for name, server in self.servers().items()
                           if server.address == gone})
         self._live = self.live_servers()
@@ -386,7 +387,7 @@ class Coordinator:
         behind = [name for name, state in states.items() if state["open"] == done - 1 and state["done"] < done]
         if last is not None and behind:
             log.warning("the lead died stepping iteration %d; %s step it now", done - 1, ", ".join(behind))
-            self._command_all(behind, "step", lambda name: {**last, "save": False}, timeout_s=self.step_timeout_s)
+            self._command_all(behind, "step", lambda name: last, timeout_s=self.step_timeout_s)  # (saving, ending)
         return done, last
 
     def stop_all(self) -> None:

@@ -513,7 +513,8 @@ class StageNode:
             # the commit point: a new lead asking after this (takeover) learns this step was taken
             self.iterations_done = iteration + 1
             self._last_step = {"iteration": iteration, "finished": body["finished"], "loss": body.get("loss"),
-                               "steps": body.get("steps")}
+                               "steps": body.get("steps"), "save": bool(body.get("save")),
+                               "last": bool(body.get("last"))}
             self.ended = bool(body.get("last", False))
             keys = [k for k in self._pending if k[0] == iteration and finished.get(k[1]) == k[2]]
             for i, param in enumerate(self.params):
