@@ -15,7 +15,7 @@ import yaml
 
 from decentral.checkpoint import load_checkpoint
 from decentral.data.corpus import load_corpus
-from decentral.pipeline.coordinator import Coordinator, Deposed
+from decentral.pipeline.coordinator import Coordinator, Deposed, claimed_term
 from decentral.pipeline.evaluate import load_run
 from decentral.pipeline.launch import run_metrics
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
@@ -96,6 +96,48 @@ def test_a_new_lead_has_the_nodes_behind_save_and_end_as_the_step_they_missed_as
         assert [load_checkpoint(node.out / "stage")[1]["iteration"] for node in (h, a)] == [2, 2]
     finally:
         pipeline.close()
+
+
+@pytest.mark.parametrize("first", ["h1", "h2"])
+def test_two_heads_that_both_take_over_claim_two_terms_and_the_higher_leads_alone(first, small_corpus):
+    """The lead h0 is gone and the views of h1 and h2 differ, so each takes over: both claimed term 1, and each
+    node followed whichever takeover reached it first (two leads, whose steps both went through). Each now
+    claims a term of its own: in either order h2's is the higher and h2 leads (h1's microbatches report to it,
+    not to h1's own coordinator, which has not learnt it is deposed) and h1's next command is refused."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    stage_of = {"h0": 0, "h1": 0, "h2": 0, "a": 1}
+    pipeline = InProcessPipeline(recipe, stage_of, load_corpus([small_corpus]).train)
+    try:
+        pipeline.coordinator.run_iteration(0)
+        pipeline.nodes["h0"].close()
+        del pipeline.servers["h0"]
+        heads, followed = {}, pipeline.nodes["h1"].term  # both find h0 gone at once: the term they followed
+        for name in (first, *({"h1", "h2"} - {first})):
+            node = pipeline.nodes[name]
+            heads[name] = Coordinator(pipeline.coordinator.network, lambda: dict(pipeline.servers), node.links,
+                                      node.address, seed=recipe.recipe.train.seed,
+                                      term=claimed_term(followed, name, list(stage_of)))
+            node.coordinator = heads[name]
+            try:
+                heads[name].take_over(None)
+            except Deposed:
+                assert name == "h1"  # it came second
+        assert heads["h2"].term > heads["h1"].term > 0
+        assert heads["h2"].run_iteration(1)["microbatches"] == 2
+        with pytest.raises(Deposed):
+            heads["h1"].run_iteration(2)
+        assert {name: node.term for name, node in pipeline.nodes.items() if name != "h0"} == dict.fromkeys(
+            ("h1", "h2", "a"), heads["h2"].term)
+        assert {node.iterations_done for name, node in pipeline.nodes.items() if name != "h0"} == {2}
+    finally:
+        pipeline.close()
+
+
+def test_a_head_claims_the_first_term_past_the_last_that_is_its_own():
+    names = ["b", "a", "c"]  # sorted: a owns 0, 3, 6, ...; b 1, 4, ...; c 2, 5, ...
+    assert [claimed_term(after, "a", names) for after in (0, 1, 2, 3)] == [3, 3, 3, 6]
+    assert [claimed_term(after, "b", names) for after in (0, 1, 2, 3)] == [1, 4, 4, 4]
+    assert [claimed_term(after, "c", names) for after in (0, 1, 2, 3)] == [2, 2, 5, 5]
 
 
 def test_a_node_that_stepped_the_last_iteration_leaves_as_done_when_its_lead_is_gone(tmp_path, small_corpus):
@@ -242,7 +284,8 @@ def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path
     assert "the lead (127.0.0.1:" in run.log("h1") and "leading from iteration" in run.log("h1")
     takeover = [json.loads(line) for line in (out / "h1" / "events.jsonl").read_text().splitlines()
                 if '"takeover"' in line]
-    assert [(e["term"], e["iteration"]) for e in takeover] == [(1, took_over["step"])]
+    term = claimed_term(0, "h1", [node.name for node in network.nodes])  # (2: h1 is second of a, h0, h1)
+    assert [(e["term"], e["iteration"]) for e in takeover] == [(term, took_over["step"])]
     for name in ("h1", "a"):
         tensors, meta = load_checkpoint(out / name / "stage")
         assert meta["iteration"] == steps
@@ -256,7 +299,7 @@ def test_a_head_takes_over_when_the_lead_is_killed_and_the_run_finishes(tmp_path
 
 def test_a_lead_that_was_only_slow_is_refused_and_stands_by(tmp_path, small_corpus, local_pipeline):
     """The lead h0 is frozen (SIGSTOP) mid-iteration: after the link timeout the others count it gone and
-    h1 takes over. Thawed (SIGCONT), h0 finds the nodes following term 1 and stands by without stepping
+    h1 takes over. Thawed (SIGCONT), h0 finds the nodes following h1's term and stands by without stepping
     anyone: every iteration is stepped once (a's AdamW steps == --steps) and h1 stops h0 at the end."""
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(tiny_recipe(2, 0.0, 2, pipeline={"link_timeout": 4.0})))

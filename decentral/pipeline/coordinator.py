@@ -42,7 +42,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -63,6 +63,16 @@ ATTEMPTS_PER_TERM = 1 << 20  # attempts of a microbatch one lead may make
 def first_attempt(term: int) -> int:
     """The first attempt number of the microbatches of a lead of `term`."""
     return term * ATTEMPTS_PER_TERM
+
+
+def claimed_term(after: int, name: str, names: Sequence[str]) -> int:
+    """The term the node `name` claims when it takes over from a lead of term `after`: the first one past it that
+    is its own (≡ its index among the network's sorted node `names`, modulo their count). Two heads that both
+    found themselves the successor (their DHT views differed) claim two terms, and every node follows the
+    higher one, in whatever order the takeovers reach it; with one term for both, each node followed whichever
+    came first, and the run had two leads."""
+    index = sorted(names).index(name)
+    return after + 1 + (index - after - 1) % len(names)
 
 
 class Deposed(PipelineError):

@@ -613,11 +613,12 @@ class StageNode:
         self.links.post(address, SEND, payload, done)
 
     def _report(self, body: dict) -> None:
-        """Tell the coordinator (in this process when we are the lead); not once we are closing (the sends
-        that fail then are ours, cut short)."""
+        """Tell the coordinator whose `begin` we follow (in this process when it is ours: not when ours took over
+        too and has not learnt yet that another's term is newer); not once we are closing (the sends that fail
+        then are ours, cut short)."""
         if self.stopped.is_set():
             return
-        if self.coordinator is not None:
+        if self.coordinator is not None and self.coordinator.address == self._coordinator:
             self.coordinator.on_report(body)
         elif self._coordinator:
             self.links.post(self._coordinator, CONTROL, command_of("report", body))

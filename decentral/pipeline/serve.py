@@ -17,9 +17,10 @@ depend only on the iteration, so a resumed run trains on what the first would ha
 
 Every other node probes the lead (the address its last `begin` came from) every second. When the
 lead is gone (a refused or timed-out ping), the successor is the head (stage 0) with the lowest name
-that is announced in the DHT and answers a ping: every node finds the same one, with no election.
-The successor takes over (Coordinator.take_over: a new term) and leads from the iteration the nodes
-last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
+that is announced in the DHT and answers a ping: every node finds the same one, with no election (where
+views differ and two heads take over, each claims a term of its own, `claimed_term`, and the nodes follow the
+higher: the other stands by). The successor takes over (Coordinator.take_over) and leads from the iteration the
+nodes last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
 record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no
 head is left (none has been in view for a record's lifetime, RECORD_TTL_S: a view may miss a live head's
 record for a moment), every node says so in one line and exits 2: the
@@ -44,7 +45,7 @@ from decentral.checkpoint import checkpoint_present, sole_writer
 from decentral.data.corpus import load_corpus
 from decentral.metrics import MetricsLog, keep_records_until
 from decentral.pipeline.auth import CallKey
-from decentral.pipeline.coordinator import Coordinator, Deposed, ping
+from decentral.pipeline.coordinator import Coordinator, Deposed, claimed_term, ping
 from decentral.pipeline.discovery import RECORD_TTL_S, Announcer, ServerView, lookup_servers, new_server
 from decentral.pipeline.network import Network, PipelineError
 from decentral.pipeline.node import StageNode
@@ -244,7 +245,8 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
 
     coordinator = Coordinator(opts.network, view.get, node.links, address, seed=train.seed, effort=config.effort,
                               routing=config.routing, calibrate_at=config.calibrate_at,
-                              term=node.term + 1 if gone else node.term, steps=steps, on_event=on_event)
+                              term=claimed_term(node.term, opts.name, [n.name for n in opts.network.nodes]) if gone
+                              else node.term, steps=steps, on_event=on_event)
     node.coordinator = coordinator
     if gone:
         first, stepped = coordinator.take_over(gone)
