@@ -180,6 +180,29 @@ def test_two_stages_train_with_replicas_kept_together_by_diloco_and_random_routi
         pipeline.close()
 
 
+def test_the_makespan_of_heads_on_machines_whose_clocks_differ_is_one_iterations(small_corpus):
+    """Each head reports when its microbatches began and ended on its own monotonic clock (seconds since its
+    machine booted); the makespan was the latest end less the earliest start over all heads, so heads on two
+    machines made it the difference of their uptimes (here a day). Now it is the longest span on one clock."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 4))
+    pipeline = InProcessPipeline(recipe, {"h0": 0, "h1": 0, "a": 1}, load_corpus([small_corpus]).train)
+    try:
+        report = pipeline.coordinator.on_report
+        booted_a_day_earlier = "h1"
+
+        def on_report(body: dict) -> None:
+            if body.get("node") == booted_a_day_earlier and "begun" in body:
+                body = {**body, "begun": body["begun"] + 86400.0, "end": body["end"] + 86400.0}
+            report(body)
+        pipeline.coordinator.on_report = on_report
+        records = [pipeline.coordinator.run_iteration(i) for i in range(2)]
+        assert booted_a_day_earlier in pipeline.visits(0) + pipeline.visits(1)
+        for record in records:
+            assert 0 < record["makespan_ms"] <= record["wall_ms"], record
+    finally:
+        pipeline.close()
+
+
 def test_a_joining_node_is_planned_in_with_its_stages_weights_and_a_leaving_one_planned_out(small_corpus):
     recipe = parse_pipeline_recipe(tiny_recipe(3, 0.0, 4))
     everyone = {"h": 0, "a1": 1, "b": 2, "a2": 1}
