@@ -65,6 +65,38 @@ def test_a_damaged_optimizer_state_fails_a_full_check_but_not_one_of_the_weights
         verify_expert(expert)
 
 
+_KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+from pathlib import Path
+from decentral.experts import registry
+renames = []
+def replace(source, target):
+    renames.append(source)
+    if len(renames) == 2:  # the old version is set aside, the new one not yet in its place
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.rename(source, target)
+registry.os.replace = replace
+with registry.staging(Path(sys.argv[1])) as tmp:
+    (tmp / "expert.json").write_text("{}")
+"""
+
+
+@pytest.mark.parametrize("first_look", ["names", "get"])
+def test_an_expert_whose_replacement_was_killed_between_its_two_renames_is_put_back(tmp_path, first_look):
+    """`staging` sets the old folder aside (a hidden `.e.old-*`), then renames the new one into its place: a
+    process killed between the two left the expert missing from the registry for good ("no expert 'e'")."""
+    expert, _ = tiny_expert(tmp_path / "reg")
+    killed = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_RENAMES, str(tmp_path / "reg" / "e")])
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "reg" / "e").exists()
+    registry = Registry(tmp_path / "reg")
+    if first_look == "names":
+        assert registry.names() == ["e"]
+    assert registry.get("e") == expert
+    verify_expert(registry.get("e"))
+    assert registry.names() == ["e"] and sorted(p.name for p in (tmp_path / "reg").iterdir())[-1] == "e"
+
+
 def test_failed_write_leaves_nothing_and_bad_folders_are_clear(tmp_path):
     tiny_expert(tmp_path)
 

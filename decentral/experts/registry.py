@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -57,6 +58,8 @@ CONFIG_FILE = "config.json"  # of a Hugging Face model
 INDEX_FILE = "model.safetensors.index.json"  # of a Hugging Face model saved in shards
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a file of a layout: no folders
+
+log = logging.getLogger(__name__)
 
 
 class RegistryError(ValueError):
@@ -294,9 +297,11 @@ def verify_expert(expert: Expert, with_optimizer: bool = True) -> None:
 @contextlib.contextmanager
 def staging(folder: str | Path) -> Iterator[Path]:
     """A temporary folder beside `folder` that replaces `folder` when the block ends without an error,
-    and is removed when it raises: whoever reads `folder` sees the old version or the whole new one."""
+    and is removed when it raises: whoever reads `folder` sees the old version or the whole new one (or,
+    once the process was killed between the two renames, nothing until `put_back_set_aside` is called)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    put_back_set_aside(folder)
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
@@ -309,6 +314,19 @@ def staging(folder: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def put_back_set_aside(folder: Path) -> None:
+    """A `staging` killed between its two renames left `folder` missing, its old version set aside as a hidden
+    `.NAME.old-*` beside it: put that back (the latest, when there are several)."""
+    if folder.exists() or not folder.parent.is_dir():
+        return
+    prefix = f".{folder.name}.old-"
+    set_aside = [p for p in folder.parent.iterdir() if p.name.startswith(prefix) and (p / META_FILE).is_file()]
+    if set_aside:
+        latest = max(set_aside, key=lambda p: p.stat().st_mtime)
+        os.replace(latest, folder)
+        log.warning("%s: put back the version set aside by a replacement that was cut off (%s)", folder, latest.name)
 
 
 def write_meta(folder: Path, expert: Expert) -> None:
@@ -422,6 +440,8 @@ class Registry:
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
+        for hidden in [p for p in self.root.iterdir() if p.name.startswith(".") and ".old-" in p.name]:
+            put_back_set_aside(self.root / hidden.name[1:].rsplit(".old-", 1)[0])
         return sorted(p.name for p in self.root.iterdir() if (p / META_FILE).is_file() and not p.name.startswith("."))
 
     def folder(self, name: str) -> Path:
@@ -429,6 +449,7 @@ class Registry:
 
     def get(self, name: str) -> Expert:
         folder = self.folder(name)
+        put_back_set_aside(folder)
         if not folder.is_dir():
             if not self.root.is_dir():
                 raise RegistryError(f"no expert {name!r}: there is no registry folder {self.root}")
