@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import datetime as dt
 import json
 import os
@@ -32,12 +33,11 @@ from typing import Callable
 
 import yaml
 
-from decentral.checkpoint import sole_writer
 from decentral.cli import stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.data import load_corpus
 from decentral.members import joining, train_command, wait_for_addresses
-from decentral.metrics import cell, format_table, human_bytes, read_metrics
+from decentral.metrics import cell, format_table, human_bytes, read_metrics, results_folder
 from decentral.models import build_model
 from decentral.netlab import (BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, add_mode_argument, bandwidth_argument,
                               mode_note)
@@ -456,8 +456,10 @@ def run_bench(args: argparse.Namespace) -> int:
               "with +CODEC (e.g. diloco+float16), any with @STEPS (e.g. ddp@1500)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if (held := _earlier_run(out, methods)) is not None:
-        print(f"bench: {held}", file=sys.stderr)
+    try:
+        _refuse_an_earlier_run(out, methods)
+    except RecipeError as e:
+        print(f"bench: {e}", file=sys.stderr)
         return 2
     recipes = Path(args.recipes)
     base = load_recipe(recipe_file(REFERENCE, recipes))  # (the model and data every method shares, checked below)
@@ -486,11 +488,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.hosts == 1:  # (once every refusal has passed: a refusal comes alone)
         print("bench: note: one host: each method's worker averages with nobody (its cost alone is compared)",
               file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        with sole_writer(out):
-            if (held := _earlier_run(out, methods)) is not None:  # (a bench given this --out began meanwhile)
-                print(f"bench: {held}", file=sys.stderr)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(results_folder(out, "bench", refuse=lambda folder: _refuse_an_earlier_run(
+                    folder, methods)))
+            except RecipeError as e:  # (a bench given this --out began meanwhile)
+                print(f"bench: {e}", file=sys.stderr)
                 return 2
             with NetLab(args.hosts, args.bandwidth, mode=args.mode, name="bench") as lab:
                 results["config"]["mode"] = lab.mode
@@ -520,17 +524,16 @@ def run_bench(args: argparse.Namespace) -> int:
     return report(results, out, args.target_loss)
 
 
-def _earlier_run(out: Path, methods: list[str]) -> str | None:
-    """Why `out` is no folder for this bench: it holds a previous bench's results, or a folder a method would
-    write (a run of the user's, `train --out runs/diloco`, beside a `bench --out runs`); None when it is."""
+def _refuse_an_earlier_run(out: Path, methods: list[str]) -> None:
+    """RecipeError when `out` is no folder for this bench: it holds a previous bench's results, or a folder a method
+    would write (a run of the user's, `train --out runs/diloco`, beside a `bench --out runs`)."""
     if (out / "results.json").is_file():
-        return (f"--out {out} holds a previous bench (results.json): give another --out, or redraw its results with "
-                f"--report {out}")
+        raise RecipeError(f"--out {out} holds a previous bench (results.json): give another --out, or redraw its "
+                          f"results with --report {out}")
     taken = [m for m in [REFERENCE, *methods] if (out / m).exists()]
     if taken:
-        return (f"--out {out} holds {', '.join(taken)}: the bench writes a folder of that name for each method, and "
-                "keeps what is there; give another --out")
-    return None
+        raise RecipeError(f"--out {out} holds {', '.join(taken)}: the bench writes a folder of that name for each "
+                          "method, and keeps what is there; give another --out")
 
 
 def report(results: dict, out: Path, target_loss: float | None = None) -> int:

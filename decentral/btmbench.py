@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from decentral.checkpoint import sole_writer
 from decentral.cli import interrupting, positive_int, stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe
 from decentral.data.domains import BUILTIN_DOMAINS, load_domains, parse_domain
@@ -46,7 +45,7 @@ from decentral.experts.ensemble import PriorCache, ensemble_nll
 from decentral.experts.evaluate import DomainScores, EvalConfig, domain_prior, perplexity, score_experts
 from decentral.experts.registry import Registry
 from decentral.merge import merge, parse_merge_recipe
-from decentral.metrics import format_table
+from decentral.metrics import format_table, results_folder
 
 PLOTTED = ("dense", "BTM ensemble", "BTM ensemble (prefix)", "BTM posterior average", "BTM uniform average",
            "no-seed ensemble", "no-seed uniform average")
@@ -261,10 +260,7 @@ def run_btm_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     domains = args.domains.split(",")
     check_domains(domains, args.heldout)
-    _refuse_a_previous_run(out, args.seeds)
-    out.mkdir(parents=True, exist_ok=True)
-    with sole_writer(out):  # (a second bench given this --out stops here)
-        _refuse_a_previous_run(out, args.seeds)  # (one given it may have ended meanwhile)
+    with results_folder(out, "bench btm", refuse=lambda folder: _refuse_a_previous_run(folder, args.seeds)):
         return _run(args, out, domains)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -264,16 +264,19 @@ def check_no_earlier_results(out: Path, command: str, name: str = "results.json"
 
 
 @contextlib.contextmanager
-def results_folder(out: Path, command: str, name: str = "results.json") -> Iterator[Path]:
-    """Hold OUT (made when missing) while `command` writes its results there: FileExistsError when OUT holds an
-    earlier run's results file `name` (`check_no_earlier_results`: before anything is written there, and again once
-    held), and a second process given the same --out stops at once (`checkpoint.sole_writer`, CheckpointError)."""
+def results_folder(out: Path, command: str, name: str = "results.json",
+                   refuse: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """Hold OUT (made when missing) while `command` writes its results there: `refuse(OUT)` raises when OUT holds
+    an earlier run (by default: FileExistsError when it holds the results file `name`, `check_no_earlier_results`),
+    before anything is written there and again once held; a second process given the same --out stops at once
+    (`checkpoint.sole_writer`, CheckpointError)."""
     from decentral.checkpoint import sole_writer
 
-    check_no_earlier_results(out, command, name)
+    refuse = refuse or (lambda folder: check_no_earlier_results(folder, command, name))
+    refuse(Path(out))
     Path(out).mkdir(parents=True, exist_ok=True)
     with sole_writer(out):
-        check_no_earlier_results(out, command, name)  # (a run given this --out may have ended meanwhile)
+        refuse(Path(out))  # (a run given this --out may have ended meanwhile)
         yield Path(out)
 
 

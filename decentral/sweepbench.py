@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import contextlib
 import itertools
 import json
 import math
@@ -30,12 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-from decentral.checkpoint import sole_writer
 from decentral.config import (RecipeError, parse_recipe, read_yaml, recipe_path, setting_value, split_setting,
                               with_settings)
 from decentral.data import DataError, load_corpus
 from decentral.loopback import LoopbackHub
-from decentral.metrics import format_table, read_metrics
+from decentral.metrics import format_table, read_metrics, results_folder
 from decentral.worker import WorkerOptions, run_worker
 
 
@@ -189,11 +189,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     except (RecipeError, DataError) as e:
         print(f"bench sweep: {e}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    with sole_writer(out):  # (a second sweep given this --out stops here; its workers would find theirs held)
-        try:
-            check_fresh_out(out)  # (a sweep given this --out may have ended meanwhile)
-        except RecipeError as e:
+    with contextlib.ExitStack() as held:
+        try:  # (a second sweep given this --out stops here; its workers would find theirs held)
+            held.enter_context(results_folder(out, "bench sweep", refuse=check_fresh_out))
+        except RecipeError as e:  # (a sweep given this --out ended meanwhile)
             print(f"bench sweep: {e}", file=sys.stderr)
             return 2
         return _sweep(args, out, grid, labelled)
