@@ -128,7 +128,7 @@ def _check_files(directory: Path, meta: dict) -> None:
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"incomplete checkpoint {directory}: {name} is missing")
-        if _file_sha256(path) != digest:
+        if file_sha256(path) != digest:
             raise CheckpointError(f"corrupt checkpoint {path} (checksum mismatch)")
 
 
@@ -215,7 +215,8 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, as hex."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -224,7 +225,7 @@ def _synced_sha256(path: Path) -> str:
     """The sha256 of a file just written, once it is on disk (fsync)."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return _file_sha256(path)
+    return file_sha256(path)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from decentral.checkpoint import CheckpointError, load_checkpoint, optimizer_state_dict
+from decentral.checkpoint import CheckpointError, file_sha256, load_checkpoint, optimizer_state_dict
 from decentral.experts.registry import (
-    META_FILE, Expert, RegistryError, checkpoint_layout, file_sha256, layout_digest, model_sha256, read_expert,
+    META_FILE, Expert, RegistryError, checkpoint_layout, layout_digest, model_sha256, read_expert,
     verify_expert, write_meta,
 )
 from decentral.models import GPT_SOURCE, HF_SOURCE, ModelError, gpt_description

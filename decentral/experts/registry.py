@@ -46,7 +46,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save as save_tensors
 from torch import nn
 
-from decentral.checkpoint import TENSORS_FILE, CheckpointError, load_checkpoint
+from decentral.checkpoint import TENSORS_FILE, CheckpointError, file_sha256, load_checkpoint
 from decentral.checkpoint import META_FILE as CHECKPOINT_META_FILE
 from decentral.models import GPT, GPT_SOURCE, HF_SOURCE, GPTConfig, ModelError
 
@@ -178,14 +178,6 @@ def check_name(name: str) -> str:
     if not NAME_PATTERN.match(name):
         raise RegistryError(f"expert name {name!r} must be 1-64 letters, digits, '.', '_' or '-', not starting with a symbol")
     return name
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def model_bytes(state: dict[str, torch.Tensor]) -> bytes:

@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from decentral.checkpoint import file_sha256
 from decentral.experts.registry import (
-    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, Expert, Registry, RegistryError, check_name, file_sha256,
+    CONFIG_FILE, INDEX_FILE, META_FILE, MODEL_FILE, Expert, Registry, RegistryError, check_name,
     read_expert, write_expert,
 )
 from decentral.merge.base import MergeError
