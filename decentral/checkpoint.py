@@ -268,13 +268,22 @@ def training_state(model_tensors: Mapping[str, torch.Tensor], optimizer: torch.o
     return tensors, meta
 
 
+def model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors of a `training_state` checkpoint, named as in its state dict (no `model.`)."""
+    return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+
+
+def inner_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inner optimizer's tensors of a `training_state` checkpoint (`inner.*`, for `optimizer_state_dict`)."""
+    return {k: v for k, v in tensors.items() if k.startswith("inner.")}
+
+
 def load_training_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                         optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Inverse of `training_state`: loads the inner optimizer's state; returns the model's tensors and the
     sync protocol's state dict (None when the checkpoint has none)."""
-    optimizer.load_state_dict(optimizer_state_dict(
-        {k: v for k, v in tensors.items() if k.startswith("inner.")}, meta["inner_optimizer"]["param_groups"]))
-    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    optimizer.load_state_dict(optimizer_state_dict(inner_tensors(tensors), meta["inner_optimizer"]["param_groups"]))
+    model = model_tensors(tensors)
     if "sync" not in meta:
         return model, None
     return model, {"meta": meta["sync"], "tensors": {k[len("outer."):]: v for k, v in tensors.items()

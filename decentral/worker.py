@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 
 from decentral.checkpoint import (
-    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, read_checkpoint_meta, save_checkpoint,
-    sole_writer, training_state,
+    CheckpointError, checkpoint_present, load_checkpoint, load_training_state, model_tensors, read_checkpoint_meta,
+    save_checkpoint, sole_writer, training_state,
 )
 from decentral.config import Recipe, RecipeError, recipe_differences
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
@@ -144,7 +144,7 @@ def _restore(protocol: SyncProtocol, opts: WorkerOptions, transport: Transport, 
     path = opts.out / "checkpoint"
     state = load_checkpoint(path, files) if not opts.island_mode or opts.rank == 0 else None
     tensors, meta = transport.from_leader(state) if opts.island_mode else state
-    found = {k[len("model."):]: v.shape for k, v in tensors.items() if k.startswith("model.")}
+    found = {k: v.shape for k, v in model_tensors(tensors).items()}
     if found != {k: v.shape for k, v in protocol.model.state_dict().items()}:
         theirs = meta.get("recipe", {}).get("model")
         source = theirs.get("source") if isinstance(theirs, dict) else None

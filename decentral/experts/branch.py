@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from decentral.checkpoint import CheckpointError, file_sha256, load_checkpoint, optimizer_state_dict
+from decentral.checkpoint import (
+    CheckpointError, file_sha256, inner_tensors, load_checkpoint, model_tensors, optimizer_state_dict,
+)
 from decentral.experts.registry import (
     META_FILE, Expert, RegistryError, checkpoint_layout, layout_digest, model_sha256, read_expert,
     verify_expert, write_meta,
@@ -73,13 +75,13 @@ def load_start_point(path: str | Path) -> StartPoint:
         model, config = _hf_model(path)
         parent = layout_digest({p.name: {"sha256": file_sha256(p)} for p in checkpoint_layout(path)})
     else:
-        model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        model = model_tensors(tensors)
         config, parent = gpt_description(recipe_model), model_sha256(model)
     if not model or "recipe" not in meta:
         raise RegistryError(f"--init-from {path}: not a `decentral train` checkpoint (no model tensors or recipe)")
     optimizer = None
     if "inner_optimizer" in meta:
-        optimizer = optimizer_state_dict({k: v for k, v in tensors.items() if k.startswith("inner.")},
+        optimizer = optimizer_state_dict(inner_tensors(tensors),
                                          meta["inner_optimizer"]["param_groups"])
     return StartPoint(model, optimizer, int(meta["sync"]["step"]), parent,
                       int(meta.get("lineage", {}).get("tokens", 0)), config, f"checkpoint {path}", "its run saved none")

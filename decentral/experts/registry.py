@@ -46,7 +46,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save as save_tensors
 from torch import nn
 
-from decentral.checkpoint import TENSORS_FILE, CheckpointError, file_sha256, load_checkpoint
+from decentral.checkpoint import (
+    TENSORS_FILE, CheckpointError, file_sha256, inner_tensors, load_checkpoint, model_tensors,
+)
 from decentral.checkpoint import META_FILE as CHECKPOINT_META_FILE
 from decentral.models import GPT, GPT_SOURCE, HF_SOURCE, GPTConfig, ModelError
 
@@ -398,7 +400,7 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
                                 "copy it into the registry's folder, or `experts fetch` it from a swarm") from None
         inside = checkpoint / "checkpoint"  # a `decentral train` run's folder holds its checkpoint there
         raise RegistryError(f"{e}" + (f" (did you mean {inside}?)" if inside.is_dir() else "")) from None
-    state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    state = model_tensors(tensors)
     hf = "recipe" in meta and meta["recipe"]["model"].get("source", GPT_SOURCE) != GPT_SOURCE
     if not (state or hf) or "recipe" not in meta:
         raise RegistryError(f"{checkpoint} is not a `decentral train` checkpoint (no model tensors or recipe)")
@@ -416,7 +418,7 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
     )
     optimizer = None
     if with_optimizer:
-        optimizer = ({k: v for k, v in tensors.items() if k.startswith("inner.")},
+        optimizer = (inner_tensors(tensors),
                      meta["inner_optimizer"]["param_groups"])
     return write_expert(folder, write_model, expert, optimizer)
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from decentral.checkpoint import checkpoint_present, load_checkpoint
+from decentral.checkpoint import checkpoint_present, load_checkpoint, model_tensors
 from decentral.data.batches import Batch
 from decentral.pipeline.network import PipelineError
 from decentral.pipeline.recipe import PipelineRecipe, parse_pipeline_recipe
@@ -43,7 +43,7 @@ def load_run(run: str | Path) -> tuple[nn.Module, PipelineRecipe]:
         recipe = recipe or parse_pipeline_recipe(meta["recipe"], str(folder))
         stage, stepped = int(meta["stage"]), int(meta.get("iteration", 0))
         if stage not in found or stepped > found[stage][0]:
-            found[stage] = (stepped, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+            found[stage] = (stepped, model_tensors(tensors))
     if recipe is None:
         raise PipelineError(f"{run} holds no stage checkpoints (<node>/stage); is it a `decentral pipeline train` run?")
     missing = sorted(set(range(recipe.pipeline.stages)) - set(found))
