@@ -13,7 +13,7 @@ import pytest
 
 from conftest import free_port, running, wait_until
 from decentral.config import RecipeError, parse_recipe
-from decentral.ranks import LaunchError, rank_from_env
+from decentral.ranks import LaunchError, rank_from_env, spawn_ranks
 
 DILOCO = {"name": "diloco", "every": 10, "outer_lr": 1.0, "outer_momentum": 0.5}
 RANKS = 2
@@ -78,6 +78,18 @@ def test_a_single_process_joining_a_swarm_of_sharded_islands_stops_in_one_line(w
 
 def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_an_island_whose_rank_a_signal_ended_exits_128_plus_the_signal_as_a_shell_says(tmp_path, monkeypatch):
+    """A rank killed by signal N was returned as -N, and the launcher's exit status became 256 - N (247 for
+    SIGKILL) where a shell, and the README's exit codes, say 128 + N (137)."""
+    rank = tmp_path / "python"  # what the launcher runs as each rank: rank 0 ends well, rank 1 is killed
+    rank.write_text('#!/bin/sh\n[ "$RANK" = 1 ] && kill -KILL $$\nexit 0\n')
+    rank.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(rank))
+    said: list[str] = []
+    assert spawn_ranks(["train"], 2, print_fn=said.append) == 128 + signal.SIGKILL
+    assert said[-1] == f"island: ranks [1] exited with codes [{-signal.SIGKILL}]"
 
 
 def test_a_killed_rank_takes_its_island_out_and_the_restarted_island_rejoins(workers):
