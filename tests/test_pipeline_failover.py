@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ from decentral.checkpoint import load_checkpoint
 from decentral.data.corpus import load_corpus
 from decentral.pipeline.coordinator import Coordinator, Deposed, claimed_term
 from decentral.pipeline.evaluate import load_run
+from decentral.pipeline.frames import reply_of
 from decentral.pipeline.launch import run_metrics
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
 from decentral.pipeline.discovery import RECORD_TTL_S, Announcer, ServerView, new_server
@@ -138,6 +140,31 @@ def test_a_head_claims_the_first_term_past_the_last_that_is_its_own():
     assert [claimed_term(after, "a", names) for after in (0, 1, 2, 3)] == [3, 3, 3, 6]
     assert [claimed_term(after, "b", names) for after in (0, 1, 2, 3)] == [1, 4, 4, 4]
     assert [claimed_term(after, "c", names) for after in (0, 1, 2, 3)] == [2, 2, 5, 5]
+
+
+@pytest.mark.parametrize("reply", [b"\xff\xff", reply_of(False, "refused", body={"term": "7"})],
+                         ids=["no reply frame", "a term that is no integer"])
+def test_a_reply_the_new_lead_cannot_read_counts_its_node_out_instead_of_waiting_for_it(reply, small_corpus):
+    """A node of another build answered the takeover with a reply the lead could not read: the callback raised,
+    the reply was never recorded, and the lead waited for it for good."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    pipeline = InProcessPipeline(recipe, {"h": 0, "a": 1, "a2": 1}, load_corpus([small_corpus]).train)
+    try:
+        pipeline.coordinator.run_iteration(0)
+        pipeline.nodes["a2"]._takeover = lambda body: reply
+        h = pipeline.nodes["h"]
+        new = Coordinator(pipeline.coordinator.network, lambda: dict(pipeline.servers), h.links, h.address,
+                          seed=recipe.recipe.train.seed, term=1)
+        h.coordinator = new
+        took: list = []
+        taking = threading.Thread(target=lambda: took.append(new.take_over(None)), daemon=True)  # (waits for good
+        taking.start()  # where the reply is left unread: the test must end)
+        taking.join(timeout=60)
+        assert [first for first, _ in took] == [1]
+        assert "a2" in new.dead and "a" not in new.dead
+        assert new.run_iteration(1)["microbatches"] == 2
+    finally:
+        pipeline.close()
 
 
 def test_a_node_that_stepped_the_last_iteration_leaves_as_done_when_its_lead_is_gone(tmp_path, small_corpus):
