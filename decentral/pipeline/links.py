@@ -62,7 +62,6 @@ class Links:
         self.max_message = max_message
         self.shared_uplink = shared_uplink
         self.key = key
-        self.bytes_sent = 0
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._queues: dict[str, _Queue] = {}
@@ -120,10 +119,6 @@ class Links:
             wait = self._uplink_free - now
         time.sleep(wait)  # emulated transmission time: nothing else paces loopback
 
-    def _sent(self, size: int) -> None:
-        with self._lock:
-            self.bytes_sent += size
-
     def close(self) -> None:
         """Stop the queues (calls still queued end with an error) and close the channels."""
         with self._lock:
@@ -170,7 +165,6 @@ class _Queue:
                 self.links._pace(len(payload))
                 reply = self.links._channel(address).unary_unary(method)(
                     payload, timeout=timeout_s, metadata=self.links._metadata(method, payload))
-                self.links._sent(len(payload))
             except Exception as e:  # grpc.RpcError, or a channel closed under us at shutdown
                 error = e
             if done is not None:
