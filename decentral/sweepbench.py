@@ -19,8 +19,8 @@ OUT/results.json).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import contextlib
+import datetime as dt
 import itertools
 import json
 import math

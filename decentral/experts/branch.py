@@ -81,8 +81,7 @@ def load_start_point(path: str | Path) -> StartPoint:
         raise RegistryError(f"--init-from {path}: not a `decentral train` checkpoint (no model tensors or recipe)")
     optimizer = None
     if "inner_optimizer" in meta:
-        optimizer = optimizer_state_dict(inner_tensors(tensors),
-                                         meta["inner_optimizer"]["param_groups"])
+        optimizer = optimizer_state_dict(inner_tensors(tensors), meta["inner_optimizer"]["param_groups"])
     return StartPoint(model, optimizer, int(meta["sync"]["step"]), parent,
                       int(meta.get("lineage", {}).get("tokens", 0)), config, f"checkpoint {path}", "its run saved none")
 

@@ -418,8 +418,7 @@ def expert_from_checkpoint(checkpoint: str | Path, folder: str | Path, *, name: 
     )
     optimizer = None
     if with_optimizer:
-        optimizer = (inner_tensors(tensors),
-                     meta["inner_optimizer"]["param_groups"])
+        optimizer = (inner_tensors(tensors), meta["inner_optimizer"]["param_groups"])
     return write_expert(folder, write_model, expert, optimizer)
 
 
