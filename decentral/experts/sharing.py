@@ -72,14 +72,17 @@ class ExpertSharing:
             self._refresher.start()
         return experts
 
-    def _announce(self) -> None:
+    def _announce(self, wait: bool = True) -> None:
+        """Store our records; without `wait`, return once the stores are sent (`SwarmPeer.publish_nowait`: a
+        renewal that waited out a hung DHT node's timeouts, twice per expert, let the others' records lapse)."""
+        store = self.peer.publish if wait else self.peer.publish_nowait
         for name, expert in list(self._published.items()):
-            self.peer.publish("experts", f"{name}/{self.peer.peer_id}", expert.to_json(), ttl=RECORD_TTL_S)
+            store("experts", f"{name}/{self.peer.peer_id}", expert.to_json(), ttl=RECORD_TTL_S)
 
     def _refresh(self) -> None:
         while not self._stop.wait(RECORD_TTL_S / 3):
             try:
-                self._announce()
+                self._announce(wait=False)
             except Exception as e:  # the next refresh may go through
                 log.warning("could not refresh expert records: %s", e)
 
