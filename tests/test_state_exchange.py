@@ -7,7 +7,7 @@ import torch
 
 from conftest import fail_to_open_once, wait_until, wait_until_senders_counted
 from decentral.swarm import wire
-from decentral.transport import EncodedAverage, state_digest
+from decentral.transport import EncodedAverage, StateUnavailable, state_digest
 
 
 def test_a_share_whose_holder_moved_on_comes_from_another_holder_not_a_whole_download(make_swarm):
@@ -128,3 +128,17 @@ def test_a_state_stream_libp2p_fails_to_open_is_asked_again_not_the_download_los
     donor, (meta, tensors) = b.state.fetch({a.peer_id: {"round": 3}}, timeout=15)
     assert failed == [a.peer_id] and donor == a.peer_id
     assert meta["round"] == 3 and torch.equal(tensors["slow"], torch.arange(4.0))
+
+
+def test_a_state_far_larger_than_ours_is_refused_before_any_of_it_is_allocated(make_swarm):
+    """A download accepted any state up to 16 GiB: a donor of another model (or one that lies about its size) had
+    the newcomer allocate and fill it before anything compared it with ours. Now a state more than STATE_GROWTH
+    times ours is refused as its length arrives, and one of our own size still comes."""
+    a, b = make_swarm(2)
+    a.state.offer({"protocol": "diloco", "round": 3}, {"slow": torch.zeros(100_000), "momentum": torch.zeros(100_000)})
+    ours = {"slow": torch.ones(1_000), "momentum": torch.ones(1_000)}
+    with pytest.raises(StateUnavailable, match=r"WireError: frame length 800000 exceeds the \d+-byte limit"):
+        b.state.fetch({a.peer_id: {"round": 3}}, timeout=15, have=ours)
+    a.state.offer({"protocol": "diloco", "round": 4}, {"slow": torch.arange(1_000.0), "momentum": torch.zeros(1_000)})
+    donor, (meta, tensors) = b.state.fetch({a.peer_id: {"round": 4}}, timeout=15, have=ours)
+    assert donor == a.peer_id and torch.equal(tensors["slow"], torch.arange(1_000.0))

@@ -48,7 +48,7 @@ import torch
 from decentral.codec import Codec
 from decentral.rounds import RoundLog
 from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import (MAX_HEADER, WireError, read_frame, read_header, read_tensor_message,
+from decentral.swarm.wire import (MAX_FRAME, MAX_HEADER, WireError, read_frame, read_header, read_tensor_message,
                                   write_frame, write_frame_of, write_message, write_tensor_message)
 from decentral.transport import (EncodedAverage, JoinRequest, MissedRound, StateUnavailable, heartbeat_digest,
                                  state_digest, trained_past)
@@ -61,6 +61,8 @@ MAX_JOIN_REQUESTS = 8  # join requests waiting for our protocol at once; more ar
 MAX_SHARES = 64  # peers a newcomer fetches shares of a state, or of the rounds since it, from at once
 HOLDER_POLL_S = 1.0  # a state's share waits for a peer a round behind to hold it: its heartbeat looked up this often
 PROGRESS_LOG_S = 10.0  # a state download that takes longer says how far it is this often
+STATE_GROWTH = 4  # a donor's state may hold this many times the bytes of ours (+ MAX_HEADER): the same tensors, and
+# up to three model-sized vectors of an inner optimizer ours has not made yet (DDP's AdamW before its first step)
 
 Snapshot = tuple[dict, dict[str, torch.Tensor]]
 
@@ -236,14 +238,15 @@ class StateExchange:
         finally:
             writer.close()
 
-    async def _download(self, donor: str, have: str | None, timeout: float, meta_if_past: bool = False
-                        ) -> Snapshot | str | None:
+    async def _download(self, donor: str, have: str | None, timeout: float, meta_if_past: bool = False,
+                        max_bytes: int = MAX_FRAME) -> Snapshot | str | None:
         """The donor's snapshot; "same" when it equals the state whose digest is `have`; None if it has none;
         with `meta_if_past`, only its meta (tensors {}) when the donor trained past it. TimeoutError when no
-        byte arrives for `timeout` (however long the whole download takes on a slow link)."""
+        byte arrives for `timeout` (however long the whole download takes on a slow link); WireError, before
+        anything is allocated, when it announces more than `max_bytes`."""
         async with _receiving_watch(donor, first_byte_s=timeout, idle_s=timeout) as watch:
             async with self._asking(donor, "state", {"have": have, "meta_if_past": meta_if_past}) as reader:
-                header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
+                header, tensors = await read_tensor_message(reader, self.peer.stats, max_bytes, on_progress=watch)
         if not header.get("ok"):
             return None
         if header.get("same"):
@@ -407,9 +410,11 @@ class StateExchange:
         could holds exactly `have` (the state we would offer ourselves) and has not trained since. Raises
         StateUnavailable when a download failed (one fails when no byte of it arrives for `timeout`) and
         none succeeded. The snapshot's meta gains `donor_step`, the donor's inner step when it served it.
-        `meta_if_past`: see `_download`.
+        `meta_if_past`: see `_download`. With `have`, a donor that announces a state of more than STATE_GROWTH times
+        its bytes is refused before any of it is allocated (a state of another model, or a lie).
         """
         have_digest = state_digest(have) if have is not None else None
+        max_bytes = MAX_FRAME if have is None else STATE_GROWTH * sum(t.nbytes for t in have.values()) + MAX_HEADER
         rounds = {p: _claimed_round(info) for p, info in candidates.items() if p != self.peer.peer_id}
         rounds = {p: r for p, r in rounds.items() if r is not None}
         if not rounds:
@@ -439,7 +444,7 @@ class StateExchange:
                     if got is not None:
                         return donor, got
             try:
-                got = self.peer.call(self._download(donor, have_digest, timeout, meta_if_past)).result()
+                got = self.peer.call(self._download(donor, have_digest, timeout, meta_if_past, max_bytes)).result()
             except Exception as e:  # reported in StateUnavailable, once every donor failed
                 log.info("state download from %s failed: %r", donor[-8:], e)
                 failed.append(f"{donor[-8:]}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
