@@ -52,8 +52,7 @@ from decentral.pipeline.discovery import Server
 from decentral.pipeline.frames import command_of, decode_reply
 from decentral.pipeline.links import CONTROL, Links, is_gone
 from decentral.pipeline.network import Network, NetworkError, PipelineError
-from decentral.pipeline.planner import Plan, plan, replan
-from decentral.pipeline.simulator import Deadlock, simulate
+from decentral.pipeline.planner import Plan, plan, replan, simulated_ms
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +183,7 @@ class Coordinator:
         self._current = network
         base = first_attempt(self.term)
         state = {m: _Microbatch(self._route(path, iteration, m, base), base) for m, path in enumerate(self.plan.paths)}
-        predicted = self._simulated_ms(network, [s.route for s in state.values()])
+        predicted = simulated_ms(network, [[network.index(name) for name in s.route] for s in state.values()])
         lost: list[str] = []
         self.on_event({"event": "begin", "iteration": iteration, "routes": [list(s.route) for s in state.values()],
                        "predicted_ms": predicted})
@@ -245,14 +244,6 @@ class Coordinator:
             names = names[:1] + [self.plan.nodes[int(rng.choice(self.plan.members(self.plan.stage_of[n])))]
                                  for n in path[1:]]
         return tuple(names)
-
-    @staticmethod
-    def _simulated_ms(network: Network, routes: list[tuple[str, ...]]) -> float:
-        try:
-            return simulate(network, [[network.index(name) for name in route] for route in routes],
-                            record=False).makespan_ms
-        except Deadlock:
-            return math.inf
 
     def _collect(self, iteration: int, state: dict[int, _Microbatch], lost: list[str]) -> None:
         """Take reports until no microbatch is open."""
