@@ -217,12 +217,11 @@ def _file_predictions(events_path: Path, network_path: Path) -> dict[int, float]
     """Per iteration, the simulated makespan of its routes (the lead's event log) on the network file's
     compute, as an uncalibrated plan would predict it."""
     from decentral.pipeline.network import load_network
-    from decentral.pipeline.simulator import simulate
+    from decentral.pipeline.planner import simulated_ms
 
     network = load_network(network_path)
     events = [json.loads(line) for line in events_path.read_text().splitlines()]
-    return {e["iteration"]: simulate(network, [[network.index(n) for n in route] for route in e["routes"]],
-                                     record=False).makespan_ms
+    return {e["iteration"]: simulated_ms(network, [[network.index(n) for n in route] for route in e["routes"]])
             for e in events if e["event"] == "begin"}
 
 
