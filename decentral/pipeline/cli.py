@@ -235,8 +235,9 @@ def cmd_plan(args) -> int:
     print(f"{args.network}: {len(network)} nodes, {network.stages} stages, skip {network.skip:g} "
           f"({length} stages per path), {network.microbatches} microbatches")
     rows = [("simulated iteration", "time", "vs full", "vs blind")]
+    full_ms, blind_ms = _iteration_ms(full), _iteration_ms(blind)
     for name, found in (("full pipeline", full), ("network-blind skipping", blind), ("planned", planned)):
-        ms, full_ms, blind_ms = _iteration_ms(found), _iteration_ms(full), _iteration_ms(blind)
+        ms = _iteration_ms(found)
         rows.append((name, "deadlocks" if ms is None else f"{ms / 1e3:.1f} s",
                      cell(ms and full_ms and ms / full_ms, ".2f") + ("x" if ms and full_ms else ""),
                      cell(ms and blind_ms and ms / blind_ms - 1, "+.0%")))

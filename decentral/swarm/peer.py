@@ -383,15 +383,12 @@ class SwarmPeer:
         """Start the DHT call that `send` makes: only the send holds the DHT lock, so a call that waits out
         a node that hangs does not hold up the others (a record's renewal behind a lookup lapsed)."""
         with self._dht_lock:
-            self._check_dht()
+            check_dht_alive(self.dht)
             return send()
 
     def _dht_call(self, send: Callable[[], MPFuture]) -> Any:
         """The result of the DHT call that `send` starts (`dht_result`)."""
         return dht_result(self.dht, self._dht_send(send))
-
-    def _check_dht(self) -> None:
-        check_dht_alive(self.dht)
 
     def multiaddrs(self) -> list[str]:
         maddrs = self._dht_call(lambda: self.dht.run_coroutine(DHT._get_visible_maddrs, return_future=True))
