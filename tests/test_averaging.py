@@ -216,8 +216,8 @@ def test_a_member_that_began_no_average_of_the_rounds_before_is_not_waited_for(m
     assert lead < ROUNDS_AHEAD  # the lead A's join_rounds says, not the transports' default, decides
     a, b, c = make_swarm(3, timeout=timeout)
     group = sorted([a.peer_id, b.peer_id, c.peer_id])
-    for t in (a, b, c):
-        t.join_rounds(0, first=True, ahead=lead)
+    for t in (a, b, c):  # (round 1, the first they average: joined at 0, a member not yet in its own average of
+        t.join_rounds(1, first=True, ahead=lead)  # round 1 is more than `lead` past any it began, and said so)
     xs = [torch.randn(64) for _ in range(3)]
     assert all(r.complete for r in run_in_threads([lambda t=t, x=x: t.average(x, group, "r1", round=1)
                                                    for t, x in zip((a, b, c), xs)]))
