@@ -264,3 +264,42 @@ def test_why_a_join_failed_is_told_also_from_inside_a_running_event_loop():
 
     said = asyncio.run(in_a_loop())
     assert said.startswith(f"could not reach any peer at {address}: nothing answered there"), said
+
+
+A_PEER_KILLED_HOLDING_A_LOCK = """
+import os, signal, time
+from hivemind.utils.mpfuture import MPFuture
+from decentral.swarm import SwarmPeer
+
+async def take_the_update_lock(dht, node):  # (in the DHT process) as one sending a result does, then it is killed
+    MPFuture._update_lock.acquire()
+
+def held_elsewhere(lock) -> bool:
+    if lock.acquire(block=False):
+        lock.release()
+        return False
+    return True
+
+peer = SwarmPeer("t-killed-holding-a-lock")
+peer.dht.run_coroutine(take_the_update_lock, return_future=True)
+while not held_elsewhere(MPFuture._update_lock):
+    time.sleep(0.01)
+os.kill(peer.dht.pid, signal.SIGKILL)
+peer.shutdown()
+after = SwarmPeer("t-after-the-killed-one")
+after.publish("peers", after.peer_id, {"up": 1}, ttl=30)
+print("looked up:", after.lookup("peers"), flush=True)
+after.shutdown()
+"""
+
+
+def test_a_dht_process_killed_holding_hiveminds_shared_lock_does_not_stall_the_next_one():
+    """hivemind's MPFuture locks are shared by every process forked after import: a DHT process killed outright
+    (the OOM killer, our own last-resort SIGKILL) while it held one left it held for good, and every DHT process
+    started after it stalled on its first answer. (In a process of its own: on the old code it hangs.)"""
+    try:
+        done = subprocess.run([sys.executable, "-c", A_PEER_KILLED_HOLDING_A_LOCK], capture_output=True, text=True,
+                              timeout=90)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the peer started after the killed one stalled: {e.stdout}{e.stderr}")
+    assert "looked up: {" in done.stdout and "'up': 1" in done.stdout, done.stdout + done.stderr

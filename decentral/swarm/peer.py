@@ -13,6 +13,7 @@ import errno
 import hmac
 import ipaddress
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -29,7 +30,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from hivemind.dht import DHT
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
 
 from decentral.cpu import descendants
@@ -171,6 +172,7 @@ DHT_RPC_TIMEOUT_S = 3.0  # a DHT request to a node that does not answer is given
 ORPHAN_CHECK_S = 1.0  # how often the DHT process looks whether the process that started it is still there
 REOPEN_AFTER_S = 0.5  # the pause before asking libp2p again for a stream it failed to open
 IDENTITY_RELEASE_S = 20.0  # how long a restarted peer waits for its killed life's daemon to let go of its id
+LOCK_HELD_S = 2.0  # a lock hivemind shares across processes, taken this long by none alive, was a killed process's
 
 
 class _DHTProcess(DHT):
@@ -215,6 +217,8 @@ class _DHTProcess(DHT):
             log.warning("the DHT process did not end %.0f s after its SIGTERM: killing it", self.kill_grace_s)
             _kill([*descendants(self.pid), self.pid])
             self.join(self.kill_grace_s)
+        if self.exitcode == -signal.SIGKILL:  # by us above, or by anyone (the OOM killer) before
+            _replace_locks_left_held()
 
     def _shut_down_when_orphaned(self) -> None:
         while os.getppid() == self._owner_pid:
@@ -224,6 +228,21 @@ class _DHTProcess(DHT):
         log.warning("the DHT process's shutdown hangs %.0f s after its parent died: ending it", self.orphan_grace_s)
         _kill(descendants(os.getpid()))
         os._exit(1)
+
+
+def _replace_locks_left_held() -> None:
+    """(After a DHT process was killed outright) Each of hivemind's cross-process MPFuture locks (module-level, so
+    shared with every process forked after import) that stays taken for `LOCK_HELD_S` is replaced by a new one: the
+    killed process may have died holding it (sending an answer, or starting up), and every DHT process started
+    after would wait on it for good. A process forked before keeps the old lock: only new ones are spared."""
+    for owner, name in ((MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock")):
+        lock = getattr(owner, name)
+        if lock.acquire(timeout=LOCK_HELD_S):
+            lock.release()
+        else:
+            log.warning("hivemind's %s.%s stayed taken after a DHT process was killed: replacing it", owner.__name__,
+                        name)
+            setattr(owner, name, multiprocessing.Lock())
 
 
 def _kill(pids) -> None:
