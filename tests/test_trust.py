@@ -539,14 +539,16 @@ def test_a_flood_from_one_sender_never_erases_another_senders_part():
     assert newest == {"flooder"} and oldest == set()  # the flooder's own oldest went
 
 
-def test_a_request_that_is_no_json_is_one_warning_not_a_traceback(make_swarm, caplog):
+@pytest.mark.parametrize("request_bytes", [b"not json", b"[1, 2]", b""])
+def test_a_request_that_is_no_json_object_is_one_warning_not_a_traceback(make_swarm, caplog, request_bytes):
     """A state request that is not JSON (or a push announcing `"numel": Infinity`) was logged as a handler's
-    failure with the whole traceback, as a bug of ours would be."""
+    failure with the whole traceback, as a bug of ours would be; one that is JSON but no object (or empty) was
+    read as an empty request and answered."""
     donor, asker = make_swarm(2, timeout=1.0)
 
     async def ask_in_garbage():
         reader, writer = await asker.peer.open_stream(donor.peer_id, "state")
-        await write_frame(writer, b"not json", asker.peer.stats)
+        await write_frame(writer, request_bytes, asker.peer.stats)
         with contextlib.suppress(Exception):
             await reader.read()  # (the donor closes the stream)
         writer.close()

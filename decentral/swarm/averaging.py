@@ -272,12 +272,11 @@ class GroupAverager:
         """A probe asks whether we are there for an average of a round: ACK; _NOT_IN_ROUND when we take no
         part in the round (see `_not_in`); _DONE when we are done with the average (we send nothing more)."""
         try:
-            request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, 1024), self.read_timeout))
-        except (WireError, ValueError, TimeoutError) as e:
+            request = await asyncio.wait_for(read_header(reader, self.peer.stats, 1024), self.read_timeout)
+        except (WireError, TimeoutError) as e:
             log.debug("a malformed or late probe from %s: %r", sender[-8:], e)
             return
         self._hear(sender)
-        request = request if isinstance(request, dict) else {}
         tag = request.get("tag")
         answer = (_NOT_IN_ROUND if self._not_in(request.get("round"))
                   else _DONE if isinstance(tag, str) and tag in self._finished else _ACK)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from hivemind.utils.multiaddr import Multiaddr
 
-from decentral.swarm.wire import WireError, read_frame, write_frame
+from decentral.swarm.wire import WireError, read_header, write_frame
 
 if TYPE_CHECKING:
     from decentral.swarm.peer import SwarmPeer
@@ -58,9 +58,9 @@ async def plain_dial(addresses: Sequence[tuple[str, str]]) -> str:
     return "refused" if addresses else "silent"
 
 
-def _requested(request: object) -> list[tuple[str, int]]:
+def _requested(request: dict) -> list[tuple[str, int]]:
     """The (ip, port)s of a dial-back request; WireError when it is not a list of them."""
-    addresses = request.get("addresses") if isinstance(request, dict) else None
+    addresses = request.get("addresses")
     if not isinstance(addresses, list) or len(addresses) > MAX_ADDRESSES:
         raise WireError(f"a dial-back request names no list of at most {MAX_ADDRESSES} addresses")
     out = []
@@ -81,9 +81,8 @@ def serve_reach_checks(peer: SwarmPeer) -> None:
     async def on_request(sender: str, address: str, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
         try:
-            request = json.loads(await asyncio.wait_for(read_frame(reader, peer.stats, 2048), REQUEST_TIMEOUT_S))
-            addresses = _requested(request)
-        except (WireError, ValueError, TimeoutError) as e:
+            addresses = _requested(await asyncio.wait_for(read_header(reader, peer.stats, 2048), REQUEST_TIMEOUT_S))
+        except (WireError, TimeoutError) as e:
             log.info("a malformed dial-back request from %s: %r", sender[-8:], e)
             return
         came_from, _ = ip_and_port(address)
@@ -103,11 +102,11 @@ async def _ask(peer: SwarmPeer, member: str, addresses: list[tuple[str, int]]) -
     reader, writer = await peer.open_stream_or_again(member, REACH_STREAM)
     try:
         await write_frame(writer, json.dumps({"addresses": addresses}).encode(), peer.stats)
-        answer = json.loads(await read_frame(reader, peer.stats, 4096))
+        answer = await read_header(reader, peer.stats, 4096)
     finally:
         writer.close()
-    if not isinstance(answer, dict) or not isinstance(answer.get("found"), list):
-        raise WireError(f"a dial-back answer that is no object with a list of findings: {answer!r}")
+    if not isinstance(answer.get("found"), list):
+        raise WireError(f"a dial-back answer with no list of findings: {answer!r}")
     return answer
 
 

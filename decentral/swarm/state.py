@@ -94,11 +94,9 @@ class StateExchange:
                             busy=bool(self._transfers))
 
     async def _request(self, reader: asyncio.StreamReader) -> dict:
-        """A requester's JSON request (a header frame, within REQUEST_TIMEOUT_S); {} when it is empty or no
-        object."""
-        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats, MAX_HEADER), REQUEST_TIMEOUT_S)
-                             or b"{}")
-        return request if isinstance(request, dict) else {}
+        """A requester's JSON object (within REQUEST_TIMEOUT_S); WireError when it is none, and the peer drops
+        the stream with a warning."""
+        return await asyncio.wait_for(read_header(reader, self.peer.stats), REQUEST_TIMEOUT_S)
 
     async def _on_rounds(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hand out the rounds since the state whose digest the request names ("after"; from now on we keep the

@@ -160,15 +160,16 @@ async def write_message(writer: asyncio.StreamWriter, header: dict, payload: byt
     await write_frame(writer, payload, stats)
 
 
-async def read_header(reader: asyncio.StreamReader, stats: TrafficStats) -> dict:
-    """A JSON-object header frame of at most MAX_HEADER bytes; WireError otherwise."""
-    raw_header = await read_frame(reader, stats, MAX_HEADER)
+async def read_header(reader: asyncio.StreamReader, stats: TrafficStats, max_bytes: int = MAX_HEADER) -> dict:
+    """A frame of at most `max_bytes` that holds a JSON object (a message's header, a request, an answer);
+    WireError otherwise."""
+    raw_header = await read_frame(reader, stats, max_bytes)
     try:
         header = json.loads(raw_header)
     except ValueError as e:
-        raise WireError(f"message header is not JSON: {e}") from e
+        raise WireError(f"a header or request that is not JSON: {e}") from e
     if not isinstance(header, dict):
-        raise WireError("message header is not a JSON object")
+        raise WireError(f"a header or request that is not a JSON object: {raw_header[:64]!r}")
     return header
 
 
