@@ -1,5 +1,6 @@
 """Experts published on one real swarm peer and fetched by another, hash-checked."""
 
+import logging
 import os
 import shutil
 
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 from decentral.experts.registry import Registry, RegistryError, verify_expert
 from decentral.experts.sharing import ExpertSharing
 from decentral.swarm import SwarmPeer
+from decentral.swarm.wire import read_frame, write_frame
 from conftest import wait_until
 from test_experts import tiny_expert
 
@@ -118,3 +120,68 @@ def test_a_version_published_with_and_without_its_optimizer_is_fetched_whole_fro
     finally:
         third.close()
         third.peer.shutdown()
+
+
+class Oversending(ExpertSharing):
+    """A publisher that answers a fetch with the file and then `extra`: raw bytes on the stream."""
+
+    extra = b""
+
+    async def _serve(self, sender, reader, writer):
+        await read_frame(reader, self.peer.stats)
+        await write_frame(writer, b'{"ok": true}', self.peer.stats)
+        await write_frame(writer, self._published["code"].model_file.read_bytes(), self.peer.stats)
+        writer.write(self.extra)
+        await writer.drain()
+        await reader.read()  # until the fetcher hangs up
+
+
+@pytest.mark.parametrize("extra", [
+    (1 << 31).to_bytes(8, "big") + b"x" * 1000,  # one piece of 2 GiB announced, 1000 bytes of it sent
+    (1).to_bytes(8, "big") + b"x",  # one byte past the recorded size
+], ids=["a-2GiB-piece", "a-byte-past"])
+def test_a_publisher_that_sends_more_than_the_record_is_refused_before_it_is_read(tmp_path, extra):
+    """Each piece was read whole, as long as the publisher said, before its size was compared with the record's: one
+    announcing 2 GiB was waited for (and buffered) until the fetch timed out. A piece longer than ours are, or past
+    the recorded size, is refused as its length arrives, and nothing is installed."""
+    run = f"experts-{os.getpid()}"
+    publisher = Oversending(SwarmPeer(run), Registry(tmp_path / "a"))
+    publisher.extra = extra
+    fetcher = ExpertSharing(SwarmPeer(run, publisher.peer.multiaddrs()), Registry(tmp_path / "b"))
+    try:
+        tiny_expert(tmp_path / "a", name="code")
+        publisher.publish(["code"])
+        with pytest.raises(RegistryError, match=r"code/model.safetensors: the publisher's answer after \d+ of \d+ "
+                                                r"bytes is not one of ours: frame length \d+ exceeds the \d+-byte"):
+            fetcher.fetch("code")
+        assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    finally:
+        for side in (publisher, fetcher):
+            side.close()
+            side.peer.shutdown()
+
+
+@pytest.mark.parametrize("request_bytes, answer", [
+    (b"[1]", b""),  # dropped with a warning
+    (b'{"name": "code", "file": ["model.safetensors"]}', b'{"ok": false}'),  # a file name that is no string
+], ids=["a-list", "a-list-for-a-name"])
+def test_a_fetch_request_that_is_no_object_is_one_warning_not_a_traceback(tmp_path, sharing, caplog, request_bytes,
+                                                                          answer):
+    """Such requests failed the handler with AttributeError or TypeError, logged with their traceback as a bug of
+    ours would be."""
+    publisher, fetcher = sharing
+    tiny_expert(tmp_path / "a", name="code")
+    publisher.publish(["code"])
+
+    async def ask_in_garbage():
+        reader, writer = await fetcher.peer.open_stream(publisher.peer.peer_id, "expert")
+        await write_frame(writer, request_bytes, fetcher.peer.stats)
+        answered = await reader.read()
+        writer.close()
+        return answered
+
+    with caplog.at_level(logging.WARNING, logger="decentral.swarm.peer"):
+        answered = fetcher.peer.call(ask_in_garbage()).result(timeout=30)
+        if not answer:
+            wait_until(lambda: "dropping a malformed or late request on expert" in caplog.text, 10, "the warning")
+    assert answered[8:] == answer and "failed on a stream" not in caplog.text, caplog.text

@@ -24,7 +24,7 @@ from decentral.experts.registry import (
     OPTIMIZER_FILE, Expert, Registry, RegistryError, expert_from_json, staging, verify_expert, write_meta,
 )
 from decentral.swarm.peer import SwarmPeer
-from decentral.swarm.wire import read_frame, write_frame
+from decentral.swarm.wire import WireError, read_frame, read_header, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,10 @@ class ExpertSharing:
                 log.warning("could not refresh expert records: %s", e)
 
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S))
+        request = await asyncio.wait_for(read_header(reader, self.peer.stats), CHUNK_TIMEOUT_S)
         expert = self._published.get(str(request.get("name")))
         name = request.get("file")
-        if expert is None or name not in expert.files():
+        if expert is None or not isinstance(name, str) or name not in expert.files():
             await write_frame(writer, json.dumps({"ok": False}).encode(), self.peer.stats)
             return
         await write_frame(writer, json.dumps({"ok": True}).encode(), self.peer.stats)
@@ -177,15 +177,14 @@ class ExpertSharing:
         received = 0
         try:
             await write_frame(writer, json.dumps({"name": name, "file": file}).encode(), self.peer.stats)
-            answer = json.loads(await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S))
+            answer = await asyncio.wait_for(read_header(reader, self.peer.stats), CHUNK_TIMEOUT_S)
             if not answer.get("ok"):
                 raise RegistryError(f"the publisher no longer serves {name}/{file}")
             hasher = hashlib.sha256()
-            with open(path, "wb") as f:
-                while chunk := await asyncio.wait_for(read_frame(reader, self.peer.stats), CHUNK_TIMEOUT_S):
+            with open(path, "wb") as f:  # a piece longer than ours are, or past the recorded size, is refused unread
+                while chunk := await asyncio.wait_for(
+                        read_frame(reader, self.peer.stats, min(CHUNK_BYTES, size - received)), CHUNK_TIMEOUT_S):
                     received += len(chunk)
-                    if received > size:
-                        raise RegistryError(f"{name}/{file}: the publisher sent more than the recorded {size} bytes")
                     hasher.update(chunk)
                     f.write(chunk)
                     if progress:
@@ -193,6 +192,9 @@ class ExpertSharing:
         except (asyncio.IncompleteReadError, ConnectionError):
             raise RegistryError(f"{name}/{file}: the publisher closed the connection after {received} of {size} bytes "
                                 "(it stopped, or its copy is gone)") from None
+        except WireError as e:
+            raise RegistryError(f"{name}/{file}: the publisher's answer after {received} of {size} bytes is not one "
+                                f"of ours: {e}") from None
         except TimeoutError:  # (asyncio.wait_for's: no message of its own)
             raise RegistryError(f"{name}/{file}: the publisher sent nothing for {CHUNK_TIMEOUT_S:g} s after {received} "
                                 f"of {size} bytes") from None
