@@ -22,6 +22,7 @@ from decentral.pipeline.frames import reply_of
 from decentral.pipeline.launch import run_metrics
 from decentral.pipeline.recipe import load_pipeline_recipe, parse_pipeline_recipe
 from decentral.pipeline.discovery import RECORD_TTL_S, Announcer, ServerView, new_server
+from decentral.pipeline import serve as serve_module
 from decentral.pipeline.serve import NodeOptions, _serve, _successor
 from decentral.swarm.admission import SwarmKey
 from decentral.swarm.peer import SwarmPeer
@@ -132,6 +133,54 @@ def test_two_heads_that_both_take_over_claim_two_terms_and_the_higher_leads_alon
             ("h1", "h2", "a"), heads["h2"].term)
         assert {node.iterations_done for name, node in pipeline.nodes.items() if name != "h0"} == {2}
     finally:
+        pipeline.close()
+
+
+def test_a_head_whose_node_follows_another_takeover_by_the_time_it_found_itself_successor_follows_it(
+        tmp_path, small_corpus, monkeypatch):
+    """h1 finds the lead h0 gone and, while it pings the heads to find the successor, h2's takeover reaches h1's
+    node (h1's DHT view lacks h2's record, so h1 finds itself the successor). h1 took over too, with a term past
+    h2's, deposing the lead that had already taken over (the iteration in flight ran a third time). It now
+    follows h2: it never leads, steps the iteration h2 runs, and leaves when h2 stops the run."""
+    recipe = parse_pipeline_recipe(tiny_recipe(2, 0.0, 2))
+    stage_of = {"h0": 0, "h1": 0, "h2": 0, "a": 1}
+    pipeline = InProcessPipeline(recipe, stage_of, load_corpus([small_corpus]).train)
+    peer = SwarmPeer(f"t{time.monotonic_ns()}")  # (h1's view of the DHT: the successor search is replaced)
+    closers: list = []
+    try:
+        pipeline.coordinator.run_iteration(0)
+        pipeline.nodes["h0"].close()
+        del pipeline.servers["h0"]
+        h1, h2 = pipeline.nodes["h1"], pipeline.nodes["h2"]
+        lead_of_h2 = Coordinator(pipeline.coordinator.network, lambda: dict(pipeline.servers), h2.links, h2.address,
+                                 seed=recipe.recipe.train.seed, term=claimed_term(h2.term, "h2", list(stage_of)))
+        h2.coordinator = lead_of_h2
+        searched, led = threading.Event(), []
+
+        def h2_takes_over_meanwhile(node, view, gone, address):
+            lead_of_h2.take_over(gone)
+            searched.set()
+            return "h1"
+
+        monkeypatch.setattr(serve_module, "_successor", h2_takes_over_meanwhile)
+        monkeypatch.setattr(serve_module, "_lead", lambda *args: led.append(args) or 0)
+        said: list[str] = []
+        opts = NodeOptions("h1", recipe, pipeline.coordinator.network, tmp_path, print_fn=said.append)
+        code: list[int] = []
+        serving = threading.Thread(target=lambda: code.append(_serve(h1, peer, h1.address, opts, closers)),
+                                   daemon=True)
+        serving.start()
+        assert searched.wait(60), "h1 never found its lead gone"
+        assert h1.lead_address() == h2.address and h1.term == lead_of_h2.term
+        assert lead_of_h2.run_iteration(1, last=True)["microbatches"] == 2
+        lead_of_h2.stop_all()
+        serving.join(60)
+        assert code == [0] and led == [], said
+        assert h1.iterations_done == 2 and pipeline.nodes["a"].iterations_done == 2
+    finally:
+        for close in closers:
+            close()
+        peer.shutdown()
         pipeline.close()
 
 

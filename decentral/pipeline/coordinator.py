@@ -378,8 +378,8 @@ class Coordinator:
         self.dead.update({name: server.incarnation for name, server in self.servers().items()
                           if server.address == gone})
         self._live = self.live_servers()
-        states = {name: reply for name, reply in self._command_all(self._live, "takeover", lambda name: {}).items()
-                  if reply and "done" in reply}
+        replies = self._command_all(self._live, "takeover", lambda name: {"coordinator": self.address})
+        states = {name: reply for name, reply in replies.items() if reply and "done" in reply}
         self.dead.update({name: self._live[name].incarnation for name in self._live if name not in states})
         if not states:
             raise PipelineError("no stage server answers")

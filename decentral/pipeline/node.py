@@ -165,7 +165,7 @@ class StageNode:
         self._updating = False  # a step's update is going into the weights (after its commit point): `_weights` waits
         self._iteration = -1  # the iteration begun; work of later ones waits for its begin
         self._open = False  # whether it has not stepped yet (work of a stepped iteration is dropped)
-        self._coordinator = ""
+        self._coordinator = ""  # the lead we follow: `lead_address`
         self._directory: dict[str, str] = {}
         self._begun = 0.0  # when this iteration's begin arrived (time.monotonic)
         self._ready: list[_Task] = []
@@ -264,6 +264,8 @@ class StageNode:
             refusal = self._follow(body)
             if refusal:
                 return self._refused(refusal)
+            if "coordinator" in body:  # the new lead: the one we follow (and probe) from now on, before its begin
+                self._coordinator = str(body["coordinator"])
             return reply_of(body={"done": self.iterations_done, "open": self._iteration if self._open else None,
                                   "last_step": self._last_step})
 
@@ -342,7 +344,7 @@ class StageNode:
         return reply_of(body=task.result)
 
     def lead_address(self) -> str:
-        """Where the last `begin` came from: the lead we follow ('' before any)."""
+        """The lead we follow: where the last `begin`, or a newer lead's takeover, came from ('' before any)."""
         with self._cond:
             return self._coordinator
 
@@ -613,7 +615,7 @@ class StageNode:
         self.links.post(address, SEND, payload, done)
 
     def _report(self, body: dict) -> None:
-        """Tell the coordinator whose `begin` we follow (in this process when it is ours: not when ours took over
+        """Tell the lead we follow (`lead_address`) (in this process when it is ours: not when ours took over
         too and has not learnt yet that another's term is newer); not once we are closing (the sends that fail
         then are ours, cut short)."""
         if self.stopped.is_set():

@@ -15,19 +15,19 @@ writes its stage's checkpoint (weights, AdamW, replica protocol) to OUT/stage ev
 and the lead from the iteration of its own, keeping the records up to it: microbatches and the LR
 depend only on the iteration, so a resumed run trains on what the first would have.
 
-Every other node probes the lead (the address its last `begin` came from) every second. When the
-lead is gone (a refused or timed-out ping), the successor is the head (stage 0) with the lowest name
-that is announced in the DHT and answers a ping: every node finds the same one, with no election (where
-views differ and two heads take over, each claims a term of its own, `claimed_term`, and the nodes follow the
-higher: the other stands by). The successor takes over (Coordinator.take_over) and leads from the iteration the
-nodes last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last step's
-record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no
-head is left (none has been in view for a record's lifetime, RECORD_TTL_S: a view may miss a live head's
-record for a moment), every node says so in one line and exits 2: the
-stage checkpoints stay, for `resume`
-(a node that stepped the run's last iteration and then finds its lead gone leaves as done, exit 0).
-A lead that finds the nodes following a newer term (it was only slow) stands by as a head. A node
-leaves when told to, or when no command came for `idle_s` seconds.
+Every other node probes the lead (the address its last `begin`, or a newer lead's takeover, came from) every
+second. When the lead is gone (a refused or timed-out ping), the successor is the head (stage 0) with the lowest
+name that is announced in the DHT and answers a ping: every node finds the same one, with no election (where views
+differ and two heads take over, each claims a term of its own past the one it followed, `claimed_term`, and the
+nodes follow the higher: the other stands by; a head whose node follows another's takeover by the time it has found
+itself the successor follows that one). The successor takes over (Coordinator.take_over) and leads from the
+iteration the nodes last stepped to `--steps` (give every head the same); its metrics.jsonl begins with that last
+step's record (`recovered`: its loss and microbatches), and the iteration in flight runs again. When no head is
+left (none has been in view for a record's lifetime, RECORD_TTL_S: a view may miss a live head's record for a
+moment), every node says so in one line and exits 2: the stage checkpoints stay, for `resume` (a node that stepped
+the run's last iteration and then finds its lead gone leaves as done, exit 0). A lead that finds the nodes
+following a newer term (it was only slow) stands by as a head. A node leaves when told to, or when no command came
+for `idle_s` seconds.
 """
 
 from __future__ import annotations
@@ -179,11 +179,11 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
             closers.insert(0, views[0].close)
         return views[0]
 
-    lead, gone, headless_since = opts.lead, None, None
+    lead, gone, followed, headless_since = opts.lead, None, 0, None
     while True:
         if lead:
             try:
-                return _lead(node, view(), address, opts, closers, gone)
+                return _lead(node, view(), address, opts, closers, gone, followed)
             except Deposed as e:
                 opts.print_fn(f"[{opts.name}] stands by: {e}")
                 node.coordinator, lead = None, False
@@ -192,6 +192,7 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
         if time.monotonic() - node.last_command > opts.idle_s:
             opts.print_fn(f"[{opts.name}] no command for {opts.idle_s:.0f}s; leaving")
             return 1
+        followed = node.term  # (read before the ping: the term of the lead found gone, or older)
         gone = _lead_gone(node)
         if gone is None:
             headless_since = None
@@ -208,7 +209,7 @@ def _serve(node: StageNode, peer: SwarmPeer, address: str, opts: NodeOptions, cl
                           f"(checkpoint: {opts.out / 'stage'}, iteration {node.iterations_done})")
             return 2
         headless_since = None
-        lead = successor == opts.name
+        lead = successor == opts.name and node.lead_address() == gone  # (not when another head's takeover came first)
 
 
 def _lead_gone(node: StageNode) -> str | None:
@@ -228,9 +229,9 @@ def _successor(node: StageNode, view: ServerView, gone: str, address: str) -> st
 
 
 def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, closers: list,
-          gone: str | None = None) -> int:
+          gone: str | None = None, followed: int = 0) -> int:
     """Coordinate the run to `--steps`: from the start (or the resumed checkpoint), or, when the lead at
-    address `gone` died, from where it left off. Deposed when another head leads."""
+    address `gone`, of term `followed`, died, from where it left off. Deposed when another head leads."""
     recipe = opts.recipe
     train, config = recipe.recipe.train, recipe.pipeline
     first = node.iterations_done  # 0, or the resumed checkpoint's
@@ -245,7 +246,7 @@ def _lead(node: StageNode, view: ServerView, address: str, opts: NodeOptions, cl
 
     coordinator = Coordinator(opts.network, view.get, node.links, address, seed=train.seed, effort=config.effort,
                               routing=config.routing, calibrate_at=config.calibrate_at,
-                              term=claimed_term(node.term, opts.name, [n.name for n in opts.network.nodes]) if gone
+                              term=claimed_term(followed, opts.name, [n.name for n in opts.network.nodes]) if gone
                               else node.term, steps=steps, on_event=on_event)
     node.coordinator = coordinator
     if gone:
