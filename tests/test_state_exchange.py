@@ -142,3 +142,16 @@ def test_a_state_far_larger_than_ours_is_refused_before_any_of_it_is_allocated(m
     a.state.offer({"protocol": "diloco", "round": 4}, {"slow": torch.arange(1_000.0), "momentum": torch.zeros(1_000)})
     donor, (meta, tensors) = b.state.fetch({a.peer_id: {"round": 4}}, timeout=15, have=ours)
     assert donor == a.peer_id and torch.equal(tensors["slow"], torch.arange(1_000.0))
+
+
+@pytest.mark.parametrize("meta", [{"protocol": "diloco", "round": "three"}, {"protocol": "diloco"},
+                                  {"protocol": "diloco", "round": 3, "step": -5}],
+                         ids=["a-round-that-is-no-number", "no-round", "a-negative-step"])
+def test_a_state_whose_meta_names_no_round_and_step_is_refused(make_swarm, meta):
+    """A donor's meta went to the newcomer's protocol as it came: a round that is no number stopped its training
+    with a ValueError (`int(meta["round"])`), one with none with a KeyError. The download fails instead, as one
+    of the wrong size does, and the newcomer asks another donor or says none handed over its state."""
+    a, b = make_swarm(2)
+    a.state.offer(meta, {"slow": torch.arange(4.0)})
+    with pytest.raises(StateUnavailable, match="WireError: a state whose meta names no round and inner step"):
+        b.state.fetch({a.peer_id: {"round": 3}}, timeout=15)

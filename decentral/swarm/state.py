@@ -223,7 +223,7 @@ class StateExchange:
                 header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
         if not header.get("ok"):
             return None
-        return dict(header["meta"]), tensors
+        return _served_meta(header), tensors
 
     @contextlib.asynccontextmanager
     async def _asking(self, peer: str, stream: str, request: dict):
@@ -500,8 +500,15 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
 
 
 def _served_meta(header: dict) -> dict:
-    """The meta of a state a donor served (`header`: its answer), with `donor_step`, its inner step then."""
-    meta = dict(header["meta"])
+    """The meta of a state a donor served (`header`: its answer), with `donor_step`, its inner step then.
+    WireError unless it is an object whose round, and inner step where it names one, are counts (whatever
+    else a protocol keeps there is the protocol's to check)."""
+    meta = header.get("meta")
+    counts = isinstance(meta, dict) and "round" in meta and all(
+        type(meta.get(key, 0)) is int and meta.get(key, 0) >= 0 for key in ("round", "step"))
+    if not counts:
+        raise WireError(f"a state whose meta names no round and inner step: {str(meta)[:120]}")
+    meta = dict(meta)
     if isinstance(header.get("step_now"), int):
         meta["donor_step"] = header["step_now"]
     return meta
