@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import loss_step, run_in_threads, wait_until, wait_until_senders_counted
-from decentral.loopback import EXACT
+from decentral.loopback import EXACT, LoopbackHub
 from decentral.swarm import state, wire
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, Local, NoLoCo, StreamingDiLoCo
-from decentral.transport import EncodedAverage, JoinRequest, SoloTransport, heartbeat_digest
+from decentral.transport import EncodedAverage, ForeignState, JoinRequest, SoloTransport, heartbeat_digest
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -386,6 +386,28 @@ def test_a_saved_state_of_another_model_is_refused_before_any_of_it_is_taken(cls
     with pytest.raises(ValueError, match="state is of a model with 39 trained parameters, this one has 65,792"):
         ours.load_state_dict(saved.state_dict())
     assert (ours.step, ours.round) == (0, 0) and ours.slow.numel() == 65_792
+
+
+@pytest.mark.parametrize("fault", ["missing", "short"])
+@pytest.mark.parametrize("cls, outer", [(DiLoCo, "momentum"), (NoLoCo, "delta"), (CO2, "momentum")])
+def test_a_donors_state_without_our_outer_tensors_is_refused_with_its_reason_before_any_is_taken(cls, outer, fault):
+    """A donor's state that lacked an outer tensor of ours (a peer of another version, or a liar) stopped the
+    newcomer with a KeyError from deep in its replay or load; one of the wrong size, with a reshape error.
+    ForeignState says what is wrong, and nothing of it is taken."""
+    hub = LoopbackHub()
+    donor = hub.transport()
+    model = tiny_model(0)
+    served = {"slow": flat(tiny_model(1))}
+    if fault == "short":
+        served[outer] = torch.zeros(served["slow"].numel() - 1)
+    donor.offer_state({"protocol": cls.name, "round": 2, "step": 8}, served)
+    donor.set_progress(8, 2)
+    newcomer = cls(model, torch.optim.SGD(model.parameters(), lr=0.1), hub.transport(), every=4)
+    said = (f"the {cls.name} state handed over has no {outer} \\(it has slow\\)" if fault == "missing" else
+            f"the {cls.name} state handed over has 38 values of {outer}, ours 39")
+    with pytest.raises(ForeignState, match=said):
+        newcomer.start()
+    assert newcomer.round == 0 and torch.equal(newcomer.slow, flat(tiny_model(0)))
 
 
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
@@ -949,7 +971,7 @@ def test_a_join_request_waits_for_the_donors_answer_and_a_peer_that_takes_none_r
     donor, newcomer = make_peers(2)
     assert newcomer.request_join(donor.peer_id) is None
     assert donor.join_requests() == []  # the refused request was never queued
-    state = ({"protocol": "ddp", "joined_step": 7}, {"weights": torch.arange(5.0)})
+    state = ({"protocol": "ddp", "round": 0, "step": 0, "joined_step": 7}, {"weights": torch.arange(5.0)})
     for answer in (None, state):
         got, requests = [], []
         asking = threading.Thread(target=lambda: got.append(newcomer.request_join(donor.peer_id)))

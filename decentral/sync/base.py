@@ -44,7 +44,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from decentral.transport import (AverageResult, EncodedAverage, StateUnavailable, Transport, all_finite,
+from decentral.transport import (AverageResult, EncodedAverage, ForeignState, StateUnavailable, Transport, all_finite,
                                  check_same_model, heartbeat_digest, state_digest, with_us)
 from decentral.vml import resolve_kernels
 
@@ -247,6 +247,10 @@ class SyncProtocol:
         """Take a donor's snapshot (its round and step are the caller's to take)."""
         raise NotImplementedError
 
+    def check_snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
+        """ForeignState unless a donor's snapshot `tensors` is one we can take, checked before any of it is used
+        (a round replayed on it, or `load_snapshot`); here: anything."""
+
     def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
         """A round's update, in place, of a snapshot's `tensors` by the round's committed `average`: what every
         member does to its own state at the round's end (protocols that `replays_rounds`)."""
@@ -429,6 +433,8 @@ class SyncProtocol:
             donor, (meta, tensors) = got
             if meta.get("protocol") != self.name or int(meta.get("round", -1)) < self.round:
                 return None
+            if tensors:
+                self.check_snapshot(tensors)
             if replays and tensors:
                 replayed = self._replayed(donor, meta, tensors)
                 replays = replayed is not None
@@ -832,8 +838,21 @@ class OuterProtocol(SyncProtocol):
         self._shared = {k: weakref.ref(v) for k, v in tensors.items()}
         return dict(tensors)
 
-    def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def check_snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
+        """φ and each of our outer tensors, each as large as ours."""
+        ours = {"slow": self.slow, **self.outer_tensors()}
+        missing = [name for name in ours if name not in tensors]
+        if missing:
+            raise ForeignState(f"the {self.name} state handed over has no {' or '.join(missing)} (it has "
+                               f"{', '.join(sorted(tensors)) or 'nothing'}): a peer of another protocol or version")
         check_same_model(tensors["slow"], self.slow)
+        for name, value in ours.items():
+            if tensors[name].numel() != value.numel():
+                raise ForeignState(f"the {self.name} state handed over has {tensors[name].numel():,} values of "
+                                   f"{name}, ours {value.numel():,}: a peer of another protocol or version")
+
+    def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.check_snapshot(tensors)
         for name, value in {"slow": self.slow, **self.outer_tensors()}.items():  # replaced: ours may be offered
             setattr(self, name, tensors[name].to(self.outer_device, torch.float32, copy=True).reshape(value.shape))
 
