@@ -38,6 +38,11 @@ class Codec:
     name: str
     error_feedback = False  # decoding drops most of the tensor: the sender must keep and resend the rest
 
+    @property
+    def spec(self) -> str:
+        """The `swarm.codec` that makes exactly this codec (`make_codec(spec)`): members of one swarm share it."""
+        return self.name
+
     def size(self, numel: int) -> int:
         """Bytes of the encoding of any tensor of `numel` elements."""
         raise NotImplementedError
@@ -140,6 +145,10 @@ class TopK(Codec):
     def __post_init__(self):
         if not 0 < self.density <= 1:
             raise ValueError(f"topk density must be in (0, 1], got {self.density}")
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:{self.density:g}"
 
     def kept(self, length: int) -> int:
         """How many of a chunk of `length` values are sent."""

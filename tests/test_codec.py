@@ -35,6 +35,15 @@ def test_every_encoding_has_the_announced_size_and_decodes_to_what_round_trip_sa
         assert torch.equal(decoded, codec.round_trip(x))
 
 
+@pytest.mark.parametrize("spec", [*CODECS, "topk:0.05", "topk:0.050", "topk:1"])
+def test_a_codecs_spec_makes_the_same_codec_and_names_it_one_way(spec):
+    """What a member publishes of its codec (its setup: decentral.worker) compares equal exactly when the codecs
+    are: top-k's density included, however the recipe wrote it."""
+    codec = make_codec(spec)
+    assert make_codec(codec.spec) == codec and make_codec(codec.spec).spec == codec.spec
+    assert codec.spec == {"topk": "topk:0.01", "topk:0.050": "topk:0.05"}.get(spec, spec)
+
+
 def test_dense_and_blockwise_codecs_stay_within_their_stated_error_bounds():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(10_000, generator=gen) * torch.logspace(-4, 1, 10_000)  # magnitudes over 5 decades

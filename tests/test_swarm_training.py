@@ -369,6 +369,30 @@ def test_a_member_of_another_round_length_is_refused_in_one_line(make_swarm, tmp
     wait_until(lambda: "setup" in newcomer.progress().get(member.peer_id, {}), 30, "the member's setup in its heartbeat")
     _check_same_setup(newcomer, _swarm_setup(recipe, options), "r")  # the same length: nothing said
     shorter = parse_recipe({"protocol": {"name": "diloco", "every": 10}, "train": TINY_TRAIN, "model": TINY_MODEL})
-    with pytest.raises(SwarmError, match="averages diloco every 20 steps on its whole vector .*, this peer diloco "
-                                         "every 10 steps on its whole vector"):
+    with pytest.raises(SwarmError, match="averages diloco every 20 steps in float32 on its whole vector .*, this peer "
+                                         "diloco every 10 steps in float32 on its whole vector"):
         _check_same_setup(newcomer, _swarm_setup(shorter, options), "r")
+
+
+def test_a_member_of_another_codec_is_refused_in_one_line_and_an_older_members_card_is_not(make_swarm, tmp_path):
+    """Members in two codecs (int8 and float16, or top-k of two densities) refuse each other's parts, and each
+    went on training alone, a warning a round; the newcomer now stops naming both. A member's setup that names
+    no codec (an older version's) is compared on what it names."""
+    member, newcomer = make_swarm(2)
+    options = WorkerOptions(out=tmp_path)
+
+    def recipe(codec: str):
+        return parse_recipe({"protocol": {"name": "diloco", "every": 20}, "train": TINY_TRAIN, "model": TINY_MODEL,
+                             "swarm": {"codec": codec}})
+
+    member.set_card(True, setup=_swarm_setup(recipe("topk:0.02"), options))
+    wait_until(lambda: "setup" in newcomer.progress().get(member.peer_id, {}), 30, "the member's setup in its heartbeat")
+    _check_same_setup(newcomer, _swarm_setup(recipe("topk:0.020"), options), "r")  # the same codec, written otherwise
+    for other, said in (("topk", "topk:0.01"), ("int8", "int8")):
+        with pytest.raises(SwarmError, match=f"averages diloco every 20 steps in topk:0.02 on its whole vector .*, "
+                                             f"this peer diloco every 20 steps in {said} on .* codec \\(swarm.codec\\)"):
+            _check_same_setup(newcomer, _swarm_setup(recipe(other), options), "r")
+    older = {k: v for k, v in _swarm_setup(recipe("topk:0.02"), options).items() if k != "codec"}
+    member.set_card(True, setup=older)
+    wait_until(lambda: "codec" not in newcomer.progress()[member.peer_id]["setup"], 30, "the older member's setup")
+    _check_same_setup(newcomer, _swarm_setup(recipe("int8"), options), "r")
