@@ -33,7 +33,7 @@ from decentral.checkpoint import (
     save_checkpoint, sole_writer, training_state,
 )
 from decentral.codec import make_codec
-from decentral.config import Recipe, RecipeError, recipe_differences
+from decentral.config import Recipe, RecipeError, protocol_params, recipe_differences
 from decentral.cpu import children_record, cpu_record, peak_rss_mib
 from decentral.data.batches import eval_batches, evaluate, train_batches
 from decentral.data.corpus import DataError, load_corpus
@@ -371,36 +371,40 @@ def _wait_for_peers(transport: Transport, opts: WorkerOptions, protocol: SyncPro
         protocol.catch_up()
 
 
+LOCAL_SETTINGS = ("outer_on_device",)  # protocol settings that are each member's own: where it keeps outer state
+
+
 def _swarm_setup(recipe: Recipe, opts: WorkerOptions) -> dict:
     """How this member averages, which every member of a run must share (besides the model, whose size is checked
-    on the state a newcomer takes): the protocol, and the shards its vector is cut into (a sharded island's ranks
-    each average one; a single process or an island in leader mode averages the whole vector), and the round's
-    length (`every`: members of different lengths would average different rounds' progress), and the codec its
-    averages travel in (each member refuses parts in another)."""
-    return {"protocol": recipe.protocol, "every": recipe.round_length(),
-            "shards": opts.world_size if opts.island_mode == "sharded" else 1,
-            "codec": make_codec(recipe.swarm.codec).spec}
-
-
-def _describe_setup(setup: dict) -> str:
-    shards, every, codec = setup["shards"], setup.get("every"), setup.get("codec")
-    return (f"{setup['protocol']}{f' every {every} steps' if every else ''}{f' in {codec}' if codec else ''} " +
-            ("on its whole vector (a single process, or an island in leader mode)" if shards == 1 else
-             f"in {shards} shards (an island of {shards} ranks, sharded)"))
+    on the state a newcomer takes), under the recipe's names: the protocol and its settings but LOCAL_SETTINGS
+    (`protocol.every`: members of two round lengths would average different rounds' progress; the outer step's:
+    replicas meant to stay identical would part at every round's end, and repair every round), the codec
+    averages travel in (`swarm.codec`: each member refuses parts in another) and the shards its vector is cut
+    into (`island.shards`: a sharded island's ranks each average one; a single process or an island in leader
+    mode averages the whole vector)."""
+    settings = {**protocol_params(recipe.protocol), **recipe.protocol_args}
+    return {"protocol": recipe.protocol,
+            **{f"protocol.{k}": v for k, v in sorted(settings.items()) if k not in LOCAL_SETTINGS},
+            "swarm.codec": make_codec(recipe.swarm.codec).spec,
+            "island.shards": opts.world_size if opts.island_mode == "sharded" else 1}
 
 
 def _check_same_setup(transport: Transport, ours: dict, run: str) -> None:
-    """SwarmError when a member of the swarm (its heartbeat's `setup` card field) averages otherwise than `ours`:
-    averages of differently cut vectors, or in another codec, are refused on both sides, so each would train on
-    apart. (What a member's card does not name, an older member's, is not compared.)"""
+    """SwarmError naming each setting in which a member of the swarm (its heartbeat's `setup` card field) averages
+    otherwise than `ours` (`_swarm_setup`). A setting a member's card does not name (an older member's) is not
+    compared."""
     for peer, card in transport.progress().items():
         theirs = card.get("setup")
-        if isinstance(theirs, dict) and any(theirs[key] != ours[key] for key in theirs.keys() & ours.keys()):
-            raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} averages {_describe_setup(theirs)}, "
-                             f"this peer {_describe_setup(ours)}: the members of a run use one protocol, round "
-                             "length and codec (swarm.codec), and either all are islands sharded over the same "
-                             "number of ranks or none is (--island-mode leader mixes islands of any size with "
-                             "single processes)")
+        if not isinstance(theirs, dict):
+            continue
+        differ = [f"{key} {theirs[key]} there, {value} here" for key, value in ours.items()
+                  if key in theirs and theirs[key] != value]
+        if differ:
+            raise SwarmError(f"member {card.get('name') or peer[-8:]} of run {run!r} averages otherwise than this peer "
+                             f"({'; '.join(differ)}): the members of a run use one protocol with the same settings "
+                             f"(but {', '.join(LOCAL_SETTINGS)}) and codec, and either all are islands sharded over "
+                             "the same number of ranks or none is (--island-mode leader mixes islands of any size "
+                             "with single processes)")
 
 
 def _check_finite(what: str, value: float, step: int) -> float:

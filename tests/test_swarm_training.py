@@ -358,20 +358,26 @@ def test_a_peer_of_another_run_joining_a_swarm_says_it_trains_alone(make_swarm, 
     assert [line for line in said if "no member of run 'another' is in the swarm joined through --join" in line], said
 
 
-def test_a_member_of_another_round_length_is_refused_in_one_line(make_swarm, tmp_path):
+def test_a_member_of_another_round_length_or_outer_step_is_refused_in_one_line(make_swarm, tmp_path):
     """A DiLoCo member joining with every=10 a swarm that averages every 20 averaged each round with the
-    others' round of another length (both said group 2, their waits grew round by round); the newcomer now
-    stops naming both lengths. Two real swarm peers: one publishes its setup as a member does."""
+    others' round of another length (both said group 2, their waits grew round by round); one of another outer
+    lr applied the same averages otherwise, and the replicas parted (and repaired) every round. The newcomer now
+    stops naming each setting that differs; where a member keeps its outer state is its own. Two real swarm
+    peers: one publishes its setup as a member does."""
     member, newcomer = make_swarm(2)
-    recipe = parse_recipe({"protocol": {"name": "diloco", "every": 20}, "train": TINY_TRAIN, "model": TINY_MODEL})
     options = WorkerOptions(out=tmp_path)
-    member.set_card(True, setup=_swarm_setup(recipe, options))
+
+    def recipe(**protocol):
+        return parse_recipe({"protocol": {"name": "diloco", "every": 20, **protocol}, "train": TINY_TRAIN,
+                             "model": TINY_MODEL})
+
+    member.set_card(True, setup=_swarm_setup(recipe(), options))
     wait_until(lambda: "setup" in newcomer.progress().get(member.peer_id, {}), 30, "the member's setup in its heartbeat")
-    _check_same_setup(newcomer, _swarm_setup(recipe, options), "r")  # the same length: nothing said
-    shorter = parse_recipe({"protocol": {"name": "diloco", "every": 10}, "train": TINY_TRAIN, "model": TINY_MODEL})
-    with pytest.raises(SwarmError, match="averages diloco every 20 steps in float32 on its whole vector .*, this peer "
-                                         "diloco every 10 steps in float32 on its whole vector"):
-        _check_same_setup(newcomer, _swarm_setup(shorter, options), "r")
+    _check_same_setup(newcomer, _swarm_setup(recipe(outer_on_device=True), options), "r")  # nothing said
+    with pytest.raises(SwarmError, match=r"averages otherwise than this peer \(protocol.every 20 there, 10 here; "
+                                         r"protocol.outer_lr 0.7 there, 1.0 here\): the members of a run use one "
+                                         r"protocol with the same settings \(but outer_on_device\) and codec"):
+        _check_same_setup(newcomer, _swarm_setup(recipe(every=10, outer_lr=1.0), options), "r")
 
 
 def test_a_member_of_another_codec_is_refused_in_one_line_and_an_older_members_card_is_not(make_swarm, tmp_path):
@@ -389,10 +395,10 @@ def test_a_member_of_another_codec_is_refused_in_one_line_and_an_older_members_c
     wait_until(lambda: "setup" in newcomer.progress().get(member.peer_id, {}), 30, "the member's setup in its heartbeat")
     _check_same_setup(newcomer, _swarm_setup(recipe("topk:0.020"), options), "r")  # the same codec, written otherwise
     for other, said in (("topk", "topk:0.01"), ("int8", "int8")):
-        with pytest.raises(SwarmError, match=f"averages diloco every 20 steps in topk:0.02 on its whole vector .*, "
-                                             f"this peer diloco every 20 steps in {said} on .* codec \\(swarm.codec\\)"):
+        with pytest.raises(SwarmError, match=f"averages otherwise than this peer \\(swarm.codec topk:0.02 there, "
+                                             f"{said} here\\)"):
             _check_same_setup(newcomer, _swarm_setup(recipe(other), options), "r")
-    older = {k: v for k, v in _swarm_setup(recipe("topk:0.02"), options).items() if k != "codec"}
+    older = {k: v for k, v in _swarm_setup(recipe("topk:0.02"), options).items() if k != "swarm.codec"}
     member.set_card(True, setup=older)
-    wait_until(lambda: "codec" not in newcomer.progress()[member.peer_id]["setup"], 30, "the older member's setup")
+    wait_until(lambda: "swarm.codec" not in newcomer.progress()[member.peer_id]["setup"], 30, "the older member's setup")
     _check_same_setup(newcomer, _swarm_setup(recipe("int8"), options), "r")
