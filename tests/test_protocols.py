@@ -410,6 +410,15 @@ def test_a_donors_state_without_our_outer_tensors_is_refused_with_its_reason_bef
     assert newcomer.round == 0 and torch.equal(newcomer.slow, flat(tiny_model(0)))
 
 
+def test_a_ddp_state_without_the_weights_is_refused_with_its_reason():
+    """A DDP donor's grant without its weights stopped the newcomer with a KeyError from its load."""
+    model = tiny_model(0)
+    newcomer = DDP(model, torch.optim.SGD(model.parameters(), lr=0.1), LoopbackHub().transport())
+    with pytest.raises(ForeignState, match=r"the ddp state handed over has no weights \(it has inner.0.momentum"):
+        newcomer.load_snapshot({"param_groups": []}, {"inner.0.momentum": torch.zeros(3)})
+    assert torch.equal(flat(model), flat(tiny_model(0)))
+
+
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])
 def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_instead_of_downloading_again(
         make_swarm, monkeypatch, cls):

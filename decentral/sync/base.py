@@ -671,6 +671,14 @@ class SyncProtocol:
         return float((mine - now).pow(2).mean().sqrt())
 
 
+def check_snapshot_names(protocol: str, tensors: dict[str, torch.Tensor], names: list[str]) -> None:
+    """ForeignState unless a donor's snapshot `tensors` holds each of `names`."""
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ForeignState(f"the {protocol} state handed over has no {' or '.join(missing)} (it has "
+                           f"{', '.join(sorted(tensors)) or 'nothing'}): a peer of another protocol or version")
+
+
 def check_count(value: object, name: str, least: int = 1) -> None:
     """ValueError unless `value` is an integer (not a bool) >= `least`; `name` names the argument in the message."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
@@ -841,10 +849,7 @@ class OuterProtocol(SyncProtocol):
     def check_snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
         """φ and each of our outer tensors, each as large as ours."""
         ours = {"slow": self.slow, **self.outer_tensors()}
-        missing = [name for name in ours if name not in tensors]
-        if missing:
-            raise ForeignState(f"the {self.name} state handed over has no {' or '.join(missing)} (it has "
-                               f"{', '.join(sorted(tensors)) or 'nothing'}): a peer of another protocol or version")
+        check_snapshot_names(self.name, tensors, list(ours))
         check_same_model(tensors["slow"], self.slow)
         for name, value in ours.items():
             if tensors[name].numel() != value.numel():

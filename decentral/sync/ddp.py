@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
-from decentral.sync.base import SyncProtocol, SyncReport, check_count
+from decentral.sync.base import SyncProtocol, SyncReport, check_count, check_snapshot_names
 from decentral.transport import JoinRequest, Transport, check_same_model
 
 MAX_JOINS_PER_STEP = 8  # newcomers one member's note may name (more wait for later steps)
@@ -73,8 +73,13 @@ class DDP(SyncProtocol):
         meta, tensors = got
         return meta, tensors, meta["joined_step"]
 
-    def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def check_snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The weights, as many as ours (the inner optimizer's state is checked by torch as it is loaded)."""
+        check_snapshot_names(self.name, tensors, ["weights"])
         check_same_model(tensors["weights"], _flat(self.params))
+
+    def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.check_snapshot(tensors)
         _copy_flat(tensors["weights"], self.params)
         inner = {k: v for k, v in tensors.items() if k.startswith("inner.")}
         self.optimizer.load_state_dict(optimizer_state_dict(inner, meta["param_groups"]))
