@@ -217,7 +217,7 @@ class _DHTProcess(DHT):
             log.warning("the DHT process did not end %.0f s after its SIGTERM: killing it", self.kill_grace_s)
             _kill([*descendants(self.pid), self.pid])
             self.join(self.kill_grace_s)
-        if self.exitcode == -signal.SIGKILL:  # by us above, or by anyone (the OOM killer) before
+        if self.exitcode is not None and self.exitcode < 0:  # killed by a signal: by us above, the OOM killer...
             _replace_locks_left_held()
 
     def _shut_down_when_orphaned(self) -> None:
@@ -231,7 +231,7 @@ class _DHTProcess(DHT):
 
 
 def _replace_locks_left_held() -> None:
-    """(After a DHT process was killed outright) Each of hivemind's cross-process MPFuture locks (module-level, so
+    """(After a DHT process was killed by a signal) Each of hivemind's cross-process MPFuture locks (module-level, so
     shared with every process forked after import) that stays taken for `LOCK_HELD_S` is replaced by a new one: the
     killed process may have died holding it (sending an answer, or starting up), and every DHT process started
     after would wait on it for good. A process forked before keeps the old lock: only new ones are spared."""
