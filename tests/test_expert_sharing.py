@@ -3,12 +3,15 @@
 import logging
 import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from decentral.experts.registry import Registry, RegistryError, verify_expert
+from decentral.experts import sharing as sharing_module
 from decentral.experts.sharing import ExpertSharing
 from decentral.swarm import SwarmPeer
 from decentral.swarm.wire import read_frame, write_frame
@@ -185,3 +188,34 @@ def test_a_fetch_request_that_is_no_object_is_one_warning_not_a_traceback(tmp_pa
         if not answer:
             wait_until(lambda: "dropping a malformed or late request on expert" in caplog.text, 10, "the warning")
     assert answered[8:] == answer and "failed on a stream" not in caplog.text, caplog.text
+
+
+def test_published_experts_stay_in_view_while_a_dht_member_is_frozen(tmp_path, monkeypatch):
+    """A frozen DHT member (SIGSTOP) makes every store wait out its RPC timeout: renewals that waited for each
+    expert's stores in turn took longer than a record's lifetime with a few experts, and the records lapsed.
+    With records of 6 s renewed every 2 s, three experts stay in view for 12 s of the freeze."""
+    monkeypatch.setattr(sharing_module, "RECORD_TTL_S", 6.0)
+    run = f"experts-{os.getpid()}-frozen"
+    frozen = SwarmPeer(run)
+    publisher = ExpertSharing(SwarmPeer(run, frozen.multiaddrs()), Registry(tmp_path / "a"))
+    viewer = ExpertSharing(SwarmPeer(run, frozen.multiaddrs()), Registry(tmp_path / "b"))
+    names = ["code", "legal", "manuals"]
+    try:
+        for i, name in enumerate(names):
+            tiny_expert(tmp_path / "a", name=name, seed=i)
+        publisher.publish(names)
+        wait_until(lambda: sorted(viewer.available()) == names, 30, "every expert's record")
+        os.kill(frozen.dht.pid, signal.SIGSTOP)
+        began, lapses = time.monotonic(), []
+        while time.monotonic() < began + 12:
+            seen = sorted(viewer.available())  # (a lookup: itself slowed by the frozen member)
+            if seen != names:
+                lapses.append((round(time.monotonic() - began, 1), seen))
+            time.sleep(0.1)  # sampling the view through the freeze
+        assert not lapses, lapses
+    finally:
+        os.kill(frozen.dht.pid, signal.SIGCONT)
+        for side in (publisher, viewer):
+            side.close()
+            side.peer.shutdown()
+        frozen.shutdown()
