@@ -207,8 +207,8 @@ def test_a_member_that_still_waits_for_one_the_others_gave_up_on_meets_them_in_t
 
 
 def test_a_member_that_began_no_average_of_the_rounds_before_is_not_waited_for(make_swarm):
-    """A averaged round 1 with B and C, then froze; B and C went on without it. Woken, A trains toward round
-    2 while B and C reach round 1 + lead + 1, its protocol's lead being one round (DiLoCo's): A answers their
+    """A averaged round 1 with B and C, then froze; B and C went on without it (round 2). Woken, A trains toward
+    round 2 while B and C reach round 1 + lead + 1, its protocol's lead being one round (DiLoCo's): A answers their
     pushes and probes that it takes no part in it, so they commit without it at once (before, A answered
     "here" and they waited out the timeout, or until A had trained through its stale rounds), and A, asked
     later to take part from that round, takes part from the one after it (they averaged it without A)."""
@@ -221,6 +221,11 @@ def test_a_member_that_began_no_average_of_the_rounds_before_is_not_waited_for(m
     xs = [torch.randn(64) for _ in range(3)]
     assert all(r.complete for r in run_in_threads([lambda t=t, x=x: t.average(x, group, "r1", round=1)
                                                    for t, x in zip((a, b, c), xs)]))
+    # B and C go on without A: round 2 (else each, its own latest begun average still round 1's, would be more
+    # than `lead` past it in round 3 until it began its own average of round 3, and could turn the other away)
+    went_on = sorted([b.peer_id, c.peer_id])
+    assert all(r.complete for r in run_in_threads([lambda t=t, x=x: t.average(x, went_on, "r2", round=2)
+                                                   for t, x in ((b, xs[1]), (c, xs[2]))]))
     ahead, finished = 2 + lead, {}
     start = time.monotonic()
     rb, rc = run_in_threads([lambda t=t, x=x, n=n: timed_average(finished, n, t, x, group, "ahead", round=ahead)
