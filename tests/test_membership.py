@@ -1,5 +1,6 @@
 """Membership over a real DHT: all peers derive the same round members; leaving and dying both drop a peer."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -303,3 +304,17 @@ def test_a_dht_process_killed_holding_hiveminds_shared_lock_does_not_stall_the_n
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the peer started after the killed one stalled: {e.stdout}{e.stderr}")
     assert "looked up: {" in done.stdout and "'up': 1" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_peer_whose_dht_process_took_the_groups_sigterm_leaves_without_a_warning(caplog):
+    """`timeout` or a scheduler's cancel sends SIGTERM to the whole process group: the DHT process ends first,
+    and the member's orderly stop ended in a warning that it could not announce leaving."""
+    from decentral.swarm.transport import SwarmTransport
+
+    member = SwarmTransport(f"t{time.monotonic_ns()}", heartbeat_s=0.5)
+    os.kill(member.peer.dht.pid, signal.SIGTERM)
+    member.peer.dht.join(30)
+    assert member.peer.dht.exitcode == 0
+    with caplog.at_level(logging.INFO, logger="decentral.swarm.membership"):
+        member.close()
+    assert [r.levelname for r in caplog.records if "could not announce leaving" in r.getMessage()] == ["INFO"]

@@ -166,7 +166,12 @@ class Membership:
         try:
             self.peer.publish("peers", self.peer.peer_id, {**self._record(), "left": True}, ttl=self.expire_s)
         except Exception as e:
-            log.warning("could not announce leaving: %s", e)
+            if self.peer.dht.exitcode == 0:  # it ended by itself: a SIGTERM to our process group reached it too
+                log.info("could not announce leaving: our DHT process has ended already (a signal to the whole "
+                         "process group stops it too); the others see our heartbeat lapse within %.0fs",
+                         self.expire_s)
+            else:
+                log.warning("could not announce leaving: %s", e)
 
 
 ENTRY_KEY = "entry"
