@@ -61,7 +61,8 @@ def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], 
     A crash at any point leaves a complete checkpoint on disk: the old one (at `directory`, or
     moved aside to `.<name>.old` next to it, where `load_checkpoint` finds it) or the new one.
     Meta keys `format`, `tensors_sha256`, `files_sha256` and `meta_sha256` are reserved. Not safe for two concurrent
-    writers of the same directory. Returns `directory` as a Path.
+    writers of the same directory. Returns `directory` as a Path. CheckpointError when the tensors cannot be
+    written (a full disk), OSError when another file cannot; the checkpoint there before is kept either way.
     """
     directory = Path(directory)
     parent = directory.parent
@@ -74,7 +75,11 @@ def save_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], 
         checked = {"format": FORMAT}
         if files is not None:
             checked["files_sha256"] = _add_files(tmp, files)
-        save_file(storable, tmp / TENSORS_FILE)  # from the tensors' memory to the file, no copy of them in memory
+        try:
+            save_file(storable, tmp / TENSORS_FILE)  # from the tensors' memory to the file, no copy of them in memory
+        except SafetensorError as e:  # (its I/O errors, a full disk's among them, are no OSError)
+            raise CheckpointError(f"could not write the checkpoint {directory}: {' '.join(str(e).split())} (the "
+                                  "last one saved there, if any, is kept)") from None
         checked["tensors_sha256"] = _synced_sha256(tmp / TENSORS_FILE)
         whole = {**meta, **checked}
         meta_text = json.dumps({**whole, "meta_sha256": _meta_sha256(whole)}, indent=1)

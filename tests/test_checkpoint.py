@@ -223,3 +223,32 @@ def test_a_failing_hook_keeps_the_old_checkpoint_and_may_not_write_ours(tmp_path
         save_checkpoint(target, {"w": torch.ones(2)}, {"round": 2}, files=lambda f: (f / "meta.json").write_text("{}"))
     assert load_checkpoint(target)[1] == {"round": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+A_SAVE_PAST_THE_DISKS_ROOM = """
+import resource, signal, sys, torch
+from decentral.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+folder = sys.argv[1]
+save_checkpoint(folder, {"w": torch.ones(10)}, {"step": 1})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as one on a full disk does
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    save_checkpoint(folder, {"w": torch.ones(1 << 20)}, {"step": 2})
+except CheckpointError as e:
+    print("said:", e)
+tensors, meta = load_checkpoint(folder)
+print("kept:", meta["step"], tensors["w"].numel())
+"""
+
+
+def test_a_checkpoint_that_does_not_fit_on_the_disk_is_a_checkpoint_error_and_the_last_one_is_kept(tmp_path):
+    """safetensors' write error (a full disk's: "No space left on device") is no OSError: the worker ended with
+    its traceback. It is a CheckpointError naming the folder now (the command line says it in one line), and the
+    checkpoint saved before is still there. (In a process of its own: the file size limit stands for a full disk.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", A_SAVE_PAST_THE_DISKS_ROOM, str(tmp_path / "checkpoint")],
+                          capture_output=True, text=True, timeout=120)
+    assert f"said: could not write the checkpoint {tmp_path / 'checkpoint'}: " in done.stdout, done.stdout + done.stderr
+    assert "kept: 1 10" in done.stdout and not list(tmp_path.glob(".checkpoint.tmp-*"))
