@@ -378,7 +378,7 @@ def _swarm_setup(recipe: Recipe, opts: WorkerOptions) -> dict:
     """How this member averages, which every member of a run must share (besides the model, whose size is checked
     on the state a newcomer takes), under the recipe's names: the protocol and its settings but LOCAL_SETTINGS
     (`protocol.every`: members of two round lengths would average different rounds' progress; the outer step's:
-    replicas meant to stay identical would part at every round's end, and repair every round), the codec
+    replicas meant to stay identical would part at a round's end, and be repaired), the codec
     averages travel in (`swarm.codec`: each member refuses parts in another) and the shards its vector is cut
     into (`island.shards`: a sharded island's ranks each average one; a single process or an island in leader
     mode averages the whole vector)."""
