@@ -410,13 +410,21 @@ def test_a_donors_state_without_our_outer_tensors_is_refused_with_its_reason_bef
     assert newcomer.round == 0 and torch.equal(newcomer.slow, flat(tiny_model(0)))
 
 
-def test_a_ddp_state_without_the_weights_is_refused_with_its_reason():
-    """A DDP donor's grant without its weights stopped the newcomer with a KeyError from its load."""
+def test_a_ddp_state_without_the_weights_or_our_optimizers_groups_is_refused_before_any_is_taken():
+    """A DDP donor's grant without its weights, or with an inner optimizer state unlike ours, stopped the newcomer
+    with a KeyError or torch's ValueError from its load, the weights taken already."""
     model = tiny_model(0)
     newcomer = DDP(model, torch.optim.SGD(model.parameters(), lr=0.1), LoopbackHub().transport())
     with pytest.raises(ForeignState, match=r"the ddp state handed over has no weights \(it has inner.0.momentum"):
         newcomer.load_snapshot({"param_groups": []}, {"inner.0.momentum": torch.zeros(3)})
-    assert torch.equal(flat(model), flat(tiny_model(0)))
+    weights = {"weights": flat(tiny_model(1))}
+    for groups in (None, [], [{"lr": 0.1}], [{**newcomer.optimizer.state_dict()["param_groups"][0], "params": [0]}]):
+        with pytest.raises(ForeignState, match="the ddp state handed over has an inner optimizer state ours cannot "
+                                               "take"):  # (none, no group, a group without its parameters, too few)
+            newcomer.load_snapshot({"param_groups": groups}, weights)
+    assert torch.equal(flat(model), flat(tiny_model(0)))  # nothing taken
+    newcomer.load_snapshot({"param_groups": newcomer.optimizer.state_dict()["param_groups"]}, weights)
+    assert torch.equal(flat(model), weights["weights"])
 
 
 @pytest.mark.parametrize("cls", [DiLoCo, CO2])

@@ -23,7 +23,7 @@ import torch
 
 from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
 from decentral.sync.base import SyncProtocol, SyncReport, check_count, check_snapshot_names
-from decentral.transport import JoinRequest, Transport, check_same_model
+from decentral.transport import ForeignState, JoinRequest, Transport, check_same_model
 
 MAX_JOINS_PER_STEP = 8  # newcomers one member's note may name (more wait for later steps)
 
@@ -74,15 +74,21 @@ class DDP(SyncProtocol):
         return meta, tensors, meta["joined_step"]
 
     def check_snapshot(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The weights, as many as ours (the inner optimizer's state is checked by torch as it is loaded)."""
+        """The weights, as many as ours (the inner optimizer's state is checked as it is loaded)."""
         check_snapshot_names(self.name, tensors, ["weights"])
         check_same_model(tensors["weights"], _flat(self.params))
 
     def load_snapshot(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """The donor's weights and inner optimizer state; ForeignState, before the weights are taken, when that
+        state is not one of an optimizer like ours (torch checks its parameter groups)."""
         self.check_snapshot(tensors)
-        _copy_flat(tensors["weights"], self.params)
         inner = {k: v for k, v in tensors.items() if k.startswith("inner.")}
-        self.optimizer.load_state_dict(optimizer_state_dict(inner, meta["param_groups"]))
+        try:
+            self.optimizer.load_state_dict(optimizer_state_dict(inner, meta.get("param_groups")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ForeignState(f"the ddp state handed over has an inner optimizer state ours cannot take "
+                               f"({type(e).__name__}: {e}): a peer of another optimizer or version") from None
+        _copy_flat(tensors["weights"], self.params)
         group = meta.get("group")  # a donor of our next step names its members then; else we look them up
         self._group = sorted(group) if isinstance(group, list) and all(isinstance(p, str) for p in group) else []
 
