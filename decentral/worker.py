@@ -494,9 +494,10 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
         card = StatusCard(transport, opts.name, t.batch_size * t.context * (opts.world_size if opts.island_mode else 1))
         setup = _swarm_setup(recipe, opts)
         transport.set_card(False, setup=setup)
+        _check_same_setup(transport, setup, recipe.swarm.run)  # before the swarm's state is downloaded for nothing
         with protocol:  # joins the swarm: its state, round and step, and announces the round
             _wait_for_peers(transport, opts, protocol)
-            _check_same_setup(transport, setup, recipe.swarm.run)
+            _check_same_setup(transport, setup, recipe.swarm.run)  # (members seen since)
             if protocol.donor is not None and protocol.step >= last_step:
                 raise RecipeError(f"the swarm is at step {protocol.step}, and this run ends at step {last_step} "
                                   f"({'--stop-at' if last_step == opts.stop_at else 'train.steps, --steps'}: the "

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import TINY_MODEL, TINY_TRAIN, running, wait_until
@@ -18,6 +19,7 @@ from decentral.checkpoint import checkpoint_present, load_checkpoint
 from decentral.config import RecipeError, parse_recipe
 from decentral.cpu import descendants
 from decentral.loopback import LoopbackHub
+from decentral.models.gpt import GPT, GPTConfig
 from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
 from decentral.worker import WorkerOptions, _check_same_setup, _swarm_setup, run_worker
@@ -356,6 +358,29 @@ def test_a_peer_of_another_run_joining_a_swarm_says_it_trains_alone(make_swarm, 
     run_worker(recipe, WorkerOptions(out=tmp_path, data=[str(small_corpus)], join=join, print_fn=said.append,
                                      transport=stranger))
     assert [line for line in said if "no member of run 'another' is in the swarm joined through --join" in line], said
+
+
+def test_a_newcomer_of_another_setup_stops_before_it_downloads_the_swarms_state(make_swarm, tmp_path, small_corpus):
+    """The setup was compared once the newcomer had joined: it downloaded the swarm's state first (for a large
+    model, minutes on a slow link) and then stopped. A member's setup in view already stops it before. Real swarm
+    peers: a member of codec int8 that offers a state of the model's size, and a worker in float16 joining it."""
+    member = make_swarm(1)[0]
+
+    def recipe(codec: str):
+        return parse_recipe({"protocol": {"name": "diloco", "every": 5}, "train": {**TINY_TRAIN, "steps": 20},
+                             "model": TINY_MODEL, "swarm": {"run": member.peer.run, "codec": codec}})
+
+    options = WorkerOptions(out=tmp_path, data=[str(small_corpus)], join=[str(m) for m in member.multiaddrs()])
+    member.set_card(True, setup=_swarm_setup(recipe("int8"), options))
+    numel = sum(p.numel() for p in GPT(GPTConfig(**TINY_MODEL)).parameters())
+    state = {"slow": torch.zeros(numel), "momentum": torch.zeros(numel)}
+    member.offer_state({"protocol": "diloco", "round": 2, "step": 10}, state)
+    member.set_progress(10, 2)
+    newcomer = SwarmTransport(member.peer.run, options.join, timeout=10.0, heartbeat_s=0.5)
+    wait_until(lambda: "setup" in newcomer.progress().get(member.peer_id, {}), 30, "the member's setup in its heartbeat")
+    with pytest.raises(SwarmError, match=r"swarm.codec int8 there, float16 here"):
+        run_worker(recipe("float16"), dataclasses.replace(options, transport=newcomer))
+    assert newcomer.bytes_received < numel * 4  # not even the state's weights
 
 
 def test_a_member_of_another_round_length_or_outer_step_is_refused_in_one_line(make_swarm, tmp_path):
