@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from decentral.checkpoint import optimizer_state_dict, optimizer_tensors
+from decentral.checkpoint import inner_tensors, optimizer_state_dict, optimizer_tensors
 from decentral.sync.base import SyncProtocol, SyncReport, check_count, check_snapshot_names
 from decentral.transport import ForeignState, JoinRequest, Transport, check_same_model
 
@@ -82,9 +82,8 @@ class DDP(SyncProtocol):
         """The donor's weights and inner optimizer state; ForeignState, before the weights are taken, when that
         state is not one of an optimizer like ours (torch checks its parameter groups)."""
         self.check_snapshot(tensors)
-        inner = {k: v for k, v in tensors.items() if k.startswith("inner.")}
         try:
-            self.optimizer.load_state_dict(optimizer_state_dict(inner, meta.get("param_groups")))
+            self.optimizer.load_state_dict(optimizer_state_dict(inner_tensors(tensors), meta.get("param_groups")))
         except (KeyError, TypeError, ValueError) as e:
             raise ForeignState(f"the ddp state handed over has an inner optimizer state ours cannot take "
                                f"({type(e).__name__}: {e}): a peer of another optimizer or version") from None
