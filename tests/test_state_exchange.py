@@ -155,3 +155,32 @@ def test_a_state_whose_meta_names_no_round_and_step_is_refused(make_swarm, meta)
     a.state.offer(meta, {"slow": torch.arange(4.0)})
     with pytest.raises(StateUnavailable, match="WireError: a state whose meta names no round and inner step"):
         b.state.fetch({a.peer_id: {"round": 3}}, timeout=15)
+
+
+def test_a_state_holding_nan_or_inf_is_refused_and_the_next_donor_asked(make_swarm):
+    """A donor's state went to the newcomer as it came: one holding NaN (a broken or hostile member) was taken,
+    and the newcomer's first step diverged, reported as its own training's fault. The download fails instead,
+    naming the tensor, and the newcomer asks another donor (or says that none handed over its state)."""
+    a, b, newcomer = make_swarm(3)
+    bad = {"slow": torch.arange(4.0), "momentum": torch.tensor([0.0, float("nan"), 0.0, float("inf")])}
+    a.state.offer({"protocol": "diloco", "round": 3}, bad)
+    with pytest.raises(StateUnavailable, match=r"WireError: a state holding NaN or inf \(in momentum\)"):
+        newcomer.state.fetch({a.peer_id: {"round": 3}}, timeout=15)
+    b.state.offer({"protocol": "diloco", "round": 3}, {"slow": torch.ones(4), "momentum": torch.zeros(4)})
+    donor, (meta, tensors) = newcomer.state.fetch({a.peer_id: {"round": 3}, b.peer_id: {"round": 3}}, timeout=15)
+    assert donor == b.peer_id and torch.equal(tensors["slow"], torch.ones(4))
+
+
+def test_a_granted_join_whose_state_holds_nan_is_no_join(make_swarm):
+    """DDP's join at the next step: a donor that grants a state holding NaN gives the newcomer no state to
+    start from (it asks again, or another donor), as one that refuses does; before, it took the NaN."""
+    donor, newcomer = make_swarm(2)
+    donor.join_requests()  # from now on the donor queues join requests, as a DDP member does
+    got, requests = [], []
+    asking = threading.Thread(target=lambda: got.append(newcomer.request_join(donor.peer_id)))
+    asking.start()
+    wait_until(lambda: requests.extend(donor.join_requests()) or requests, 30, "the request reaching the donor")
+    requests[0].grant(({"protocol": "ddp", "round": 0, "step": 0, "joined_step": 7},
+                       {"weights": torch.tensor([1.0, float("nan")])}))
+    asking.join(timeout=30)
+    assert got == [None]

@@ -50,8 +50,8 @@ from decentral.rounds import RoundLog
 from decentral.swarm.peer import SwarmPeer
 from decentral.swarm.wire import (MAX_FRAME, MAX_HEADER, WireError, read_frame, read_header, read_tensor_message,
                                   write_frame, write_frame_of, write_message, write_tensor_message)
-from decentral.transport import (EncodedAverage, JoinRequest, MissedRound, StateUnavailable, heartbeat_digest,
-                                 state_digest, trained_past)
+from decentral.transport import (EncodedAverage, JoinRequest, MissedRound, StateUnavailable, all_finite,
+                                 heartbeat_digest, state_digest, trained_past)
 
 log = logging.getLogger(__name__)
 progress_log = logging.getLogger("decentral.progress")  # shown without --verbose: the CLI sets it to INFO
@@ -223,7 +223,7 @@ class StateExchange:
                 header, tensors = await read_tensor_message(reader, self.peer.stats, on_progress=watch)
         if not header.get("ok"):
             return None
-        return _served_meta(header), tensors
+        return _served_snapshot(header, tensors)
 
     @contextlib.asynccontextmanager
     async def _asking(self, peer: str, stream: str, request: dict):
@@ -249,7 +249,7 @@ class StateExchange:
             return None
         if header.get("same"):
             return "same"
-        return _served_meta(header), tensors
+        return _served_snapshot(header, tensors)
 
     async def _download_shares(self, holders: list[str], digest: str, like: dict[str, torch.Tensor], timeout: float,
                                pending: frozenset[str] = frozenset(), holds: Callable[[str], bool] | None = None
@@ -305,7 +305,7 @@ class StateExchange:
             return None
         if state_digest(tensors) != digest:
             raise ValueError("the state assembled from its shares is not the one its holders publish")
-        return _served_meta(headers[0]), tensors
+        return _served_snapshot(headers[0], tensors)
 
     def fetch_rounds(self, holders: list[str], digest: str, numel: int, codec: Codec, timeout: float
                      ) -> tuple[list[MissedRound], int] | None:
@@ -499,10 +499,14 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
                 pass
 
 
-def _served_meta(header: dict) -> dict:
-    """The meta of a state a donor served (`header`: its answer), with `donor_step`, its inner step then.
-    WireError unless it is an object whose round, and inner step where it names one, are counts (whatever
-    else a protocol keeps there is the protocol's to check)."""
+def _served_snapshot(header: dict, tensors: dict[str, torch.Tensor]) -> Snapshot:
+    """The state a donor served (`header`: its answer), its meta with `donor_step`, its inner step then.
+    WireError unless the meta is an object whose round, and inner step where it names one, are counts (whatever
+    else a protocol keeps there is the protocol's to check), and unless every value of `tensors` is finite (a
+    member's own state never holds NaN or inf: its protocol stops before it syncs one)."""
+    not_finite = [name for name, t in tensors.items() if not all_finite(t)]
+    if not_finite:
+        raise WireError(f"a state holding NaN or inf (in {', '.join(not_finite)})")
     meta = header.get("meta")
     counts = isinstance(meta, dict) and "round" in meta and all(
         type(meta.get(key, 0)) is int and meta.get(key, 0) >= 0 for key in ("round", "step"))
@@ -511,7 +515,7 @@ def _served_meta(header: dict) -> dict:
     meta = dict(meta)
     if isinstance(header.get("step_now"), int):
         meta["donor_step"] = header["step_now"]
-    return meta
+    return meta, tensors
 
 
 def _checked_rounds(listed: object, numel: int) -> list[tuple[dict, str, list[int] | None]]:
