@@ -184,3 +184,33 @@ def test_a_granted_join_whose_state_holds_nan_is_no_join(make_swarm):
                        {"weights": torch.tensor([1.0, float("nan")])}))
     asking.join(timeout=30)
     assert got == [None]
+
+
+def test_a_donor_serving_another_state_than_it_publishes_is_refused(make_swarm):
+    """A whole download was taken as it came: a member could publish the swarm's digest (so that shares and
+    replica checks saw nothing amiss) and serve another state. It must be the state it publishes for its round."""
+    a, newcomer = make_swarm(2)
+    honest = {"slow": torch.arange(4.0), "momentum": torch.zeros(4)}
+    a.state.offer({"protocol": "diloco", "round": 3}, {"slow": -torch.arange(4.0), "momentum": torch.zeros(4)})
+    heard = {a.peer_id: {"round": 3, "digests": {"3": state_digest(honest)}}}
+    with pytest.raises(StateUnavailable, match="a state of round 3 other than the one it publishes for that round"):
+        newcomer.state.fetch(heard, timeout=15, progress=lambda: heard)
+    a.state.offer({"protocol": "diloco", "round": 3}, honest)
+    donor, (meta, tensors) = newcomer.state.fetch(heard, timeout=15, progress=lambda: heard)
+    assert donor == a.peer_id and torch.equal(tensors["slow"], honest["slow"])
+
+
+def test_the_state_most_donors_publish_is_downloaded_not_a_lone_members_other_one(make_swarm, monkeypatch):
+    """Three members at round 3: two publish and serve the swarm's state, one another (its own digest of it).
+    The newcomer asks the two first, whatever the random order (here: the lone one first); before, it
+    downloaded whatever the first in random order served."""
+    a, b, lone, newcomer = make_swarm(4)
+    state = {"slow": torch.arange(4.0), "momentum": torch.zeros(4)}
+    other = {"slow": torch.full((4,), 7.0), "momentum": torch.zeros(4)}
+    for member, held in ((a, state), (b, state), (lone, other)):
+        member.state.offer({"protocol": "diloco", "round": 3}, held)
+    heard = {m.peer_id: {"round": 3, "digests": {"3": state_digest(held)}}
+             for m, held in ((a, state), (b, state), (lone, other))}
+    monkeypatch.setattr("decentral.swarm.state.random.shuffle", lambda peers: peers.sort(key=lambda p: p != lone.peer_id))
+    donor, (meta, tensors) = newcomer.state.fetch(heard, timeout=15)
+    assert donor in (a.peer_id, b.peer_id) and torch.equal(tensors["slow"], state["slow"])

@@ -35,6 +35,7 @@ logs its progress. A donor ends a transfer whose requester stopped reading for R
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -399,7 +400,8 @@ class StateExchange:
         meta_if_past: bool = False, progress: Callable[[], dict[str, dict]] | None = None,
     ) -> tuple[str, Snapshot] | None:
         """Download a snapshot from one of `candidates` ({peer: {"round": r}}) that claim the highest round
-        (at most one past their lower median), in random order.
+        (at most one past their lower median), in random order, those that publish the state most of them
+        publish for that round first; a donor's state must be the one it publishes (`_check_published`).
 
         When other candidates publish the donor's digest for that round, the state comes in shares from all
         of them at once (`_download_shares`; from the donor alone when none of them can send a share); with
@@ -421,9 +423,12 @@ class StateExchange:
         top = max(r for r in rounds.values() if r <= ceiling)
         order = [p for p, r in rounds.items() if r == top]  # a peer behind the others (restarted) is no donor
         random.shuffle(order)
+        published = {p: heartbeat_digest(candidates[p], top) for p in order}
+        held_by = collections.Counter(d for d in published.values() if d is not None)
+        order.sort(key=lambda p: -held_by[published[p]])  # the state most of them publish first: not a lone liar's
         failed = []
         for donor in order:
-            digest = heartbeat_digest(candidates[donor], top)
+            digest = published[donor]
             if digest is not None and digest != have_digest:  # a download: the others at its round keep what follows
                 self.keep_rounds_for([p for p in order if p != donor], digest)  # (those that hold it: see `want`)
                 holders = [p for p in order if p != donor and heartbeat_digest(candidates[p], top) == digest]
@@ -443,6 +448,8 @@ class StateExchange:
                         return donor, got
             try:
                 got = self.peer.call(self._download(donor, have_digest, timeout, meta_if_past, max_bytes)).result()
+                if isinstance(got, tuple) and got[1]:
+                    _check_published(got, candidates[donor], progress and (lambda: progress().get(donor)))
             except Exception as e:  # reported in StateUnavailable, once every donor failed
                 log.info("state download from %s failed: %r", donor[-8:], e)
                 failed.append(f"{donor[-8:]}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
@@ -516,6 +523,20 @@ def _served_snapshot(header: dict, tensors: dict[str, torch.Tensor]) -> Snapshot
     if isinstance(header.get("step_now"), int):
         meta["donor_step"] = header["step_now"]
     return meta, tensors
+
+
+def _check_published(snapshot: Snapshot, heartbeat: dict, latest: Callable[[], object] | None) -> None:
+    """WireError unless the donor's `snapshot` is the state whose digest its `heartbeat` publishes for the
+    snapshot's round, where it publishes one (a member that serves another state than the one it publishes, or
+    than the one the other members hold, is no donor). When it differs, or none was published yet, the donor's
+    `latest` heartbeat has the last word (its state was repaired, or it moved on to a round, since)."""
+    meta, tensors = snapshot
+    digest = state_digest(tensors)
+    published = heartbeat_digest(heartbeat, meta["round"])
+    if published != digest and latest is not None:
+        published = heartbeat_digest(latest(), meta["round"])
+    if published is not None and published != digest:
+        raise WireError(f"a state of round {meta['round']} other than the one it publishes for that round")
 
 
 def _checked_rounds(listed: object, numel: int) -> list[tuple[dict, str, list[int] | None]]:
