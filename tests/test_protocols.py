@@ -15,7 +15,8 @@ from conftest import loss_step, run_in_threads, wait_until, wait_until_senders_c
 from decentral.loopback import EXACT, LoopbackHub
 from decentral.swarm import state, wire
 from decentral.sync import CO2, DDP, DiLoCo, DivergedError, Local, NoLoCo, StreamingDiLoCo
-from decentral.transport import EncodedAverage, ForeignState, JoinRequest, SoloTransport, heartbeat_digest
+from decentral.transport import (EncodedAverage, ForeignState, JoinRequest, SoloTransport, heartbeat_digest,
+                                 state_digest)
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -491,6 +492,28 @@ def test_a_replayed_round_that_differs_from_its_digest_means_a_download(make_loo
     assert replayed is not None and replayed[0]["round"] == 3
     assert all(torch.equal(replayed[1][k], v) for k, v in protocols[0].snapshot().items())
     newcomer.hub._rounds_since[donor]._chain[1].average = EncodedAverage(EXACT, [(EXACT.encode(torch.zeros(39)), 39)])
+    assert late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()}) is None
+
+
+def test_rounds_replayed_to_another_state_than_the_donor_publishes_mean_a_download(make_loopback):
+    """The rounds a donor kept name the digest of each one's result: a donor that lies consistently there (an
+    average, and the digest of the state it leads to) led a newcomer to its state. The last round's result must
+    also be the state the donor's heartbeat publishes for that round (what the members hold)."""
+    transports = make_loopback(3)
+    protocols = make_protocols(transports[:2], DiLoCo, every=10)
+    gen = torch.Generator().manual_seed(4)
+    random_round(protocols, gen)
+    newcomer = transports[2]
+    donor, (meta, tensors) = newcomer.fetch_state()
+    two_random_rounds(protocols, gen)
+    model = tiny_model(9)
+    late = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), newcomer, every=10)
+    lied = late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()}, upto=2)[1]
+    other = torch.zeros(lied["slow"].numel())  # round 2's average, as the donor lists it
+    late._apply_average(lied, other)
+    last = newcomer.hub._rounds_since[donor]._chain[-1]
+    assert last.meta["round"] == 3
+    last.average, last.digest = EncodedAverage(EXACT, [(EXACT.encode(other), other.numel())]), state_digest(lied)
     assert late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()}) is None
 
 

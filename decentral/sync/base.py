@@ -482,9 +482,10 @@ class SyncProtocol:
         """The snapshot (meta, tensors) `donor` served, brought up to the donor's current round (at most to
         round `upto`) by the rounds it went through since (their committed averages, a fraction of a
         download: decentral.rounds), applied in place as the members applied them; each round's result is
-        checked against the digest the donor published for it. Returns it as far as the donor's kept rounds
-        reach (as it was when the donor kept none), its meta's `donor_step` the donor's step then; None when
-        a round's result differed (`tensors` then hold neither state)."""
+        checked against the digest the donor listed with it, and the last against the one its heartbeat
+        publishes (where it still does). Returns it as far as the donor's kept rounds reach (as it was when the
+        donor kept none), its meta's `donor_step` the donor's step then; None when a round's result differed
+        (`tensors` then hold neither state)."""
         digest, first, got_bytes = state_digest(tensors), int(meta["round"]), 0
         numel = tensors[self.weights_key].numel()
         while int(meta["round"]) < min(upto, heartbeat_round(self.transport.progress().get(donor), -1)):
@@ -505,6 +506,10 @@ class SyncProtocol:
                     return None
                 meta = {**missed.meta, "donor_step": step_now}
         if int(meta["round"]) > first:
+            if heartbeat_digest(self.transport.progress().get(donor), int(meta["round"])) not in (None, digest):
+                log.warning("the state of round %d replayed from %s's averages is not the one it publishes; "
+                            "downloading the state instead", int(meta["round"]), donor[-8:])
+                return None
             progress_log.info("caught up from round %d to %d with %s's averages (%.1f MiB; its state: %.1f MiB)",
                               first, int(meta["round"]), donor[-8:], got_bytes / 2**20,
                               sum(t.nbytes for t in tensors.values()) / 2**20)
