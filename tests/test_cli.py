@@ -651,3 +651,20 @@ def test_a_plain_negative_number_is_left_to_argparse_also_in_a_list():
     """(Attached as --skips=-0.5, a list option would have taken it alone and refused the values after it.)"""
     assert _negative_values_attached(["bench", "--skips", "-0.5", "0.3", "--bandwidth", "-5mbit"]) == [
         "bench", "--skips", "-0.5", "0.3", "--bandwidth=-5mbit"]
+
+
+@pytest.mark.parametrize("offset", [-60.0, 45.0], ids=["behind", "ahead"])
+def test_a_peer_whose_clock_is_off_says_so_and_how_far(make_swarm, monkeypatch, offset):
+    """hivemind's DHT refuses to join peers whose clocks differ by over 3 s; its message gave both times as
+    raw timestamps, after "could not start a swarm peer". It says how far off our clock is, which way, and what
+    to do. (The DHT process, forked here, compares its clock, `offset` s off, with the member's.)"""
+    import hivemind.dht.protocol
+
+    from decentral.swarm import SwarmError, SwarmPeer
+
+    member, = make_swarm(1)
+    monkeypatch.setattr(hivemind.dht.protocol, "get_dht_time", lambda: time.time() + offset)
+    way = "behind" if offset < 0 else "ahead of"
+    with pytest.raises(SwarmError, match=rf"this machine's clock is {abs(offset):.0f} s {way} the clock of a peer it "
+                                         r"joins through .*: set the clock right \(NTP"):
+        SwarmPeer(member.peer.run, member.multiaddrs()[:1])

@@ -141,6 +141,12 @@ def startup_error(error: Exception, initial_peers: Sequence[str], host: str, por
                 f"to start ({why}); it makes its socket under the temporary folder "
                 f"{tmp} ({len(tmp)} characters), and a socket's path fails past 107: if that is the cause, set "
                 "TMPDIR to a shorter path, such as /tmp")
+    skew = re.search(r"local time must be within ([\d.]+) seconds.*local: ([\d.]+), peer: ([\d.]+)", text)
+    if skew:  # hivemind's DHT pings the peers it joins through and compares their clocks with ours
+        allowed, ours, theirs = map(float, skew.groups())
+        return (f"this machine's clock is {abs(ours - theirs):.0f} s {'behind' if ours < theirs else 'ahead of'} "
+                f"the clock of a peer it joins through ({', '.join(map(str, initial_peers))}), and hivemind's DHT "
+                f"allows {allowed:g} s: set the clock right (NTP: `timedatectl set-ntp true`), then join again")
     if "already taken" in text:
         return (f"could not start a swarm peer: {text} (is another process using this identity, e.g. the same "
                 "--out? a killed one's daemon lets go of it within seconds)")
