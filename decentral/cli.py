@@ -77,12 +77,16 @@ def swarm_key_path(args) -> str | None:
 
 
 def swarm_key(path: str | None, notice: bool = True):
-    """The SwarmKey at `path`; without one, say once that the swarm is open (unless not `notice`: the caller
-    says it once its swarm is up, so that an error before that is the only line on stderr)."""
-    from decentral.swarm.admission import OPEN_SWARM_NOTICE, SwarmKey
+    """The SwarmKey at `path` (a note when others can read its file); without one, say once that the swarm is
+    open (unless not `notice`: the caller says it once its swarm is up, so that an error before that is the only
+    line on stderr)."""
+    from decentral.swarm.admission import OPEN_SWARM_NOTICE, SwarmKey, key_file_note
 
     if path:
-        return SwarmKey.load(path)
+        key = SwarmKey.load(path)
+        if (note := key_file_note(path)) is not None:
+            print(note, file=sys.stderr, flush=True)
+        return key
     if notice:
         print(OPEN_SWARM_NOTICE, file=sys.stderr, flush=True)
     return None
@@ -309,11 +313,9 @@ def cmd_swarm_keygen(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from decentral.swarm.admission import SwarmKey
     from decentral.swarm.monitor import SwarmMonitor, watch
 
-    key_path = swarm_key_path(args)
-    monitor = SwarmMonitor(args.run, args.join, swarm_key=SwarmKey.load(key_path) if key_path else None)
+    monitor = SwarmMonitor(args.run, args.join, swarm_key=swarm_key(swarm_key_path(args), notice=False))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the watch as Ctrl-C does: cleaned up
     try:
         watch(monitor, interval_s=args.interval, as_json=args.json, once=args.once)

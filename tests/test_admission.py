@@ -110,6 +110,24 @@ def test_swarm_keygen_writes_a_private_key_and_never_overwrites_one(tmp_path, ca
     SwarmKey.load(path)
 
 
+@pytest.mark.parametrize("mode,who", [(0o644, "every user of this machine"), (0o640, "the members of its group"),
+                                      (0o600, None)])
+def test_a_key_file_others_can_read_is_said_to_be(tmp_path, capsys, mode, who):
+    """A key copied with the wrong mode (scp, a shared folder) let other users of a machine join the swarm, and
+    nothing said so. A note says who can read it, and how to keep it yours; the command goes on."""
+    path = tmp_path / "swarm.key"
+    assert main(["swarm", "keygen", str(path)]) == 0
+    path.chmod(mode)
+    capsys.readouterr()
+    nobody = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a port nothing holds
+    assert main(["status", "--swarm-key", str(path), "--join", nobody, "--once"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    notes = [line for line in err if "can read the swarm key" in line]
+    assert notes == ([] if who is None else [f"note: {who} can read the swarm key {path} (mode {mode:o}), and whoever "
+                                              f"reads it can join the swarm; `chmod 600 {path}` keeps it yours"])
+    assert "could not reach any peer" in err[-1]
+
+
 def test_a_malformed_key_file_stops_training_before_it_starts(tmp_path, capsys):
     bad = tmp_path / "bad.key"
     bad.write_text("not a key\n")

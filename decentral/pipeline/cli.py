@@ -190,7 +190,7 @@ def cmd_node(args) -> int:
     from decentral.pipeline.launch import node_network
     from decentral.pipeline.recipe import load_pipeline_recipe
     from decentral.pipeline.serve import NodeOptions, run_node
-    from decentral.swarm.admission import KEY_ENV, OPEN_SWARM_NOTICE, SwarmKey
+    from decentral.swarm.admission import KEY_ENV, OPEN_SWARM_NOTICE, SwarmKey, key_file_note
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # how `pipeline train` stops a node, even one it
     # started in the background (which inherits SIGINT ignored): as on Ctrl-C, its DHT and server close on the way out
@@ -199,6 +199,8 @@ def cmd_node(args) -> int:
     if not key:
         print(OPEN_SWARM_NOTICE + " Without one, the pipeline's gRPC calls are not signed either.", file=sys.stderr,
               flush=True)
+    elif (note := key_file_note(key)) is not None:
+        print(note, file=sys.stderr, flush=True)
     return run_node(NodeOptions(
         name=args.name, recipe=recipe, network=node_network(recipe, args.network), out=Path(args.out),
         stage=args.stage, host=args.host, port=args.port, dht_port=args.dht_port, announce_host=args.announce_host,

@@ -103,6 +103,20 @@ class SwarmKey:
             return None
 
 
+def key_file_note(path: str | Path) -> str | None:
+    """A note when users other than its owner can read the swarm key file at `path` (whoever reads it can join
+    the swarm and read its records), else None (also when there is no such file: `SwarmKey.load` says so)."""
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return None
+    if not mode & 0o044:
+        return None
+    who = "every user of this machine" if mode & 0o004 else "the members of its group"
+    return (f"note: {who} can read the swarm key {path} (mode {mode & 0o777:o}), and whoever reads it can join the "
+            f"swarm; `chmod 600 {path}` keeps it yours")
+
+
 OPEN_SWARM_NOTICE = ("note: this swarm is open: anyone who can reach a member can join it, push parts and read "
                      "its records. `decentral swarm keygen FILE` makes a key; give it to every member with "
                      f"--swarm-key FILE (or ${KEY_ENV}).")
