@@ -164,6 +164,67 @@ def test_a_publisher_that_sends_more_than_the_record_is_refused_before_it_is_rea
             side.peer.shutdown()
 
 
+class StoppingMidFile(ExpertSharing):
+    """A publisher that sends the first half of a file (with its bytes flipped when `lies`) and then stops."""
+
+    lies = False
+
+    async def _serve(self, sender, reader, writer):
+        await read_frame(reader, self.peer.stats)
+        await write_frame(writer, b'{"ok": true, "offset": 0}', self.peer.stats)
+        data = self._published["code"].model_file.read_bytes()[:self._published["code"].size // 2]
+        await write_frame(writer, bytes(b ^ 0xFF for b in data) if self.lies else data, self.peer.stats)
+
+
+class FromTheStart(ExpertSharing):
+    """A publisher from before offsets: it sends every file whole, whatever the request asks."""
+
+    async def _serve(self, sender, reader, writer):
+        await read_frame(reader, self.peer.stats)
+        await write_frame(writer, b'{"ok": true}', self.peer.stats)
+        await write_frame(writer, self._published["code"].model_file.read_bytes(), self.peer.stats)
+        await write_frame(writer, b"", self.peer.stats)
+
+
+@pytest.mark.parametrize("second, lies, sends", [
+    (ExpertSharing, False, "the second half"),
+    (FromTheStart, False, "the whole file"),  # (the fetch starts the file over)
+    (ExpertSharing, True, "the second half, then the whole file"),  # the halves' sha256 fails: whole from it
+], ids=["goes-on", "an-older-publisher", "the-first-half-was-wrong"])
+def test_a_file_a_publisher_stops_sending_midway_comes_from_the_next_from_where_it_stopped(tmp_path, monkeypatch,
+                                                                                          second, lies, sends):
+    """A publisher that stopped mid-file (it left, its link broke) cost the fetch the whole expert: the next
+    publisher was asked for every file from byte 0, over a slow link minutes again. It goes on from the bytes
+    that came, and the expert installed is the record's, byte for byte."""
+    run = f"experts-{os.getpid()}"
+    first = StoppingMidFile(SwarmPeer(run), Registry(tmp_path / "a"))
+    first.lies = lies
+    other = second(SwarmPeer(run, first.peer.multiaddrs()), Registry(tmp_path / "c"))
+    fetcher = ExpertSharing(SwarmPeer(run, first.peer.multiaddrs()), Registry(tmp_path / "b"))
+    try:
+        expert, state = tiny_expert(tmp_path / "a", name="code")
+        shutil.copytree(expert.folder, tmp_path / "c" / "code")
+        first.publish(["code"])
+        other.publish(["code"])
+        wait_until(lambda: len(fetcher.available().get("code", [None])[0].peers) == 2, 20, "both publishers' records")
+        monkeypatch.setattr(sharing_module.random, "sample",
+                            lambda peers, k: sorted(peers, key=lambda p: p != first.peer.peer_id))
+        before = other.peer.stats.bytes_sent
+        got = fetcher.fetch("code")
+        sent = other.peer.stats.bytes_sent - before
+        verify_expert(got)
+        assert got.sha256 == expert.sha256
+        assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
+        half, whole = expert.size - expert.size // 2, expert.size
+        expected = {"the second half": half, "the whole file": whole, "the second half, then the whole file":
+                    half + whole}[sends]
+        assert expected <= sent < expected + 1000, (sent, expected)  # (and a few frames' headers)
+    finally:
+        for side in (first, other, fetcher):
+            side.close()
+            side.peer.shutdown()
+
+
 @pytest.mark.parametrize("request_bytes, answer", [
     (b"[1]", b""),  # dropped with a warning
     (b'{"name": "code", "file": ["model.safetensors"]}', b'{"ok": false}'),  # a file name that is no string

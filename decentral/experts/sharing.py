@@ -87,15 +87,20 @@ class ExpertSharing:
                 log.warning("could not refresh expert records: %s", e)
 
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A request names an expert, one of its files and where in it to start ("offset", default 0: a fetch
+        that another publisher left mid-file goes on from there); the answer says it starts there ({"ok": true,
+        "offset": n}) and sends the rest in chunks, then an empty one."""
         request = await asyncio.wait_for(read_header(reader, self.peer.stats), CHUNK_TIMEOUT_S)
         expert = self._published.get(str(request.get("name")))
-        name = request.get("file")
-        if expert is None or not isinstance(name, str) or name not in expert.files():
+        name, offset = request.get("file"), request.get("offset", 0)
+        if (expert is None or not isinstance(name, str) or name not in expert.files()
+                or type(offset) is not int or not 0 <= offset <= expert.files()[name][1]):
             await write_frame(writer, json.dumps({"ok": False}).encode(), self.peer.stats)
             return
-        await write_frame(writer, json.dumps({"ok": True}).encode(), self.peer.stats)
+        await write_frame(writer, json.dumps({"ok": True, "offset": offset}).encode(), self.peer.stats)
         loop = asyncio.get_running_loop()
         with open(expert.folder / name, "rb") as f:
+            f.seek(offset)
             while chunk := await loop.run_in_executor(None, f.read, CHUNK_BYTES):
                 await write_frame(writer, chunk, self.peer.stats)
         await write_frame(writer, b"", self.peer.stats)
@@ -150,61 +155,117 @@ class ExpertSharing:
     def download(self, published: Published, *, with_optimizer: bool = True,
                  progress: Callable[[int], None] | None = None) -> Expert:
         """Download a version `find` gave into our registry, checked against its record's hashes; returns it.
-        Tries its publishers in random order until one delivers; RegistryError when none does."""
+        Asks its publishers in random order; a file one of them stops sending midway comes from the next one
+        from where it stopped (`_fetch_file`). RegistryError, with each publisher's failure, when none is left."""
         expert, name, files = published.expert, published.expert.name, published.files(with_optimizer)
         if not with_optimizer:
             expert.optimizer = None  # (its expert.json then names none)
-        errors = []
         peers = [p for p in published.peers if OPTIMIZER_FILE not in files or p not in published.without_optimizer]
-        peers = random.sample(peers, len(peers))
-        for tried, peer in enumerate(peers, 1):
-            try:
-                with staging(self.registry.folder(name)) as tmp:
-                    for file, (digest, size) in files.items():
-                        fetched = self._download_file(peer, name, file, tmp / file, digest, size, progress)
-                        self.peer.call(fetched).result()
-                    write_meta(tmp, expert)
-                return self.registry.get(name)
-            except Exception as e:
-                errors.append(f"{peer[-8:]}: {e}")
-                if tried < len(peers):  # (the last one's failure is the RegistryError's to say)
-                    log.warning("fetching %s from %s failed, trying another publisher: %s", name, peer[-8:], e)
-        raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors))
+        peers, errors = random.sample(peers, len(peers)), []
+        with staging(self.registry.folder(name)) as tmp:
+            for file, (digest, size) in files.items():
+                if not self._fetch_file(peers, errors, name, file, tmp / file, digest, size, progress):
+                    raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors))
+            write_meta(tmp, expert)
+        return self.registry.get(name)
 
-    async def _download_file(self, peer: str, name: str, file: str, path: Path, digest: str, size: int,
-                        progress: Callable[[int], None] | None) -> None:
+    def _fetch_file(self, peers: list[str], errors: list[str], name: str, file: str, path: Path, digest: str,
+                    size: int, progress: Callable[[int], None] | None) -> bool:
+        """Write file `file` of expert `name` to `path` from the first of `peers` that delivers it with the
+        record's `size` and `digest`; whether one did. A publisher that fails is removed from `peers` (its
+        failure added to `errors`), and the next goes on from the bytes it sent. A file whose bytes all came and
+        are not the record's starts over: from the next publisher, or from the same one when it went on from
+        another's bytes (those may be the wrong ones)."""
+        with _Part(path) as part:
+            while peers:
+                peer, resumed = peers[0], part.received > 0
+                try:
+                    self.peer.call(self._download_file(peer, name, file, part, size, progress)).result()
+                    failure = None
+                except Exception as e:
+                    failure = e
+                if failure is None:  # the publisher says it sent it all
+                    if part.received == size and part.hexdigest() == digest:
+                        return True
+                    failure = RegistryError(f"{name}/{file}: downloaded {part.received} bytes whose sha256 does not "
+                                            "match the record")
+                    if part.received == size:  # not the record's bytes
+                        part.restart()
+                        if resumed:
+                            log.warning("fetching %s: %s; fetching the whole file from %s", name, failure, peer[-8:])
+                            continue
+                errors.append(f"{peer[-8:]}: {failure}")
+                peers.pop(0)
+                if peers:
+                    log.warning("fetching %s from %s failed (%s); %s", name, peer[-8:], failure,
+                                f"going on at byte {part.received:,} of {file} with another publisher"
+                                if part.received else "trying another publisher")
+        return False
+
+    async def _download_file(self, peer: str, name: str, file: str, part: "_Part", size: int,
+                             progress: Callable[[int], None] | None) -> None:
+        """Append what `peer` serves of `file` from `part.received` on to `part`, up to the recorded `size`. A
+        publisher that answers from byte 0 (one from before offsets) starts the file over."""
         reader, writer = await self.peer.open_stream_or_again(peer, "expert")
-        received = 0
         try:
-            await write_frame(writer, json.dumps({"name": name, "file": file}).encode(), self.peer.stats)
+            request = {"name": name, "file": file, "offset": part.received}
+            await write_frame(writer, json.dumps(request).encode(), self.peer.stats)
             answer = await asyncio.wait_for(read_header(reader, self.peer.stats), CHUNK_TIMEOUT_S)
             if not answer.get("ok"):
                 raise RegistryError(f"the publisher no longer serves {name}/{file}")
-            hasher = hashlib.sha256()
-            with open(path, "wb") as f:  # a piece longer than ours are, or past the recorded size, is refused unread
-                while chunk := await asyncio.wait_for(
-                        read_frame(reader, self.peer.stats, min(CHUNK_BYTES, size - received)), CHUNK_TIMEOUT_S):
-                    received += len(chunk)
-                    hasher.update(chunk)
-                    f.write(chunk)
-                    if progress:
-                        progress(len(chunk))
+            if answer.get("offset", 0) != part.received:
+                if answer.get("offset", 0) != 0:
+                    raise WireError(f"it answered from byte {answer.get('offset')!r}, asked for {part.received}")
+                part.restart()
+            # a piece longer than ours are, or past the recorded size, is refused unread
+            while chunk := await asyncio.wait_for(
+                    read_frame(reader, self.peer.stats, min(CHUNK_BYTES, size - part.received)), CHUNK_TIMEOUT_S):
+                part.append(chunk)
+                if progress:
+                    progress(len(chunk))
         except (asyncio.IncompleteReadError, ConnectionError):
-            raise RegistryError(f"{name}/{file}: the publisher closed the connection after {received} of {size} bytes "
-                                "(it stopped, or its copy is gone)") from None
+            raise RegistryError(f"{name}/{file}: the publisher closed the connection after {part.received} of {size} "
+                                "bytes (it stopped, or its copy is gone)") from None
         except WireError as e:
-            raise RegistryError(f"{name}/{file}: the publisher's answer after {received} of {size} bytes is not one "
-                                f"of ours: {e}") from None
+            raise RegistryError(f"{name}/{file}: the publisher's answer after {part.received} of {size} bytes is not "
+                                f"one of ours: {e}") from None
         except TimeoutError:  # (asyncio.wait_for's: no message of its own)
-            raise RegistryError(f"{name}/{file}: the publisher sent nothing for {CHUNK_TIMEOUT_S:g} s after {received} "
-                                f"of {size} bytes") from None
+            raise RegistryError(f"{name}/{file}: the publisher sent nothing for {CHUNK_TIMEOUT_S:g} s after "
+                                f"{part.received} of {size} bytes") from None
         finally:
             writer.close()
-        if received != size or hasher.hexdigest() != digest:
-            raise RegistryError(f"{name}/{file}: downloaded {received} bytes whose sha256 does not match the record")
 
     def close(self) -> None:
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join(timeout=5)
 
+
+
+class _Part:
+    """A file being downloaded: its bytes so far, written to `path` and hashed as they arrive."""
+
+    def __init__(self, path: Path):
+        self.path, self.received = path, 0
+        self._hasher = hashlib.sha256()
+
+    def __enter__(self) -> "_Part":
+        self._file = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def append(self, chunk: bytes) -> None:
+        self._file.write(chunk)
+        self._hasher.update(chunk)
+        self.received += len(chunk)
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+    def restart(self) -> None:
+        """Drop what arrived: the file starts over."""
+        self._file.seek(0)
+        self._file.truncate()
+        self._hasher, self.received = hashlib.sha256(), 0
