@@ -176,11 +176,11 @@ class ExpertSharing:
         failure added to `errors`), and the next goes on from the bytes it sent. A file whose bytes all came and
         are not the record's starts over: from the next publisher, or from the same one when it went on from
         another's bytes (those may be the wrong ones)."""
-        with _Part(path) as part:
+        with _Part(path, progress) as part:
             while peers:
                 peer, resumed = peers[0], part.received > 0
                 try:
-                    self.peer.call(self._download_file(peer, name, file, part, size, progress)).result()
+                    self.peer.call(self._download_file(peer, name, file, part, size)).result()
                     failure = None
                 except Exception as e:
                     failure = e
@@ -202,8 +202,7 @@ class ExpertSharing:
                                 if part.received else "trying another publisher")
         return False
 
-    async def _download_file(self, peer: str, name: str, file: str, part: "_Part", size: int,
-                             progress: Callable[[int], None] | None) -> None:
+    async def _download_file(self, peer: str, name: str, file: str, part: "_Part", size: int) -> None:
         """Append what `peer` serves of `file` from `part.received` on to `part`, up to the recorded `size`. A
         publisher that answers from byte 0 (one from before offsets) starts the file over."""
         reader, writer = await self.peer.open_stream_or_again(peer, "expert")
@@ -221,8 +220,6 @@ class ExpertSharing:
             while chunk := await asyncio.wait_for(
                     read_frame(reader, self.peer.stats, min(CHUNK_BYTES, size - part.received)), CHUNK_TIMEOUT_S):
                 part.append(chunk)
-                if progress:
-                    progress(len(chunk))
         except (asyncio.IncompleteReadError, ConnectionError):
             raise RegistryError(f"{name}/{file}: the publisher closed the connection after {part.received} of {size} "
                                 "bytes (it stopped, or its copy is gone)") from None
@@ -243,10 +240,11 @@ class ExpertSharing:
 
 
 class _Part:
-    """A file being downloaded: its bytes so far, written to `path` and hashed as they arrive."""
+    """A file being downloaded: its bytes so far, written to `path` and hashed as they arrive, and counted by
+    `progress` (bytes that are dropped, counted back)."""
 
-    def __init__(self, path: Path):
-        self.path, self.received = path, 0
+    def __init__(self, path: Path, progress: Callable[[int], None] | None = None):
+        self.path, self.received, self._progress = path, 0, progress
         self._hasher = hashlib.sha256()
 
     def __enter__(self) -> "_Part":
@@ -260,6 +258,8 @@ class _Part:
         self._file.write(chunk)
         self._hasher.update(chunk)
         self.received += len(chunk)
+        if self._progress:
+            self._progress(len(chunk))
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
@@ -268,4 +268,6 @@ class _Part:
         """Drop what arrived: the file starts over."""
         self._file.seek(0)
         self._file.truncate()
+        if self._progress and self.received:
+            self._progress(-self.received)
         self._hasher, self.received = hashlib.sha256(), 0
