@@ -39,10 +39,11 @@ needs_netns = pytest.mark.skipif(not NETNS, reason="needs root and a working `ip
 
 
 def pytest_collection_modifyitems(config, items):
-    """The `solo` tests first (in their order; the others keep theirs): pytest-xdist hands the first tests out
-    in turn, so the two workers take the solo tests one after the other and neither waits, between them, for a
-    long test of the other worker to end (up to half a minute each, with the solo tests spread through the run)."""
-    items.sort(key=lambda item: item.get_closest_marker("solo") is None)
+    """The `solo` tests last (in their order; the others keep theirs): pytest-xdist hands them out once every
+    other test is handed out, so they run one after the other and neither worker waits, between them, for a
+    long test of the other one to end (up to half a minute each, with the solo tests spread through the run);
+    last, not first, so that no worker's session fixtures (the prefork server's imports) start beside one."""
+    items.sort(key=lambda item: item.get_closest_marker("solo") is not None)
 
 
 @pytest.fixture(autouse=True)
