@@ -1,6 +1,7 @@
 """The state exchange on real peers: a newcomer downloads a state in shares from the peers that hold it."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -211,6 +212,7 @@ def test_the_state_most_donors_publish_is_downloaded_not_a_lone_members_other_on
         member.state.offer({"protocol": "diloco", "round": 3}, held)
     heard = {m.peer_id: {"round": 3, "digests": {"3": state_digest(held)}}
              for m, held in ((a, state), (b, state), (lone, other))}
-    monkeypatch.setattr("decentral.swarm.state.random.shuffle", lambda peers: peers.sort(key=lambda p: p != lone.peer_id))
+    lone_first = SimpleNamespace(shuffle=lambda peers: peers.sort(key=lambda p: p != lone.peer_id))
+    monkeypatch.setattr("decentral.swarm.state.random", lone_first)  # (that module's only use of random)
     donor, (meta, tensors) = newcomer.state.fetch(heard, timeout=15)
     assert donor in (a.peer_id, b.peer_id) and torch.equal(tensors["slow"], state["slow"])
