@@ -4,6 +4,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -158,7 +160,7 @@ def test_a_publisher_that_sends_more_than_the_record_is_refused_before_it_is_rea
         with pytest.raises(RegistryError, match=r"code/model.safetensors: the publisher's answer after \d+ of \d+ "
                                                 r"bytes is not one of ours: frame length \d+ exceeds the \d+-byte"):
             fetcher.fetch("code")
-        assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+        assert Registry(tmp_path / "b").names() == []  # nothing installed (the file's bytes are kept for the next)
     finally:
         for side in (publisher, fetcher):
             side.close()
@@ -172,6 +174,9 @@ class StoppingMidFile(ExpertSharing):
 
     async def _serve(self, sender, reader, writer):
         await read_frame(reader, self.peer.stats)
+        if "code" not in self._published:
+            await write_frame(writer, b'{"ok": false}', self.peer.stats)
+            return
         await write_frame(writer, b'{"ok": true, "offset": 0}', self.peer.stats)
         data = self._published["code"].model_file.read_bytes()[:self._published["code"].size // 2]
         await write_frame(writer, bytes(b ^ 0xFF for b in data) if self.lies else data, self.peer.stats)
@@ -221,6 +226,51 @@ def test_a_file_a_publisher_stops_sending_midway_comes_from_the_next_from_where_
         expected = {"the second half": half, "the whole file": whole, "the second half, then the whole file":
                     half + whole}[sends]
         assert expected <= sent < expected + 1000, (sent, expected)  # (and a few frames' headers)
+    finally:
+        for side in (first, other, fetcher):
+            side.close()
+            side.peer.shutdown()
+
+
+def test_a_fetch_that_failed_midway_goes_on_from_the_bytes_it_kept_when_run_again(tmp_path):
+    """A fetch whose only publisher stopped mid-file (it restarted, its link broke) failed and dropped what had
+    come: the next fetch began at byte 0 again. What came is kept beside the registry (the message says where),
+    the next fetch of that version goes on from there, and one that another process runs meanwhile is refused."""
+    run = f"experts-{os.getpid()}"
+    first = StoppingMidFile(SwarmPeer(run), Registry(tmp_path / "a"))
+    fetcher = ExpertSharing(SwarmPeer(run, first.peer.multiaddrs()), Registry(tmp_path / "b"))
+    other = ExpertSharing(SwarmPeer(run, first.peer.multiaddrs()), Registry(tmp_path / "c"))
+    try:
+        expert, state = tiny_expert(tmp_path / "a", name="code")
+        first.publish(["code"])
+        half = expert.size // 2
+        with pytest.raises(RegistryError, match=rf"\({half:,} bytes of it are kept in .*/\.code\.partial-\w+: fetch it "
+                                                r"again to go on from there\)"):
+            fetcher.fetch("code")
+        assert Registry(tmp_path / "b").names() == []
+        [partial] = (tmp_path / "b").glob(".code.partial-*")
+        holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); "
+                                   "fcntl.lockf(f, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+                                   str(partial / ".lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            with pytest.raises(RegistryError, match="another process is fetching this version of expert 'code'"):
+                fetcher.fetch("code")
+        finally:
+            holder.kill()
+            holder.wait()
+        shutil.copytree(expert.folder, tmp_path / "c" / "code")
+        other.publish(["code"])
+        first._published.clear()  # it serves nothing from now on
+        wait_until(lambda: len(fetcher.available().get("code", [None])[0].peers) == 2, 20, "both publishers' records")
+        before, counted = other.peer.stats.bytes_sent, []
+        got = fetcher.fetch("code", progress=counted.append)
+        sent = other.peer.stats.bytes_sent - before
+        assert expert.size - half <= sent < expert.size - half + 1000, sent  # the second half (and frames' headers)
+        assert sum(counted) == expert.size  # the kept half counted as the fetch starts
+        verify_expert(got)
+        assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
+        assert not list((tmp_path / "b").glob(".code.partial-*"))  # gone once the expert is in
     finally:
         for side in (first, other, fetcher):
             side.close()

@@ -11,12 +11,16 @@ the expert in its registry only when every file has the size and sha256 of the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import random
+import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,27 +160,39 @@ class ExpertSharing:
                  progress: Callable[[int], None] | None = None) -> Expert:
         """Download a version `find` gave into our registry, checked against its record's hashes; returns it.
         Asks its publishers in random order; a file one of them stops sending midway comes from the next one
-        from where it stopped (`_fetch_file`). RegistryError, with each publisher's failure, when none is left."""
+        from where it stopped (`_fetch_file`). RegistryError, with each publisher's failure, when none is left;
+        what arrived is kept for the next download of this version (`_partial_download`)."""
         expert, name, files = published.expert, published.expert.name, published.files(with_optimizer)
         if not with_optimizer:
             expert.optimizer = None  # (its expert.json then names none)
         peers = [p for p in published.peers if OPTIMIZER_FILE not in files or p not in published.without_optimizer]
         peers, errors = random.sample(peers, len(peers)), []
-        with staging(self.registry.folder(name)) as tmp:
+        with _partial_download(self.registry, name, files) as partial:
             for file, (digest, size) in files.items():
-                if not self._fetch_file(peers, errors, name, file, tmp / file, digest, size, progress):
-                    raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors))
-            write_meta(tmp, expert)
+                if not self._fetch_file(peers, errors, name, file, partial / file, digest, size, progress):
+                    kept = sum(path.stat().st_size for path in partial.iterdir() if path.name in files)
+                    if not kept:
+                        shutil.rmtree(partial, ignore_errors=True)
+                    raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors) + (
+                        f" ({kept:,} bytes of it are kept in {partial}: fetch it again to go on from there)"
+                        if kept else ""))
+            with staging(self.registry.folder(name)) as tmp:
+                for file in files:
+                    os.replace(partial / file, tmp / file)
+                write_meta(tmp, expert)
+            shutil.rmtree(partial, ignore_errors=True)  # (while we hold its lock)
         return self.registry.get(name)
 
     def _fetch_file(self, peers: list[str], errors: list[str], name: str, file: str, path: Path, digest: str,
                     size: int, progress: Callable[[int], None] | None) -> bool:
         """Write file `file` of expert `name` to `path` from the first of `peers` that delivers it with the
-        record's `size` and `digest`; whether one did. A publisher that fails is removed from `peers` (its
-        failure added to `errors`), and the next goes on from the bytes it sent. A file whose bytes all came and
-        are not the record's starts over: from the next publisher, or from the same one when it went on from
-        another's bytes (those may be the wrong ones)."""
+        record's `size` and `digest`, after the bytes an earlier download left there; whether one did. A
+        publisher that fails is removed from `peers` (its failure added to `errors`), and the next goes on from
+        the bytes it sent. A file whose bytes all came and are not the record's starts over: from the next
+        publisher, or from the same one when it went on from another's bytes (those may be the wrong ones)."""
         with _Part(path, progress) as part:
+            if part.received > size:  # (not what an earlier download of this version left)
+                part.restart()
             while peers:
                 peer, resumed = peers[0], part.received > 0
                 try:
@@ -238,6 +254,44 @@ class ExpertSharing:
             self._refresher.join(timeout=5)
 
 
+@contextlib.contextmanager
+def _partial_download(registry: Registry, name: str, files: dict[str, tuple[str, int]]) -> Iterator[Path]:
+    """The folder a download of `files` of expert `name` writes into, beside the registry's experts
+    (`.NAME.partial-KEY`, KEY naming the files' hashes): kept when the download fails or is interrupted, so that
+    the next one goes on from the bytes it holds; other versions' partial folders of that name are removed.
+    RegistryError while another process downloads into it."""
+    key = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
+    expert_folder = registry.folder(name)  # (a name fit for a folder)
+    folder = expert_folder.parent / f".{expert_folder.name}.partial-{key}"
+    for other in registry.root.glob(f".{expert_folder.name}.partial-*") if registry.root.is_dir() else []:
+        if other != folder:
+            with _locked(other) as held:
+                if held:
+                    shutil.rmtree(other, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder) as held:
+        if not held:
+            raise RegistryError(f"another process is fetching this version of expert {name!r} into {registry.root}")
+        yield folder
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[bool]:
+    """Whether we hold the lock of partial download `folder` (its .lock) for the block: False while another
+    process does. A POSIX record lock, released when its holder ends, however it ends."""
+    try:
+        lock = open(folder / ".lock", "a")
+    except OSError:  # (a folder another process removed meanwhile)
+        yield False
+        return
+    with lock:
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+
 
 class _Part:
     """A file being downloaded: its bytes so far, written to `path` and hashed as they arrive, and counted by
@@ -248,7 +302,14 @@ class _Part:
         self._hasher = hashlib.sha256()
 
     def __enter__(self) -> "_Part":
-        self._file = open(self.path, "wb")
+        """Opened, after the bytes an earlier download left there (counted, and hashed again)."""
+        self._file = open(self.path, "ab+")
+        self._file.seek(0)
+        while chunk := self._file.read(CHUNK_BYTES):
+            self._hasher.update(chunk)
+            self.received += len(chunk)
+        if self._progress and self.received:
+            self._progress(self.received)
         return self
 
     def __exit__(self, *exc) -> None:
