@@ -2,10 +2,12 @@
 
 A publisher stores `experts` → `{name}/{peer id}` → the expert's `expert.json` record in the swarm's
 DHT (refreshed while it serves; gone within `RECORD_TTL_S` after it stops) and answers `expert`
-streams: a request names an expert and a file, the answer is the file in chunks. A fetcher reads the
-records, picks a publisher, downloads each file into a staging folder while hashing it, and installs
-the expert in its registry only when every file has the size and sha256 of the record; anything else
-(a publisher that died mid-transfer, bytes that do not match) leaves the registry as it was.
+streams: a request names an expert, a file and where in it to start, the answer is the rest of the file in
+chunks. A fetcher reads the records, picks a publisher, downloads each file into a partial folder while
+hashing it (going on with the next publisher from where one stopped), and installs the expert in its
+registry only when every file has the size and sha256 of the record; anything else (publishers that died
+mid-transfer, bytes that do not match) leaves the registry as it was, and the bytes that came in the partial
+folder for the next fetch.
 """
 
 from __future__ import annotations
