@@ -475,19 +475,26 @@ def test_a_newcomer_whose_state_arrives_rounds_late_replays_the_rounds_since_ins
         assert transports[2].bytes_received - before < state_bytes  # two rounds' averages, no download
 
 
-def test_a_replayed_round_that_differs_from_its_digest_means_a_download(make_loopback):
-    """Rounds replayed from the donor's kept averages give the members' state bit for bit; an average that
-    does not lead to the state the donor published (a bug, or a lie) costs the newcomer a download, not a
-    split replica."""
+def a_newcomer_two_rounds_behind(make_loopback):
+    """(members, newcomer, donor, meta, tensors): two DiLoCo members at round 3 on loopback, and a newcomer that
+    holds the state of round 1 it downloaded from `donor` (meta, tensors), which kept rounds 1 and 2 for it."""
     transports = make_loopback(3)
     protocols = make_protocols(transports[:2], DiLoCo, every=10)
     gen = torch.Generator().manual_seed(4)
     random_round(protocols, gen)
-    newcomer = transports[2]
-    donor, (meta, tensors) = newcomer.fetch_state()
-    two_random_rounds(protocols, gen)  # the donor keeps rounds 1 and 2 for the newcomer
+    donor, (meta, tensors) = transports[2].fetch_state()
+    two_random_rounds(protocols, gen)
     model = tiny_model(9)
-    late = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), newcomer, every=10)
+    late = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transports[2], every=10)
+    return protocols, late, donor, meta, tensors
+
+
+def test_a_replayed_round_that_differs_from_its_digest_means_a_download(make_loopback):
+    """Rounds replayed from the donor's kept averages give the members' state bit for bit; an average that
+    does not lead to the state the donor published (a bug, or a lie) costs the newcomer a download, not a
+    split replica."""
+    protocols, late, donor, meta, tensors = a_newcomer_two_rounds_behind(make_loopback)
+    newcomer = late.transport
     replayed = late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()})
     assert replayed is not None and replayed[0]["round"] == 3
     assert all(torch.equal(replayed[1][k], v) for k, v in protocols[0].snapshot().items())
@@ -499,15 +506,8 @@ def test_rounds_replayed_to_another_state_than_the_donor_publishes_mean_a_downlo
     """The rounds a donor kept name the digest of each one's result: a donor that lies consistently there (an
     average, and the digest of the state it leads to) led a newcomer to its state. The last round's result must
     also be the state the donor's heartbeat publishes for that round (what the members hold)."""
-    transports = make_loopback(3)
-    protocols = make_protocols(transports[:2], DiLoCo, every=10)
-    gen = torch.Generator().manual_seed(4)
-    random_round(protocols, gen)
-    newcomer = transports[2]
-    donor, (meta, tensors) = newcomer.fetch_state()
-    two_random_rounds(protocols, gen)
-    model = tiny_model(9)
-    late = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), newcomer, every=10)
+    _, late, donor, meta, tensors = a_newcomer_two_rounds_behind(make_loopback)
+    newcomer = late.transport
     lied = late._replayed(donor, dict(meta), {k: v.clone() for k, v in tensors.items()}, upto=2)[1]
     other = torch.zeros(lied["slow"].numel())  # round 2's average, as the donor lists it
     late._apply_average(lied, other)
