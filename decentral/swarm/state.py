@@ -431,7 +431,7 @@ class StateExchange:
             digest = published[donor]
             if digest is not None and digest != have_digest:  # a download: the others at its round keep what follows
                 self.keep_rounds_for([p for p in order if p != donor], digest)  # (those that hold it: see `want`)
-                holders = [p for p in order if p != donor and heartbeat_digest(candidates[p], top) == digest]
+                holders = [p for p in order if p != donor and published[p] == digest]
                 pending = [p for p, r in rounds.items() if r == top - 1] if progress is not None else []
                 if (holders or pending) and have is not None and not meta_if_past:
                     def holds(p: str) -> bool:
