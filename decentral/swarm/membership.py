@@ -23,6 +23,9 @@ stopped blocks the DHT process until it resumes. Every DHT request that reaches 
 out the DHT's RPC timeout (decentral.swarm.peer.DHT_RPC_TIMEOUT_S), which is why heartbeats live at
 least a few of those (decentral.swarm.transport.HEARTBEAT_STALL_S).
 
+With each beat a peer also reads a few other peers' clocks against its own (decentral.swarm.clocks): records
+expire by the clock of the node that keeps them, and hivemind compares clocks only as a peer joins.
+
 A peer restarted under the same id (its key file) stays listed for the rounds its killed process had
 announced: every peer keeps deriving the same list, and the averaging itself leaves it out at once
 (the new process answers "not in this round"; decentral.swarm.averaging).
@@ -35,9 +38,11 @@ import threading
 import time
 
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.config import HEARTBEAT_S
+from decentral.swarm.clocks import ClockCheck
 from decentral.swarm.peer import SwarmPeer
 from decentral.transport import with_digest
 
@@ -59,6 +64,8 @@ class Membership:
         self._news = threading.Event()  # a digest or announcement to publish before the next regular beat
         self._announcing: set[int] = set()  # rounds to announce with the next beat
         self._view: tuple[float, dict[str, dict]] | None = None  # (when looked up, what `alive` found then)
+        self.clocks = ClockCheck()  # the other peers' clocks against ours, read with every beat
+        self._clock_reading: MPFuture | None = None  # the reading under way (SwarmPeer.read_clocks)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._beat()
@@ -111,11 +118,22 @@ class Membership:
                 for round in rounds:
                     self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
                 self.alive()  # a fresh view for `alive(max_age_s)`, looked up off the training thread
+                self._read_clocks()
                 self.peer.keep_in_touch()
             except Exception as e:  # a missed beat is not fatal; the next one may go through
                 with self._lock:
                     self._announcing.update(rounds)
                 log.warning("heartbeat failed: %s", e)
+
+    def _read_clocks(self) -> None:
+        """Hold the last clock reading, if it is done, against ours (decentral.swarm.clocks), and start the next:
+        the heartbeat never waits on a reading (one waits out the RPC timeout of a peer that does not answer)."""
+        reading = self._clock_reading
+        if reading is not None and not reading.done():
+            return
+        if reading is not None and not reading.cancelled() and reading.exception() is None:
+            self.clocks.check(reading.result())
+        self._clock_reading = self.peer.read_clocks()
 
     def alive(self, max_age_s: float = 0.0) -> dict[str, dict]:
         """Peers with a live heartbeat that have not left (this peer included): {peer_id: {"step", "round",

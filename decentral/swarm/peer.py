@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import multiprocessing
 import os
+import random
 import re
 import shutil
 import signal
@@ -29,6 +30,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
@@ -172,6 +174,7 @@ class NotServing(Exception):
 
 
 ADMIT_TIMEOUT_S = 10.0  # an incoming stream must present its swarm-key token within this time
+CLOCK_PEERS = 4  # how many neighbours a clock reading pings (decentral.swarm.clocks)
 DHT_CHECK_S = 1.0  # how often a waiting DHT call looks whether the DHT process is still alive
 DHT_RPC_TIMEOUT_S = 3.0  # a DHT request to a node that does not answer is given up after this (hivemind's
 # default, named here): a frozen peer's DHT node stops answering too (see Membership), so others' calls wait it out
@@ -445,6 +448,12 @@ class SwarmPeer:
         self._pinging = self._dht_send(lambda: self.dht.run_coroutine(partial(_ping_absent, self._entries),
                                                                       return_future=True))
 
+    def read_clocks(self, peers: int = CLOCK_PEERS) -> MPFuture:
+        """Start reading the clocks of up to `peers` of our DHT node's neighbours, picked at random; returns once
+        the reading is sent. Its result: {peer id: (least, most) seconds its clock is ahead of ours}, for those
+        that answered within the DHT's RPC timeout (decentral.swarm.clocks)."""
+        return self._dht_send(lambda: self.dht.run_coroutine(partial(_read_clocks, peers), return_future=True))
+
     def lookup(self, key: str) -> dict[str, Any]:
         """All unexpired entries under `run/key`, as {subkey: value}."""
         found = self._dht_call(lambda: self.dht.get(f"{self.run}/{key}", latest=True, return_future=True))
@@ -569,6 +578,24 @@ async def _ping_absent(maddrs: list[str], dht: DHT, node) -> None:
         with contextlib.suppress(Exception):  # unreachable now: the next call tries again
             await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(maddr)]), DHT_RPC_TIMEOUT_S)
         await node.protocol.call_ping(peer_id)
+
+
+async def _read_clocks(peers: int, dht: DHT, node) -> dict[str, tuple[float, float]]:
+    """(In the DHT process) ping up to `peers` random neighbours of `node`: hivemind's answer to a ping carries
+    the clock of the peer that answers, read between our request and its answer."""
+    neighbours = list(node.protocol.routing_table.peer_id_to_uid)
+    request = dht_pb2.PingRequest(peer=node.protocol.node_info)
+
+    async def read(peer_id: PeerID) -> tuple[str, tuple[float, float]] | None:
+        sent = get_dht_time()
+        with contextlib.suppress(Exception):  # gone, or slow: read another time
+            answer = await node.protocol.get_stub(peer_id).rpc_ping(request, timeout=DHT_RPC_TIMEOUT_S)
+            if answer.dht_time:  # 0: a peer that does not say
+                return str(peer_id), (answer.dht_time - get_dht_time(), answer.dht_time - sent)
+        return None
+
+    found = await asyncio.gather(*map(read, random.sample(neighbours, min(peers, len(neighbours)))))
+    return dict(filter(None, found))
 
 
 async def _cancel_pending() -> None:

@@ -1,0 +1,64 @@
+"""Whether our clock agrees with the other peers' clocks, read again and again while we run.
+
+hivemind's DHT keeps a record until its expiry by the clock of the node that stores it, and refuses one whose
+expiry that clock has passed; it compares clocks only as a peer joins (3 s apart at most). A clock that jumps
+or drifts later went unnoticed. Measured with two `decentral train` members, one machine's clock set back 200 s
+after it joined: its heartbeats expired on arrival, the other member counted it gone, and it took the other's
+state at every round, its own steps wasted, without a word; set 200 s ahead instead, it was the other member
+that was left out of every round, with nothing said either.
+
+A reading pings a few of our DHT node's neighbours (decentral.swarm.peer.SwarmPeer.read_clocks): each answer
+carries the clock of the peer that made it, read between our request and its answer. If our clock showed
+`sent` and `answered` then, the peer's clock is ahead of ours by between `its - answered` and `its - sent`
+seconds; a bound beyond the tolerance, either side, proves the two clocks apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+TOLERANCE_S = 3.0  # what hivemind's DHT allows a peer that joins (MAX_DHT_TIME_DISCREPANCY_SECONDS)
+REPEAT_S = 600.0  # a difference that lasts is reported again this often
+
+
+class ClockCheck:
+    """The peers whose clocks are proven further than `tolerance_s` from ours, reading after reading; a
+    warning names them when one is new, and again every `REPEAT_S` while any is."""
+
+    def __init__(self, tolerance_s: float = TOLERANCE_S):
+        self.tolerance_s = tolerance_s
+        self._warned: tuple[float, set[str]] | None = None  # (when, whom) the last warning named
+
+    def check(self, readings: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """`readings`: {peer: (least, most) seconds its clock is ahead of ours}, one per peer that answered a
+        reading. Returns {peer: the bound that proves its clock further than the tolerance from ours: positive
+        when ahead, negative when behind}, and warns about them (see the class)."""
+        apart = {}
+        for peer, (least, most) in readings.items():
+            if least > self.tolerance_s:
+                apart[peer] = least
+            elif most < -self.tolerance_s:
+                apart[peer] = most
+        self._report(apart, len(readings))
+        return apart
+
+    def _report(self, apart: dict[str, float], read: int) -> None:
+        if not apart:
+            if self._warned is not None and read:
+                log.info("the clocks of the peers we read agree with ours again (within %g s)", self.tolerance_s)
+                self._warned = None
+            return
+        if self._warned is not None and set(apart) <= self._warned[1] and time.monotonic() - self._warned[0] < REPEAT_S:
+            return
+        self._warned = (time.monotonic(), set(apart))
+        listed = ", ".join(f"{p[-8:]}'s clock is at least {abs(d):.0f} s {'ahead of' if d > 0 else 'behind'} ours"
+                           for p, d in sorted(apart.items(), key=lambda item: -abs(item[1])))
+        ours = (": most clocks are apart from ours, so this machine's is likely the wrong one"
+                if read > 1 and len(apart) > read / 2 and len({d > 0 for d in apart.values()}) == 1 else "")
+        log.warning("clocks apart: %s (%d of the %d peers whose clocks we read%s). The swarm's records "
+                    "expire by the clock of the node that keeps them, and hivemind allows %g s: members whose "
+                    "clocks are further apart drop out of each other's rounds. Set the wrong clock right (NTP: "
+                    "`timedatectl set-ntp true`)", listed, len(apart), read, ours, self.tolerance_s)
