@@ -1,12 +1,17 @@
 """Experts published on one real swarm peer and fetched by another, hash-checked."""
 
+import asyncio
+import contextlib
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -332,3 +337,106 @@ def test_published_experts_stay_in_view_while_a_dht_member_is_frozen(tmp_path, m
             side.close()
             side.peer.shutdown()
         frozen.shutdown()
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Frames of 1 KiB and pieces of at most 4 KiB (both sides: one module), so a tiny expert comes in pieces."""
+    monkeypatch.setattr(sharing_module, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(sharing_module, "MIN_PIECE_BYTES", 256)
+    monkeypatch.setattr(sharing_module, "MAX_PIECE_BYTES", 4096)
+
+
+@contextlib.contextmanager
+def publishers_of_code(tmp_path, *kinds):
+    """(expert, state, [one publisher of a copy of expert "code" per kind], fetcher), each on a real peer."""
+    run = f"experts-{os.getpid()}-{time.monotonic_ns()}"
+    expert, state = tiny_expert(tmp_path / "original", name="code")
+    sides = []
+    try:
+        for i, kind in enumerate(kinds):
+            joined = sides[0].peer.multiaddrs() if sides else ()
+            sides.append(kind(SwarmPeer(run, joined), Registry(tmp_path / f"p{i}")))
+            shutil.copytree(expert.folder, tmp_path / f"p{i}" / "code")
+            sides[-1].publish(["code"])
+        fetcher = ExpertSharing(SwarmPeer(run, sides[0].peer.multiaddrs()), Registry(tmp_path / "b"))
+        sides.append(fetcher)
+        wait_until(lambda: len(fetcher.available().get("code", [None])[0].peers) == len(kinds), 20,
+                   "every publisher's record")
+        yield expert, state, sides[:-1], fetcher
+    finally:
+        for side in sides:
+            side.close()
+            side.peer.shutdown()
+
+
+def check_installed(got, expert, state) -> None:
+    verify_expert(got)
+    assert got.sha256 == expert.sha256
+    assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
+
+
+def test_a_file_comes_in_pieces_from_every_publisher_at_once(tmp_path, small_pieces):
+    """A file came from one publisher at a time: with three publishing it, one uplink carried all of it while the
+    other two idled. Each of the three now sends pieces of it, and they add up to the file, byte for byte."""
+    with publishers_of_code(tmp_path, ExpertSharing, ExpertSharing, ExpertSharing) as (expert, state, publishers,
+                                                                                        fetcher):
+        before, counted = [p.peer.stats.bytes_sent for p in publishers], []
+        got = fetcher.fetch("code", progress=counted.append)
+        sent = [p.peer.stats.bytes_sent - b for p, b in zip(publishers, before)]
+        check_installed(got, expert, state)
+        assert sum(counted) == expert.size
+        assert all(s > 0 for s in sent), sent
+        assert expert.size <= sum(sent) < expert.size + 3 * 4096 + 2000, (sent, expert.size)  # (one piece each twice)
+
+
+class Frozen(ExpertSharing):
+    """A publisher that, asked for anything, answers that it sends it and then sends nothing until `thaw` is set."""
+
+    thaw: threading.Event
+
+    async def _serve(self, sender, reader, writer):
+        request = json.loads(await read_frame(reader, self.peer.stats))
+        await write_frame(writer, json.dumps({"ok": True, "offset": request["offset"]}).encode(), self.peer.stats)
+        await asyncio.get_running_loop().run_in_executor(None, self.thaw.wait)
+
+
+def test_a_publisher_that_stops_sending_mid_piece_holds_nobody_up(tmp_path, small_pieces, monkeypatch):
+    """The piece a frozen publisher holds is asked of the other one too, once it has nothing else to fetch: the
+    fetch ends without waiting for the frozen one (whose silence is given up on only after CHUNK_TIMEOUT_S)."""
+    monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 600.0)
+    Frozen.thaw = threading.Event()
+    with publishers_of_code(tmp_path, Frozen, ExpertSharing) as (expert, state, publishers, fetcher):
+        frozen = publishers[0].peer.peer_id
+        frozen_first = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: p != frozen))
+        monkeypatch.setattr(sharing_module, "random", frozen_first)  # (that module's only use of random)
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                got = pool.submit(fetcher.fetch, "code").result(timeout=60)
+            finally:
+                Frozen.thaw.set()
+        check_installed(got, expert, state)
+
+
+class Flipping(ExpertSharing):
+    """A publisher that serves what it is asked for, every byte flipped."""
+
+    async def _serve(self, sender, reader, writer):
+        request = json.loads(await read_frame(reader, self.peer.stats))
+        data = (self._published["code"].folder / request["file"]).read_bytes()
+        await write_frame(writer, json.dumps({"ok": True, "offset": request["offset"]}).encode(), self.peer.stats)
+        for start in range(request["offset"], request.get("end", len(data)), 1024):
+            piece = data[start:min(start + 1024, request.get("end", len(data)))]
+            await write_frame(writer, bytes(b ^ 0xFF for b in piece), self.peer.stats)
+        await write_frame(writer, b"", self.peer.stats)
+
+
+def test_pieces_that_add_up_to_another_file_are_dropped_and_the_file_comes_whole_from_one_at_a_time(
+        tmp_path, small_pieces, caplog):
+    """Whose pieces were wrong, the file's sha256 cannot say: it is fetched again whole from one publisher after
+    another, and the one whose bytes are the record's is installed."""
+    with publishers_of_code(tmp_path, Flipping, ExpertSharing) as (expert, state, publishers, fetcher):
+        with caplog.at_level(logging.WARNING, logger="decentral.experts.sharing"):
+            got = fetcher.fetch("code")
+        check_installed(got, expert, state)
+        assert "model.safetensors from several publishers does not match the record" in caplog.text

@@ -13,6 +13,7 @@ folder for the next fetch.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 RECORD_TTL_S = 30.0
 CHUNK_BYTES = 1 << 20
 CHUNK_TIMEOUT_S = 30.0  # a publisher that sends nothing for this long is given up on
+PARALLEL_PUBLISHERS = 8  # the most publishers a file comes from at once
+PIECES_EACH = 4  # a file comes in this many pieces per publisher (uplinks that differ share it out by speed)...
+MIN_PIECE_BYTES = CHUNK_BYTES // 4  # ... of this size at least (each piece is a stream and a request of its own)
+MAX_PIECE_BYTES = 4 * CHUNK_BYTES  # ... and at most (a piece waits in memory until the pieces before it came)
+PIECES_AHEAD = 2  # per publisher: how far past the first missing piece a piece is asked for
 
 
 @dataclass
@@ -93,21 +99,25 @@ class ExpertSharing:
                 log.warning("could not refresh expert records: %s", e)
 
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A request names an expert, one of its files and where in it to start ("offset", default 0: a fetch
-        that another publisher left mid-file goes on from there); the answer says it starts there ({"ok": true,
-        "offset": n}) and sends the rest in chunks, then an empty one."""
+        """A request names an expert, one of its files and the bytes of it to send: from "offset" (default 0: a
+        fetch that another publisher left mid-file goes on from there) up to "end" (default: the file's end; a
+        piece of a fetch from several publishers at once). The answer says so ({"ok": true, "offset": n,
+        "end": m}) and sends those bytes in chunks, then an empty one."""
         request = await asyncio.wait_for(read_header(reader, self.peer.stats), CHUNK_TIMEOUT_S)
         expert = self._published.get(str(request.get("name")))
         name, offset = request.get("file"), request.get("offset", 0)
-        if (expert is None or not isinstance(name, str) or name not in expert.files()
-                or type(offset) is not int or not 0 <= offset <= expert.files()[name][1]):
+        files = expert.files() if expert is not None else {}
+        size = files[name][1] if isinstance(name, str) and name in files else -1
+        end = request.get("end", size)
+        if type(offset) is not int or type(end) is not int or not 0 <= offset <= end <= size:
             await write_frame(writer, json.dumps({"ok": False}).encode(), self.peer.stats)
             return
-        await write_frame(writer, json.dumps({"ok": True, "offset": offset}).encode(), self.peer.stats)
+        await write_frame(writer, json.dumps({"ok": True, "offset": offset, "end": end}).encode(), self.peer.stats)
         loop = asyncio.get_running_loop()
         with open(expert.folder / name, "rb") as f:
             f.seek(offset)
-            while chunk := await loop.run_in_executor(None, f.read, CHUNK_BYTES):
+            while offset < end and (chunk := await loop.run_in_executor(None, f.read, min(CHUNK_BYTES, end - offset))):
+                offset += len(chunk)
                 await write_frame(writer, chunk, self.peer.stats)
         await write_frame(writer, b"", self.peer.stats)
 
@@ -187,14 +197,23 @@ class ExpertSharing:
 
     def _fetch_file(self, peers: list[str], errors: list[str], name: str, file: str, path: Path, digest: str,
                     size: int, progress: Callable[[int], None] | None) -> bool:
-        """Write file `file` of expert `name` to `path` from the first of `peers` that delivers it with the
-        record's `size` and `digest`, after the bytes an earlier download left there; whether one did. A
-        publisher that fails is removed from `peers` (its failure added to `errors`), and the next goes on from
-        the bytes it sent. A file whose bytes all came and are not the record's starts over: from the next
-        publisher, or from the same one when it went on from another's bytes (those may be the wrong ones)."""
+        """Write file `file` of expert `name` to `path` with the record's `size` and `digest`, after the bytes an
+        earlier download left there; whether that worked. With several `peers` the rest comes in pieces from all
+        of them at once (`_download_pieces`); what that leaves comes from the first of `peers` that delivers it. A
+        publisher that fails then is removed from `peers` (its failure added to `errors`), and the next goes on
+        from the bytes it sent. A file whose bytes all came and are not the record's starts over: from the next
+        publisher, or from the same one when it went on from others' bytes (those may be the wrong ones)."""
         with _Part(path, progress) as part:
             if part.received > size:  # (not what an earlier download of this version left)
                 part.restart()
+            if len(peers) > 1 and size - part.received > CHUNK_BYTES:
+                self.peer.call(self._download_pieces(peers, name, file, part, size)).result()
+                if part.received == size and part.hexdigest() == digest:
+                    return True
+                if part.received == size:  # someone's pieces are not the record's bytes: whose, nothing says
+                    log.warning("fetching %s: %s from several publishers does not match the record; fetching it "
+                                "whole from one at a time", name, file)
+                    part.restart()
             while peers:
                 peer, resumed = peers[0], part.received > 0
                 try:
@@ -220,40 +239,136 @@ class ExpertSharing:
                                 if part.received else "trying another publisher")
         return False
 
+    async def _download_pieces(self, peers: list[str], name: str, file: str, part: "_Part", size: int) -> None:
+        """Fetch `file` from `part.received` to `size` in pieces from up to `PARALLEL_PUBLISHERS` of `peers` at
+        once, each asking for the next piece when its last one came (a faster uplink carries more of them), and
+        append them to `part` in order. A piece is taken only within `PIECES_AHEAD` pieces per publisher of the
+        first one missing, which bounds what waits in memory; a publisher with nothing left to take asks for the
+        first missing piece too, and whichever copy comes first is kept (a slow publisher holds nobody up). A
+        publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
+        publisher failed (the bytes appended stay)."""
+        publishers = peers[:PARALLEL_PUBLISHERS]
+        even = -(-(size - part.received) // (PIECES_EACH * len(publishers)))  # (rounded up)
+        piece = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, even))
+        waiting = list(range(part.received, size, piece))  # pieces nobody has asked for, by their first byte
+        asked: dict[int, int] = {}  # first byte -> how many publishers fetch that piece now
+        came: dict[int, bytes] = {}  # pieces that came ahead of the first one missing
+        news = asyncio.Event()
+
+        def next_piece() -> int | None:
+            if waiting and waiting[0] < part.received + PIECES_AHEAD * len(publishers) * piece:
+                return waiting.pop(0)
+            lagging = [start for start, count in asked.items() if count == 1 and start not in came]
+            return min(lagging) if lagging and min(lagging) == part.received else None
+
+        async def fetch_from(peer: str) -> None:
+            while part.received < size:
+                start = next_piece()
+                if start is None:
+                    news.clear()
+                    await news.wait()
+                    continue
+                asked[start] = asked.get(start, 0) + 1
+                try:
+                    data = await self._download_piece(peer, name, file, start, min(start + piece, size))
+                except Exception as e:
+                    log.warning("fetching %s: %s stops sending pieces (%s)", name, peer[-8:], e)
+                    return
+                else:
+                    if start >= part.received:
+                        came[start] = data
+                    while part.received in came:
+                        part.append(came.pop(part.received))
+                    if part.received == size:  # (a copy of a piece still coming is not waited for)
+                        for task in tasks:
+                            if task is not asyncio.current_task():
+                                task.cancel()
+                finally:
+                    asked[start] -= 1
+                    if not asked[start]:
+                        del asked[start]
+                        if start >= part.received and start not in came and start not in waiting:
+                            bisect.insort(waiting, start)  # (its publisher failed: another takes it)
+                    news.set()
+
+        tasks = [asyncio.ensure_future(fetch_from(peer)) for peer in publishers]
+        try:
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, Exception):  # not its publisher's failure (our disk's): said as it is
+                    raise result
+        finally:  # (when we are cancelled)
+            for task in tasks:
+                task.cancel()
+
+    async def _download_piece(self, peer: str, name: str, file: str, start: int, end: int) -> bytes:
+        """Bytes `start` to `end` of `file`, from `peer`."""
+        data = bytearray()
+        with _publisher_errors(name, file, lambda: f"{len(data)} of the {end - start} bytes from byte {start:,}"):
+            reader, writer = await self._ask(peer, {"name": name, "file": file, "offset": start, "end": end})
+            try:
+                while len(data) < end - start:
+                    chunk = await asyncio.wait_for(
+                        read_frame(reader, self.peer.stats, min(CHUNK_BYTES, end - start - len(data))), CHUNK_TIMEOUT_S)
+                    if not chunk:
+                        raise ConnectionError("an early end")
+                    data += chunk
+            finally:
+                writer.close()
+        return bytes(data)
+
     async def _download_file(self, peer: str, name: str, file: str, part: "_Part", size: int) -> None:
         """Append what `peer` serves of `file` from `part.received` on to `part`, up to the recorded `size`. A
         publisher that answers from byte 0 (one from before offsets) starts the file over."""
+        with _publisher_errors(name, file, lambda: f"{part.received} of {size} bytes"):
+            reader, writer = await self._ask(peer, {"name": name, "file": file, "offset": part.received},
+                                             from_the_start=part.restart)
+            try:  # a piece longer than ours are, or past the recorded size, is refused unread
+                while chunk := await asyncio.wait_for(
+                        read_frame(reader, self.peer.stats, min(CHUNK_BYTES, size - part.received)), CHUNK_TIMEOUT_S):
+                    part.append(chunk)
+            finally:
+                writer.close()
+
+    async def _ask(self, peer: str, request: dict, from_the_start: Callable[[], None] | None = None
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to `peer` on which it answered `request` with the bytes asked for to come. An answer from
+        byte 0 to a request from elsewhere (a publisher from before offsets) calls `from_the_start`, else is
+        refused."""
         reader, writer = await self.peer.open_stream_or_again(peer, "expert")
         try:
-            request = {"name": name, "file": file, "offset": part.received}
             await write_frame(writer, json.dumps(request).encode(), self.peer.stats)
             answer = await asyncio.wait_for(read_header(reader, self.peer.stats), CHUNK_TIMEOUT_S)
             if not answer.get("ok"):
-                raise RegistryError(f"the publisher no longer serves {name}/{file}")
-            if answer.get("offset", 0) != part.received:
-                if answer.get("offset", 0) != 0:
-                    raise WireError(f"it answered from byte {answer.get('offset')!r}, asked for {part.received}")
-                part.restart()
-            # a piece longer than ours are, or past the recorded size, is refused unread
-            while chunk := await asyncio.wait_for(
-                    read_frame(reader, self.peer.stats, min(CHUNK_BYTES, size - part.received)), CHUNK_TIMEOUT_S):
-                part.append(chunk)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            raise RegistryError(f"{name}/{file}: the publisher closed the connection after {part.received} of {size} "
-                                "bytes (it stopped, or its copy is gone)") from None
-        except WireError as e:
-            raise RegistryError(f"{name}/{file}: the publisher's answer after {part.received} of {size} bytes is not "
-                                f"one of ours: {e}") from None
-        except TimeoutError:  # (asyncio.wait_for's: no message of its own)
-            raise RegistryError(f"{name}/{file}: the publisher sent nothing for {CHUNK_TIMEOUT_S:g} s after "
-                                f"{part.received} of {size} bytes") from None
-        finally:
+                raise RegistryError(f"the publisher no longer serves {request['name']}/{request['file']}")
+            if answer.get("offset", 0) != request["offset"]:
+                if answer.get("offset", 0) != 0 or from_the_start is None:
+                    raise WireError(f"it answered from byte {answer.get('offset')!r}, asked for {request['offset']}")
+                from_the_start()
+        except BaseException:
             writer.close()
+            raise
+        return reader, writer
 
     def close(self) -> None:
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _publisher_errors(name: str, file: str, got: Callable[[], str]) -> Iterator[None]:
+    """A publisher's failure to send bytes of `file` of expert `name` as a RegistryError that says how far it got
+    (`got()`: "N of M bytes")."""
+    try:
+        yield
+    except (asyncio.IncompleteReadError, ConnectionError):
+        raise RegistryError(f"{name}/{file}: the publisher closed the connection after {got()} (it stopped, or its "
+                            "copy is gone)") from None
+    except WireError as e:
+        raise RegistryError(f"{name}/{file}: the publisher's answer after {got()} is not one of ours: {e}") from None
+    except TimeoutError:  # (asyncio.wait_for's: no message of its own)
+        raise RegistryError(f"{name}/{file}: the publisher sent nothing for {CHUNK_TIMEOUT_S:g} s after {got()}"
+                            ) from None
 
 
 @contextlib.contextmanager
