@@ -548,7 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pipeline_parser(sub)
 
-    from decentral import bench, btmbench, dhtbench, islandbench, netlab, overheadbench, soakbench, sweepbench, syncbench
+    from decentral import (
+        bench, btmbench, dhtbench, fetchbench, islandbench, netlab, overheadbench, soakbench, sweepbench, syncbench,
+    )
 
     bench_parser = sub.add_parser("bench", help="methods side by side on emulated hosts behind capped links; "
                                   "`bench btm`: branch-train-merge vs dense; `bench merge`: merge memory and speed; "
@@ -578,7 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("overhead", overheadbench, "the library's per-inner-step cost against a plain torch loop (no network)",
              "--protocols diloco,noloco --steps 300 --out runs/overhead"),
             ("dht", dhtbench, "bytes on the wire of the swarm's own DHT records: per call, and idle per heartbeat period",
-             "--peers 4 --heartbeats 2,6,10 --out runs/bench-dht")):
+             "--peers 4 --heartbeats 2,6,10 --out runs/bench-dht"),
+            ("fetch", fetchbench, "an expert fetched from 1, 2, ... publishers at once, each behind a capped uplink",
+             "--publishers 4 --bandwidth 8mbit --size-mib 8 --out runs/bench-fetch")):
         module.add_arguments(suites.add_parser(name, help=help, description=module.__doc__,
                                                **example(f"decentral bench {name} {command}")))
 

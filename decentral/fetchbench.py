@@ -1,0 +1,195 @@
+"""`decentral bench fetch`: an expert fetched from 1, 2, ... `--publishers` publishers, each behind an uplink
+of `--bandwidth`.
+
+Each publisher is a `decentral experts publish` process of its own on loopback, its streams paced to the rate
+(decentral.swarm.wire.LinkShaper in loopback mode; the DHT's own traffic is not paced); the fetcher, in this
+process, is not capped. One publisher starts, the expert is fetched `--repeats` times (each into an empty registry,
+hash checked) and timed; then the next publisher joins and the fetches are timed again, and so on. One publisher is
+also how every fetch went before files came in pieces from all publishers at once (decentral.experts.sharing):
+from one publisher at a time, however many published. Writes OUT/results.json and OUT/fetch.png and prints the
+table: seconds per fetch (median of the repeats), MiB/s, the speed-up over one publisher, and the time the
+publishers' uplinks need for the expert's bytes (their sum of rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from decentral.metrics import format_table, results_folder
+
+NAME = "bench"
+D_MODEL = 256
+
+
+def make_expert(registry: Path, size_mib: float):
+    """An expert `NAME` in `registry`: a reference GPT of width D_MODEL, with as many layers as come closest to
+    `size_mib` MiB of weights (one at least)."""
+    import torch
+
+    from decentral.experts.registry import Expert, model_bytes, write_expert
+    from decentral.models.gpt import GPT, GPTConfig
+
+    def weights(layers: int) -> dict:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=layers, n_head=4, d_model=D_MODEL)).state_dict()
+
+    one, two = (len(model_bytes(weights(layers))) for layers in (1, 2))
+    config = GPTConfig(n_layer=max(1, round(1 + (size_mib * 2**20 - one) / (two - one))), n_head=4, d_model=D_MODEL)
+    state = weights(config.n_layer)
+    meta = Expert(name=NAME, sha256="", size=0, model=dataclasses.asdict(config), domain="bench")
+    return write_expert(registry / NAME, lambda path: path.write_bytes(model_bytes(state)), meta)
+
+
+def start_publisher(registry: Path, run: str, join: str | None, rate_bps: int | None,
+                    log: Path) -> tuple[subprocess.Popen, str]:
+    """`decentral experts publish NAME` from `registry` behind an uplink of `rate_bps` (None: uncapped); returns
+    the process and the multiaddr it prints for fetchers."""
+    env = {**os.environ, "DECENTRAL_NETLAB_MODE": "loopback"}
+    env.pop("DECENTRAL_LINK_RATE_BPS", None)
+    if rate_bps is not None:
+        env["DECENTRAL_LINK_RATE_BPS"] = str(rate_bps)
+    argv = [sys.executable, "-m", "decentral", "experts", "publish", NAME, "--registry", str(registry), "--run", run]
+    with open(log, "w") as err:
+        process = subprocess.Popen(argv + (["--join", join] if join else []), stdout=subprocess.PIPE, stderr=err,
+                                   text=True, env=env)
+    for line in process.stdout:  # "  decentral experts fetch NAME --join MADDR --run RUN"
+        if "--join " in line:
+            return process, line.split("--join ")[1].split()[0]
+    process.wait()
+    raise RuntimeError(f"a publisher ended before it published (exit {process.returncode}): see {log}")
+
+
+def publishers_seen(sharing) -> int:
+    versions = sharing.available().get(NAME, [])
+    return len(versions[0].peers) if versions else 0
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def measure(args: argparse.Namespace, out: Path, rate_bps: int | None) -> tuple[dict, list[dict]]:
+    """Start the publishers one by one and time the fetches after each: ({"bytes"}, one row per count)."""
+    from decentral.experts.registry import Registry
+    from decentral.experts.sharing import ExpertSharing
+    from decentral.swarm import SwarmPeer
+
+    expert = make_expert(out / "source", args.size_mib)
+    run, publishers, rows = f"fetchbench-{uuid.uuid4().hex[:6]}", [], []
+    sharing = None
+    try:
+        for count in range(1, args.publishers + 1):
+            registry = out / f"publisher-{count}"
+            shutil.copytree(expert.folder, registry / NAME)
+            publisher, maddr = start_publisher(registry, run, rows[0]["join"] if rows else None, rate_bps,
+                                               out / f"publisher-{count}.log")
+            publishers.append(publisher)
+            if sharing is None:
+                sharing = ExpertSharing(SwarmPeer(run, [maddr]), Registry(out / "fetched"))
+            deadline = time.monotonic() + 60
+            while publishers_seen(sharing) < count:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the {count} publishers' records were not all seen within 60 s")
+                time.sleep(0.2)  # their records on their first trip through the DHT
+            seconds = []
+            for repeat in range(args.repeats):
+                print(f"bench fetch: {expert.size / 2**20:.1f} MiB from {count} publisher(s), fetch {repeat + 1} of "
+                      f"{args.repeats} ...", flush=True)
+                published = sharing.find(NAME)
+                start = time.monotonic()
+                sharing.download(published)
+                seconds.append(time.monotonic() - start)
+                shutil.rmtree(sharing.registry.folder(NAME))
+            rows.append({"publishers": count, "seconds": seconds, "median_s": statistics.median(seconds),
+                         "join": rows[0]["join"] if rows else maddr})
+    finally:
+        if sharing is not None:
+            sharing.close()
+            sharing.peer.shutdown()
+        stop(publishers)
+    for row in rows:
+        row.pop("join")
+        row["mib_per_s"] = expert.size / 2**20 / row["median_s"]
+        row["speedup"] = rows[0]["median_s"] / row["median_s"]
+        row["link_bound_s"] = expert.size * 8 / (row["publishers"] * rate_bps) if rate_bps else None
+    return {"bytes": expert.size}, rows
+
+
+def plot_results(results: dict, out_png: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.subplots()
+    rows = results["rows"]
+    counts = [r["publishers"] for r in rows]
+    ax.plot(counts, [r["median_s"] for r in rows], marker="o", label="measured (median)")
+    if rows[0]["link_bound_s"] is not None:
+        ax.plot(counts, [r["link_bound_s"] for r in rows], linestyle="--", label="the uplinks' time for its bytes")
+    ax.set(xlabel="publishers", ylabel="seconds per fetch", xticks=counts,
+           title=f"{results['bytes'] / 2**20:.1f} MiB expert, {results['config']['bandwidth'] or 'uncapped'} "
+                 "uplink each")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    return out_png
+
+
+def format_results(results: dict) -> str:
+    rows = [("publishers", "s per fetch", "MiB/s", "speed-up", "uplinks' time (s)")]
+    rows += [(str(r["publishers"]), f"{r['median_s']:.2f}", f"{r['mib_per_s']:.2f}", f"{r['speedup']:.2f}x",
+              "-" if r["link_bound_s"] is None else f"{r['link_bound_s']:.2f}") for r in results["rows"]]
+    return format_table(rows)
+
+
+def run_fetchbench(args: argparse.Namespace) -> int:
+    from decentral.netlab import parse_rate
+
+    out = Path(args.out)
+    with results_folder(out, "bench fetch"):
+        rate_bps = parse_rate(args.bandwidth) if args.bandwidth else None
+        size, rows = measure(args, out, rate_bps)
+        results = {"config": {"publishers": args.publishers, "bandwidth": args.bandwidth, "size_mib": args.size_mib,
+                              "repeats": args.repeats, "mode": "loopback", "date": dt.date.today().isoformat(),
+                              "machine": f"{platform.node()} {platform.machine()}"},
+                   **size, "rows": rows}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot_results(results, out / "fetch.png")
+        print(format_results(results))
+        print(f"bench fetch: results in {out / 'results.json'}, plot {out / 'fetch.png'}")
+        return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from decentral.cli import number_type, positive_int
+    from decentral.netlab import BANDWIDTH_HELP, bandwidth_argument
+
+    parser.add_argument("--publishers", type=positive_int, default=4,
+                        help="publishers at most; the fetch is timed with 1, 2, ... of them (default: %(default)s)")
+    parser.add_argument("--bandwidth", type=bandwidth_argument, default="8mbit", help=BANDWIDTH_HELP)
+    parser.add_argument("--size-mib", type=number_type(float, 0, strict=True), default=8.0,
+                        help="the expert's size, to within one layer of 3 MiB (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="fetches timed per number of publishers (default: %(default)s)")
+    parser.add_argument("--out", default="runs/bench-fetch", help="(default: %(default)s)")
+    parser.set_defaults(func=run_fetchbench)

@@ -1,0 +1,33 @@
+"""`decentral bench fetch` with real publisher processes: each count of publishers timed, the expert hash checked."""
+
+import json
+
+import pytest
+
+
+def test_fetch_bench_times_a_fetch_from_each_count_of_publishers(tmp_path, prefork):
+    out = tmp_path / "fetch"
+    done = prefork.run(["bench", "fetch", "--publishers", "2", "--size-mib", "0.5", "--bandwidth", "none",
+                        "--repeats", "2", "--out", str(out)], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert [row["publishers"] for row in results["rows"]] == [1, 2]
+    assert all(len(row["seconds"]) == 2 and row["median_s"] > 0 and row["link_bound_s"] is None
+               for row in results["rows"]), results
+    assert results["rows"][0]["speedup"] == 1.0 and results["bytes"] > 2**20  # one layer, the least it makes
+    assert (out / "fetch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "s per fetch" in done.stdout
+    assert not (out / "fetched" / "bench").exists(), "each fetched copy is removed once timed"
+
+
+def test_fetch_bench_refuses_each_bad_argument_by_name(tmp_path, capsys):
+    from decentral.cli import main
+
+    for args, said in ((["--publishers", "0"], "--publishers: must be at least 1"),
+                       (["--bandwidth", "fast"], "--bandwidth: not a link rate: 'fast'"),
+                       (["--size-mib", "0"], "--size-mib: must be above 0"),
+                       (["--repeats", "0"], "--repeats: must be at least 1")):
+        with pytest.raises(SystemExit) as exit:
+            main(["bench", "fetch", *args, "--out", str(tmp_path / "fetch")])
+        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+    assert not (tmp_path / "fetch").exists()
