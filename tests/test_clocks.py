@@ -1,5 +1,7 @@
 """Clocks that drift apart after peers joined: read with every heartbeat, and said (decentral.swarm.clocks)."""
 
+import contextlib
+import io
 import logging
 import multiprocessing
 import re
@@ -13,6 +15,7 @@ from decentral.swarm import clocks as clocks_module
 from decentral.swarm import peer as peer_module
 from decentral.swarm.clocks import ClockCheck
 from decentral.swarm.membership import Membership
+from decentral.swarm.monitor import SwarmMonitor, watch
 
 A, B, C = "QmPeerAaaaaaaaa", "QmPeerBbbbbbbbb", "QmPeerCccccccccc"
 
@@ -52,12 +55,14 @@ def test_a_difference_that_lasts_is_said_again_only_for_a_new_peer_or_after_a_wh
     assert "most clocks are apart from ours, so this machine's is likely the wrong one" in warnings(caplog)[1]
 
 
-def test_a_peer_whose_clock_jumps_after_it_joined_is_told_and_so_is_the_peer_beside_it(caplog, monkeypatch):
-    """hivemind compares clocks only as a peer joins: b's clock jumping 100 s ahead later (its DHT process's,
-    where pings are answered and read) went unnoticed, while each side's records expired early or late at the
-    other. Both now say so, each naming the other and which way its clock is off."""
+@contextlib.contextmanager
+def b_jumping(monkeypatch, watcher=None):
+    """(a, b, jump): two peers of a new run with heartbeats every 0.5 s, b's clock (its DHT process's, where pings
+    are answered and read) ahead of a's by `jump.value` seconds, 0 until the test sets it. `watcher(a)`, if
+    given, makes what watches the swarm with a's clock before b exists (its DHT process forked unpatched)."""
     run = f"test-{time.monotonic_ns()}"
     a = SwarmPeer(run)
+    watching = watcher(a) if watcher else None
     jump = multiprocessing.Value("d", 0.0)  # shared with b's DHT process, forked below with the patched clock
 
     def b_clock() -> float:
@@ -68,24 +73,51 @@ def test_a_peer_whose_clock_jumps_after_it_joined_is_told_and_so_is_the_peer_bes
     b = SwarmPeer(run, a.multiaddrs())
     beats = [Membership(a, heartbeat_s=0.5), Membership(b, heartbeat_s=0.5)]
     try:
-        with caplog.at_level(logging.WARNING, logger="decentral.swarm.clocks"):
-            wait_until(lambda: b.peer_id in beats[0].alive() and a.peer_id in beats[1].alive(), 30,
-                       "each peer seeing the other's heartbeat")
-            assert warnings(caplog) == [], "clocks that agree"
-            jump.value = 100.0
-
-            def told(whom: str, way: str) -> float | None:
-                for message in warnings(caplog):
-                    found = re.search(rf"{whom[-8:]}'s clock is at least (\d+) s {way} ours", message)
-                    if found:
-                        return float(found.group(1))
-                return None
-
-            wait_until(lambda: told(b.peer_id, "ahead of") and told(a.peer_id, "behind"), 30,
-                       "both peers told that their clocks are apart")
-        assert 95 <= told(b.peer_id, "ahead of") <= 100 and 95 <= told(a.peer_id, "behind") <= 100
+        wait_until(lambda: b.peer_id in beats[0].alive() and a.peer_id in beats[1].alive(), 30,
+                   "each peer seeing the other's heartbeat")
+        yield a, b, jump, watching
     finally:
         for membership in beats:
             membership.close()
+        if watching is not None:
+            watching.close()
         b.shutdown()
         a.shutdown()
+
+
+def test_a_peer_whose_clock_jumps_after_it_joined_is_told_and_so_is_the_peer_beside_it(caplog, monkeypatch):
+    """hivemind compares clocks only as a peer joins: b's clock jumping 100 s ahead later went unnoticed, while
+    each side's records expired early or late at the other. Both now say so, each naming the other and which
+    way its clock is off."""
+    with caplog.at_level(logging.WARNING, logger="decentral.swarm.clocks"), b_jumping(monkeypatch) as (a, b, jump, _):
+        assert warnings(caplog) == [], "clocks that agree"
+        jump.value = 100.0
+
+        def told(whom: str, way: str) -> float | None:
+            for message in warnings(caplog):
+                found = re.search(rf"{whom[-8:]}'s clock is at least (\d+) s {way} ours", message)
+                if found:
+                    return float(found.group(1))
+            return None
+
+        wait_until(lambda: told(b.peer_id, "ahead of") and told(a.peer_id, "behind"), 30,
+                   "both peers told that their clocks are apart")
+    assert 95 <= told(b.peer_id, "ahead of") <= 100 and 95 <= told(a.peer_id, "behind") <= 100
+
+
+def test_the_status_table_shows_each_peers_clock_against_the_monitors(monkeypatch):
+    with b_jumping(monkeypatch, lambda a: SwarmMonitor(a.run, a.multiaddrs())) as (a, b, jump, monitor):
+        jump.value = 100.0
+
+        def clocks() -> dict:
+            return {row["id"]: row["clock_s"] for row in monitor.rows()}
+
+        wait_until(lambda: clocks().get(a.peer_id) == 0.0 and (clocks().get(b.peer_id) or 0) > 95, 30,
+                   "b's clock read 100 s ahead, a's within the tolerance")
+        assert clocks()[b.peer_id] <= 100
+        table = io.StringIO()
+        watch(monitor, interval_s=1.0, as_json=False, once=True, out=table)
+        header, *rows = table.getvalue().splitlines()[1:]
+        assert header.split()[-2:] == ["CLOCK", "ADDRESS"]
+        shown = {row.split()[0]: row.split()[-2] for row in rows}  # (other cells hold spaces: "0s ago", "0 B")
+        assert shown[a.peer_id[-8:]] == "ok" and re.fullmatch(r"\+(9[5-9]|100)s", shown[b.peer_id[-8:]]), shown

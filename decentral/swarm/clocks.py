@@ -24,6 +24,15 @@ TOLERANCE_S = 3.0  # what hivemind's DHT allows a peer that joins (MAX_DHT_TIME_
 REPEAT_S = 600.0  # a difference that lasts is reported again this often
 
 
+def apart(least: float, most: float, tolerance_s: float = TOLERANCE_S) -> float:
+    """How far a peer's clock is proven from ours by a reading that puts it `least` to `most` seconds ahead: the
+    bound beyond the tolerance (positive: ahead, negative: behind), else 0.0 (within it, or a reading too slow
+    to tell)."""
+    if least > tolerance_s:
+        return least
+    return most if most < -tolerance_s else 0.0
+
+
 class ClockCheck:
     """The peers whose clocks are proven further than `tolerance_s` from ours, reading after reading; a
     warning names them when one is new, and again every `REPEAT_S` while any is."""
@@ -36,14 +45,10 @@ class ClockCheck:
         """`readings`: {peer: (least, most) seconds its clock is ahead of ours}, one per peer that answered a
         reading. Returns {peer: the bound that proves its clock further than the tolerance from ours: positive
         when ahead, negative when behind}, and warns about them (see the class)."""
-        apart = {}
-        for peer, (least, most) in readings.items():
-            if least > self.tolerance_s:
-                apart[peer] = least
-            elif most < -self.tolerance_s:
-                apart[peer] = most
-        self._report(apart, len(readings))
-        return apart
+        proven = {peer: apart(least, most, self.tolerance_s) for peer, (least, most) in readings.items()}
+        proven = {peer: seconds for peer, seconds in proven.items() if seconds}
+        self._report(proven, len(readings))
+        return proven
 
     def _report(self, apart: dict[str, float], read: int) -> None:
         if not apart:

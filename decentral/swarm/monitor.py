@@ -12,13 +12,15 @@ heartbeat, no round announcement), so no member counts it, waits for it or avera
 the `peers` records (and the `entry` marks of `swarm start` entries) with its own validator, which hands
 it every record as stored; it then checks each one as a member would (signed by the peer it names,
 sealed under the swarm key) and keeps those that pass. Records that do not open at all tell it that the
-swarm has another key (or none) than the one it holds. (A
+swarm has another key (or none) than the one it holds. It also pings the nodes it knows, as members do
+with each heartbeat: each answer carries its peer's clock, shown against ours (decentral.swarm.clocks). (A
 DHT node that serves forged records in place of a peer's can hide that peer from the monitor; members'
 nodes store no such record, and nobody can fake a peer's row.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -27,6 +29,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
@@ -36,8 +39,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
+from decentral.swarm.clocks import apart
 from decentral.swarm.membership import ENTRY_KEY
-from decentral.swarm.peer import SwarmError, _DHTProcess, check_multiaddrs, dht_result, startup_error
+from decentral.swarm.peer import (
+    DHT_RPC_TIMEOUT_S, SwarmError, _DHTProcess, _read_clocks, check_multiaddrs, dht_result, startup_error,
+)
 
 WINDOW_S = 3.0  # the shortest window a card's loss and tokens per second are measured over
 BYTES_WINDOW_S = 60.0  # the window a card's bytes per second are measured over (shorter in the first minute)
@@ -46,6 +52,7 @@ MAX_ADDRS = 4
 ADDR_CHARS = 256
 GONE_KEPT_S = 600.0  # how long a live monitor keeps listing a peer whose heartbeat expired
 REJOIN_S = 5.0  # how often a monitor that no node of the swarm answers joins again through its initial peers
+CLOCKS_READ = 32  # how many nodes one reading of the peers' clocks pings (a random sample of those we know)
 
 
 class StatusCard:
@@ -116,6 +123,8 @@ class SwarmMonitor:
         self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
         self._joined_at = time.monotonic()  # when our latest join began
         self._joining: Future[_DHTProcess] | None = None  # a join under way in the background
+        self._clocks: dict[str, float] = {}  # peer id -> its clock against ours, as last read (clocks.apart)
+        self._clock_reading = None  # the reading under way (an MPFuture of peer._read_clocks)
         self.dht = self._join()
 
     def _join(self) -> _DHTProcess:
@@ -169,11 +178,28 @@ class SwarmMonitor:
                                      "give it with --swarm-key FILE")
             raise AdmissionError(f"the records of run {self.run!r} do not open with swarm key "
                                  f"{self.swarm_key.fingerprint}: the swarm has another key, or none")
+        self._read_clocks()
         self._seen = {p: seen for p, seen in self._seen.items() if p not in current and now - seen[1] < GONE_KEPT_S}
-        rows = [_row(p, info, "left" if info.get("left") else "gone", now) for p, (info, _) in self._seen.items()]
-        rows += [_row(p, info, "left" if info.get("left") else "alive", now) for p, info in current.items()]
+        rows = [_row(p, info, "left" if info.get("left") else "gone", now, self._clocks.get(p))
+                for p, (info, _) in self._seen.items()]
+        rows += [_row(p, info, "left" if info.get("left") else "alive", now, self._clocks.get(p))
+                 for p, info in current.items()]
         self._seen.update((p, (info, now)) for p, info in current.items())
         return sorted(rows, key=lambda r: (r["name"] or "", r["id"]))
+
+    def _read_clocks(self) -> None:
+        """The peers' clocks against ours (decentral.swarm.clocks), for the CLOCK column: a reading under way is
+        taken once it is done (the first is waited for, so that a table shown once has it), and the next begins."""
+        reading = self._clock_reading
+        if reading is None:
+            reading = self.dht.run_coroutine(partial(_read_clocks, CLOCKS_READ), return_future=True)
+            with contextlib.suppress(Exception):  # (a DHT process that ended: the rows say so)
+                reading.result(timeout=DHT_RPC_TIMEOUT_S + 2)
+        if not reading.done():
+            return
+        if not reading.cancelled() and reading.exception() is None:
+            self._clocks.update((peer, apart(*bounds)) for peer, bounds in reading.result().items())
+        self._clock_reading = self.dht.run_coroutine(partial(_read_clocks, CLOCKS_READ), return_future=True)
 
     def reachable(self) -> bool:
         """Whether our DHT node knows a node that still answers: a request that a node does not answer takes
@@ -225,8 +251,9 @@ def _number(value) -> float | None:
     return value if ok else None
 
 
-def _row(peer: str, info: dict, state: str, now: float) -> dict:
-    """A peer's heartbeat as a row: fields of the wrong type (or missing) are None."""
+def _row(peer: str, info: dict, state: str, now: float, clock_s: float | None) -> dict:
+    """A peer's heartbeat as a row: fields of the wrong type (or missing) are None; `clock_s`: its clock against
+    ours (clocks.apart), None when not read."""
     name, addrs, at = info.get("name"), info.get("addrs"), _number(info.get("at"))
     step, round = _number(info.get("step")), _number(info.get("round"))
     return {
@@ -234,11 +261,12 @@ def _row(peer: str, info: dict, state: str, now: float) -> dict:
         "addrs": [a[:ADDR_CHARS] for a in addrs[:MAX_ADDRS] if isinstance(a, str)] if isinstance(addrs, list) else [],
         "step": None if step is None else int(step), "round": None if round is None else int(round),
         **{k: _number(info.get(k)) for k in ("loss", "tokens_per_s", "sent_per_s", "received_per_s")},
-        "last_seen_s": None if at is None else max(0.0, now - at),
+        "last_seen_s": None if at is None else max(0.0, now - at), "clock_s": clock_s,
     }
 
 
-COLUMNS = ("PEER", "NAME", "STATE", "STEP", "ROUND", "LOSS", "TOKENS/S", "SENT/S", "RECV/S", "SEEN", "ADDRESS")
+COLUMNS = ("PEER", "NAME", "STATE", "STEP", "ROUND", "LOSS", "TOKENS/S", "SENT/S", "RECV/S", "SEEN", "CLOCK",
+           "ADDRESS")
 
 
 def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
@@ -251,7 +279,7 @@ def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
     lines = [[r["id"][-8:], r["name"] or "-", r["state"], num(r["step"], "d"), num(r["round"], "d"),
               num(r["loss"], ".3f"), num(r["tokens_per_s"], ",.0f"), _bytes(r["sent_per_s"]),
               _bytes(r["received_per_s"]), "-" if r["last_seen_s"] is None else f"{r['last_seen_s']:.0f}s ago",
-              r["addrs"][0] if r["addrs"] else "-"] for r in rows]
+              _clock(r["clock_s"]), r["addrs"][0] if r["addrs"] else "-"] for r in rows]
     widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(COLUMNS)]  # no rows: the headers
     alive = sum(r["state"] == "alive" for r in rows)
     cut_off = ("" if rows else "; no peer of this run has a record yet (is --run its name?)") if reachable else \
@@ -260,6 +288,13 @@ def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
            "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in lines]
     return "\n".join(line.rstrip() for line in out)
+
+
+def _clock(seconds: float | None) -> str:
+    """A peer's clock against ours: "ok" within the tolerance, else how far ahead (+) or behind (-)."""
+    if seconds is None:
+        return "-"
+    return "ok" if not seconds else f"{seconds:+.0f}s"
 
 
 def _bytes(rate: float | None) -> str:
