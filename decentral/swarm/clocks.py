@@ -50,20 +50,20 @@ class ClockCheck:
         self._report(proven, len(readings))
         return proven
 
-    def _report(self, apart: dict[str, float], read: int) -> None:
-        if not apart:
+    def _report(self, proven: dict[str, float], read: int) -> None:
+        if not proven:
             if self._warned is not None and read:
                 log.info("the clocks of the peers we read agree with ours again (within %g s)", self.tolerance_s)
                 self._warned = None
             return
-        if self._warned is not None and set(apart) <= self._warned[1] and time.monotonic() - self._warned[0] < REPEAT_S:
+        if self._warned is not None and set(proven) <= self._warned[1] and time.monotonic() - self._warned[0] < REPEAT_S:
             return
-        self._warned = (time.monotonic(), set(apart))
+        self._warned = (time.monotonic(), set(proven))
         listed = ", ".join(f"{p[-8:]}'s clock is at least {abs(d):.0f} s {'ahead of' if d > 0 else 'behind'} ours"
-                           for p, d in sorted(apart.items(), key=lambda item: -abs(item[1])))
+                           for p, d in sorted(proven.items(), key=lambda item: -abs(item[1])))
         ours = (": most clocks are apart from ours, so this machine's is likely the wrong one"
-                if read > 1 and len(apart) > read / 2 and len({d > 0 for d in apart.values()}) == 1 else "")
+                if read > 1 and len(proven) > read / 2 and len({d > 0 for d in proven.values()}) == 1 else "")
         log.warning("clocks apart: %s (%d of the %d peers whose clocks we read%s). The swarm's records "
                     "expire by the clock of the node that keeps them, and hivemind allows %g s: members whose "
                     "clocks are further apart drop out of each other's rounds. Set the wrong clock right (NTP: "
-                    "`timedatectl set-ntp true`)", listed, len(apart), read, ours, self.tolerance_s)
+                    "`timedatectl set-ntp true`)", listed, len(proven), read, ours, self.tolerance_s)
