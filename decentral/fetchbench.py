@@ -57,8 +57,11 @@ def start_publisher(registry: Path, run: str, join: str | None, rate_bps: int | 
                     log: Path) -> tuple[subprocess.Popen, str]:
     """`decentral experts publish NAME` from `registry` behind an uplink of `rate_bps` (None: uncapped); returns
     the process and the multiaddr it prints for fetchers."""
+    from decentral.swarm import SwarmError
+
     env = {**os.environ, "DECENTRAL_NETLAB_MODE": "loopback"}
-    env.pop("DECENTRAL_LINK_RATE_BPS", None)
+    for setting in ("DECENTRAL_LINK_RATE_BPS", "DECENTRAL_SWARM_KEY"):  # (the bench's swarm is open, of its own)
+        env.pop(setting, None)
     if rate_bps is not None:
         env["DECENTRAL_LINK_RATE_BPS"] = str(rate_bps)
     argv = [sys.executable, "-m", "decentral", "experts", "publish", NAME, "--registry", str(registry), "--run", run]
@@ -69,7 +72,8 @@ def start_publisher(registry: Path, run: str, join: str | None, rate_bps: int | 
         if "--join " in line:
             return process, line.split("--join ")[1].split()[0]
     process.wait()
-    raise RuntimeError(f"a publisher ended before it published (exit {process.returncode}): see {log}")
+    said = (log.read_text().strip().splitlines() or ["nothing"])[-1]
+    raise SwarmError(f"a publisher ended before it published (exit {process.returncode}): {said} (its log: {log})")
 
 
 def publishers_seen(sharing) -> int:
@@ -92,7 +96,7 @@ def measure(args: argparse.Namespace, out: Path, rate_bps: int | None) -> tuple[
     """Start the publishers one by one and time the fetches after each: ({"bytes"}, one row per count)."""
     from decentral.experts.registry import Registry
     from decentral.experts.sharing import ExpertSharing
-    from decentral.swarm import SwarmPeer
+    from decentral.swarm import SwarmError, SwarmPeer
 
     expert = make_expert(out / "source", args.size_mib)
     run, publishers, rows = f"fetchbench-{uuid.uuid4().hex[:6]}", [], []
@@ -109,7 +113,8 @@ def measure(args: argparse.Namespace, out: Path, rate_bps: int | None) -> tuple[
             deadline = time.monotonic() + 60
             while publishers_seen(sharing) < count:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {count} publishers' records were not all seen within 60 s")
+                    raise SwarmError(f"the {count} publishers' records were not all seen within 60 s (their logs: "
+                                     f"{out}/publisher-*.log)")
                 time.sleep(0.2)  # their records on their first trip through the DHT
             seconds = []
             for repeat in range(args.repeats):
