@@ -440,3 +440,52 @@ def test_pieces_that_add_up_to_another_file_are_dropped_and_the_file_comes_whole
             got = fetcher.fetch("code")
         check_installed(got, expert, state)
         assert "model.safetensors from several publishers does not match the record" in caplog.text
+
+
+class RefusingTheStart(ExpertSharing):
+    """A publisher that serves every piece but the file's first: asked for that, it hangs up."""
+
+    async def _serve(self, sender, reader, writer):
+        request = json.loads(await read_frame(reader, self.peer.stats))
+        if request["offset"] == 0:
+            return
+        data = (self._published["code"].folder / request["file"]).read_bytes()[request["offset"]:request["end"]]
+        await write_frame(writer, json.dumps({"ok": True, "offset": request["offset"]}).encode(), self.peer.stats)
+        for start in range(0, len(data), 1024):
+            await write_frame(writer, data[start:start + 1024], self.peer.stats)
+        await write_frame(writer, b"", self.peer.stats)
+
+
+def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp_path, small_pieces, monkeypatch):
+    """Pieces that came while one before them was missing waited in memory: a fetch that stopped lost them.
+    They wait beside the file now, the message counts them, and the next fetch takes them in and asks for the
+    rest alone. (Two publishers: pieces of 4 KiB, the first frozen, then refused; the next three came.)"""
+    monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 3.0)
+    Frozen.thaw = threading.Event()
+    with publishers_of_code(tmp_path, Frozen, RefusingTheStart) as (expert, state, publishers, fetcher):
+        first = [p.peer.peer_id for p in publishers]
+        frozen_first = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: (p not in first,
+                                                                                             first.index(p) if p in first else 0)))
+        monkeypatch.setattr(sharing_module, "random", frozen_first)  # (that module's only use of random)
+        try:
+            with pytest.raises(RegistryError, match=r"\(12,288 bytes of it are kept in .*\.code\.partial-"):
+                fetcher.fetch("code")
+        finally:
+            Frozen.thaw.set()
+        [partial] = (tmp_path / "b").glob(".code.partial-*")
+        assert {path.name for path in partial.iterdir() if ".from-" in path.name} == {
+            f"model.safetensors.from-{start}" for start in (4096, 8192, 12288)}
+        for publisher in publishers:
+            publisher._published.clear()  # they serve nothing from now on
+        honest = ExpertSharing(SwarmPeer(fetcher.peer.run, fetcher.peer.multiaddrs()), Registry(tmp_path / "c"))
+        try:
+            shutil.copytree(expert.folder, tmp_path / "c" / "code")
+            honest.publish(["code"])
+            wait_until(lambda: len(fetcher.available()["code"][0].peers) == 3, 20, "the third publisher's record")
+            got = fetcher.fetch("code")
+            sent = honest.peer.stats.bytes_sent
+        finally:
+            honest.close()
+            honest.peer.shutdown()
+        check_installed(got, expert, state)
+        assert expert.size - 12288 <= sent < expert.size - 12288 + 2000, sent  # (and frames' headers)

@@ -2,12 +2,13 @@
 
 A publisher stores `experts` → `{name}/{peer id}` → the expert's `expert.json` record in the swarm's
 DHT (refreshed while it serves; gone within `RECORD_TTL_S` after it stops) and answers `expert`
-streams: a request names an expert, a file and where in it to start, the answer is the rest of the file in
-chunks. A fetcher reads the records, picks a publisher, downloads each file into a partial folder while
-hashing it (going on with the next publisher from where one stopped), and installs the expert in its
-registry only when every file has the size and sha256 of the record; anything else (publishers that died
-mid-transfer, bytes that do not match) leaves the registry as it was, and the bytes that came in the partial
-folder for the next fetch.
+streams: a request names an expert, a file and which of its bytes (from where, up to where), the answer is
+those bytes in chunks. A fetcher reads the records and downloads each file into a partial folder: in pieces
+from all its publishers at once (pieces that come ahead of a missing one wait there in files of their own),
+and with one publisher left, from where the last one stopped. It hashes the file as its bytes come in order,
+and installs the expert in its registry only when every file has the size and sha256 of the record; anything
+else (publishers that died mid-transfer, bytes that do not match) leaves the registry as it was, and the
+bytes that came in the partial folder for the next fetch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import bisect
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -41,7 +43,7 @@ CHUNK_TIMEOUT_S = 30.0  # a publisher that sends nothing for this long is given 
 PARALLEL_PUBLISHERS = 8  # the most publishers a file comes from at once
 PIECES_EACH = 4  # a file comes in this many pieces per publisher (uplinks that differ share it out by speed)...
 MIN_PIECE_BYTES = CHUNK_BYTES // 4  # ... of this size at least (each piece is a stream and a request of its own)
-MAX_PIECE_BYTES = 4 * CHUNK_BYTES  # ... and at most (a piece waits in memory until the pieces before it came)
+MAX_PIECE_BYTES = 4 * CHUNK_BYTES  # ... and at most (a piece is held in memory while it comes)
 PIECES_AHEAD = 2  # per publisher: how far past the first missing piece a piece is asked for
 
 
@@ -182,7 +184,7 @@ class ExpertSharing:
         with _partial_download(self.registry, name, files) as partial:
             for file, (digest, size) in files.items():
                 if not self._fetch_file(peers, errors, name, file, partial / file, digest, size, progress):
-                    kept = sum(path.stat().st_size for path in partial.iterdir() if path.name in files)
+                    kept = sum(path.stat().st_size for path in partial.iterdir() if path.name != ".lock")
                     if not kept:
                         shutil.rmtree(partial, ignore_errors=True)
                     raise RegistryError(f"could not fetch expert {name!r}: " + "; ".join(errors) + (
@@ -203,7 +205,7 @@ class ExpertSharing:
         publisher that fails then is removed from `peers` (its failure added to `errors`), and the next goes on
         from the bytes it sent. A file whose bytes all came and are not the record's starts over: from the next
         publisher, or from the same one when it went on from others' bytes (those may be the wrong ones)."""
-        with _Part(path, progress) as part:
+        with _Part(path, size, progress) as part:
             if part.received > size:  # (not what an earlier download of this version left)
                 part.restart()
             if len(peers) > 1 and size - part.received > CHUNK_BYTES:
@@ -242,17 +244,24 @@ class ExpertSharing:
     async def _download_pieces(self, peers: list[str], name: str, file: str, part: "_Part", size: int) -> None:
         """Fetch `file` from `part.received` to `size` in pieces from up to `PARALLEL_PUBLISHERS` of `peers` at
         once, each asking for the next piece when its last one came (a faster uplink carries more of them), and
-        append them to `part` in order. A piece is taken only within `PIECES_AHEAD` pieces per publisher of the
-        first one missing, which bounds what waits in memory; a publisher with nothing left to take asks for the
-        first missing piece too, and whichever copy comes first is kept (a slow publisher holds nobody up). A
-        publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
-        publisher failed (the bytes appended stay)."""
-        publishers = peers[:PARALLEL_PUBLISHERS]
-        even = -(-(size - part.received) // (PIECES_EACH * len(publishers)))  # (rounded up)
+        append them to `part` in order: one that comes before those ahead of it waits beside the file
+        (`_Part.put_ahead`), where a fetch that stops leaves it for the next. A piece is taken only within
+        `PIECES_AHEAD` pieces per publisher of the first one missing; a publisher with nothing left to take asks
+        for the first missing piece too, and whichever copy comes first is kept (a slow publisher holds nobody
+        up). A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or
+        every publisher failed."""
+        publishers, kept = peers[:PARALLEL_PUBLISHERS], part.kept_ahead()
+        gaps, at = [], part.received  # the bytes missing: (first, end) between ours and those kept ahead
+        for start, length in sorted(kept.items()):
+            gaps.append((at, start))
+            at = start + length
+        gaps.append((at, size))
+        even = -(-sum(end - start for start, end in gaps) // (PIECES_EACH * len(publishers)))  # (rounded up)
         piece = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, even))
-        waiting = list(range(part.received, size, piece))  # pieces nobody has asked for, by their first byte
+        ends = {s: min(s + piece, end) for start, end in gaps for s in range(start, end, piece)}  # piece -> its end
+        waiting = sorted(ends)  # pieces nobody has asked for, by their first byte
         asked: dict[int, int] = {}  # first byte -> how many publishers fetch that piece now
-        came: dict[int, bytes] = {}  # pieces that came ahead of the first one missing
+        came = set(kept)  # pieces that came ahead of the first one missing (in this fetch or an earlier one)
         news = asyncio.Event()
 
         def next_piece() -> int | None:
@@ -265,20 +274,25 @@ class ExpertSharing:
             while part.received < size:
                 start = next_piece()
                 if start is None:
+                    if not asked and not waiting:  # (nothing under way or left to ask for: no piece will come)
+                        return
                     news.clear()
                     await news.wait()
                     continue
                 asked[start] = asked.get(start, 0) + 1
                 try:
-                    data = await self._download_piece(peer, name, file, start, min(start + piece, size))
+                    data = await self._download_piece(peer, name, file, start, ends[start])
                 except Exception as e:
                     log.warning("fetching %s: %s stops sending pieces (%s)", name, peer[-8:], e)
                     return
                 else:
-                    if start >= part.received:
-                        came[start] = data
-                    while part.received in came:
-                        part.append(came.pop(part.received))
+                    if start == part.received:
+                        part.append(data)
+                        part.take_ahead()
+                        came.difference_update([s for s in came if s < part.received])
+                    elif start > part.received:
+                        part.put_ahead(start, data)
+                        came.add(start)
                     if part.received == size:  # (a copy of a piece still coming is not waited for)
                         for task in tasks:
                             if task is not asyncio.current_task():
@@ -411,15 +425,16 @@ def _locked(folder: Path) -> Iterator[bool]:
 
 
 class _Part:
-    """A file being downloaded: its bytes so far, written to `path` and hashed as they arrive, and counted by
-    `progress` (bytes that are dropped, counted back)."""
+    """A file of `size` bytes being downloaded: its bytes so far, written to `path` and hashed as they arrive, and
+    counted by `progress` (bytes that are dropped, counted back); and pieces that came ahead of them."""
 
-    def __init__(self, path: Path, progress: Callable[[int], None] | None = None):
-        self.path, self.received, self._progress = path, 0, progress
+    def __init__(self, path: Path, size: int, progress: Callable[[int], None] | None = None):
+        self.path, self.size, self.received, self._progress = path, size, 0, progress
         self._hasher = hashlib.sha256()
 
     def __enter__(self) -> "_Part":
-        """Opened, after the bytes an earlier download left there (counted, and hashed again)."""
+        """Opened, after the bytes an earlier download left there (counted, and hashed again), and those it kept
+        ahead that follow on from them (`take_ahead`)."""
         self._file = open(self.path, "ab+")
         self._file.seek(0)
         while chunk := self._file.read(CHUNK_BYTES):
@@ -427,7 +442,41 @@ class _Part:
             self.received += len(chunk)
         if self._progress and self.received:
             self._progress(self.received)
+        self.take_ahead()
+        at = self.received  # what no download of ours leaves: kept bytes within others, empty, or past the end
+        for start, length in sorted(self.kept_ahead().items()):
+            if start < at or not length or start + length > self.size:
+                self._ahead(start).unlink()
+            else:
+                at = start + length
         return self
+
+    def kept_ahead(self) -> dict[int, int]:
+        """{first byte: length} of the pieces kept ahead of ours (`put_ahead`)."""
+        found = {}
+        for ahead in self.path.parent.glob(f"{glob.escape(self.path.name)}.from-*"):
+            start = ahead.name.rpartition("-")[2]
+            if start.isdigit():
+                found[int(start)] = ahead.stat().st_size
+        return found
+
+    def _ahead(self, start: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.from-{start}")
+
+    def put_ahead(self, start: int, data: bytes) -> None:
+        """Keep `data`, the file's bytes from `start` on, which came before some of those between ours and
+        them: in a file of their own beside ours (`FILE.from-START`), until `take_ahead` appends them."""
+        self._ahead(start).write_bytes(data)
+
+    def take_ahead(self) -> None:
+        """Append, in order, the bytes kept ahead that follow on from ours (each such file then goes)."""
+        while (ahead := self._ahead(self.received)).is_file():
+            data = ahead.read_bytes()
+            if data:
+                self.append(data)
+            ahead.unlink()
+            if not data:
+                return
 
     def __exit__(self, *exc) -> None:
         self._file.close()
@@ -443,9 +492,11 @@ class _Part:
         return self._hasher.hexdigest()
 
     def restart(self) -> None:
-        """Drop what arrived: the file starts over."""
+        """Drop what arrived, the bytes kept ahead too: the file starts over."""
         self._file.seek(0)
         self._file.truncate()
+        for start in self.kept_ahead():
+            self._ahead(start).unlink()
         if self._progress and self.received:
             self._progress(-self.received)
         self._hasher, self.received = hashlib.sha256(), 0
