@@ -100,16 +100,15 @@ def measure(args: argparse.Namespace, out: Path, rate_bps: int | None) -> tuple[
 
     expert = make_expert(out / "source", args.size_mib)
     run, publishers, rows = f"fetchbench-{uuid.uuid4().hex[:6]}", [], []
-    sharing = None
+    sharing, first = None, None  # (the first publisher's multiaddr: the others join through it)
     try:
         for count in range(1, args.publishers + 1):
             registry = out / f"publisher-{count}"
             shutil.copytree(expert.folder, registry / NAME)
-            publisher, maddr = start_publisher(registry, run, rows[0]["join"] if rows else None, rate_bps,
-                                               out / f"publisher-{count}.log")
+            publisher, maddr = start_publisher(registry, run, first, rate_bps, out / f"publisher-{count}.log")
             publishers.append(publisher)
             if sharing is None:
-                sharing = ExpertSharing(SwarmPeer(run, [maddr]), Registry(out / "fetched"))
+                first, sharing = maddr, ExpertSharing(SwarmPeer(run, [maddr]), Registry(out / "fetched"))
             deadline = time.monotonic() + 60
             while publishers_seen(sharing) < count:
                 if time.monotonic() > deadline:
@@ -125,15 +124,13 @@ def measure(args: argparse.Namespace, out: Path, rate_bps: int | None) -> tuple[
                 sharing.download(published)
                 seconds.append(time.monotonic() - start)
                 shutil.rmtree(sharing.registry.folder(NAME))
-            rows.append({"publishers": count, "seconds": seconds, "median_s": statistics.median(seconds),
-                         "join": rows[0]["join"] if rows else maddr})
+            rows.append({"publishers": count, "seconds": seconds, "median_s": statistics.median(seconds)})
     finally:
         if sharing is not None:
             sharing.close()
             sharing.peer.shutdown()
         stop(publishers)
     for row in rows:
-        row.pop("join")
         row["mib_per_s"] = expert.size / 2**20 / row["median_s"]
         row["speedup"] = rows[0]["median_s"] / row["median_s"]
         row["link_bound_s"] = expert.size * 8 / (row["publishers"] * rate_bps) if rate_bps else None
