@@ -464,9 +464,9 @@ def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp
     Frozen.thaw = threading.Event()
     with publishers_of_code(tmp_path, Frozen, RefusingTheStart) as (expert, state, publishers, fetcher):
         first = [p.peer.peer_id for p in publishers]
-        frozen_first = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: (p not in first,
-                                                                                             first.index(p) if p in first else 0)))
-        monkeypatch.setattr(sharing_module, "random", frozen_first)  # (that module's only use of random)
+        in_order = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: first.index(p) if p in first
+                                                                  else len(first)))
+        monkeypatch.setattr(sharing_module, "random", in_order)  # (that module's only use of random)
         try:
             with pytest.raises(RegistryError, match=r"\(12,288 bytes of it are kept in .*\.code\.partial-"):
                 fetcher.fetch("code")
