@@ -14,7 +14,7 @@ from decentral.swarm import SwarmPeer
 from decentral.swarm import clocks as clocks_module
 from decentral.swarm import peer as peer_module
 from decentral.swarm.clocks import ClockCheck
-from decentral.swarm.membership import Membership
+from decentral.swarm.membership import EntryBeacon, Membership
 from decentral.swarm.monitor import SwarmMonitor, watch
 
 A, B, C = "QmPeerAaaaaaaaa", "QmPeerBbbbbbbbb", "QmPeerCccccccccc"
@@ -121,3 +121,20 @@ def test_the_status_table_shows_each_peers_clock_against_the_monitors(monkeypatc
         assert header.split()[-2:] == ["CLOCK", "ADDRESS"]
         shown = {row.split()[0]: row.split()[-2] for row in rows}  # (other cells hold spaces: "0s ago", "0 B")
         assert shown[a.peer_id[-8:]] == "ok" and re.fullmatch(r"\+(9[5-9]|100)s", shown[b.peer_id[-8:]]), shown
+
+
+def test_an_entry_reads_the_members_clocks_too(monkeypatch):
+    """A `swarm start` entry, which every newcomer joins through, read nobody's clock: its operator never heard
+    that the members' clocks had gone apart from its own."""
+    found: list[dict] = []
+
+    def entry_of(a):
+        entry = EntryBeacon(a, every_s=0.5)
+        check = entry.clocks.check
+        monkeypatch.setattr(entry.clocks, "check", lambda readings: found.append(check(readings)) or found[-1])
+        return entry
+
+    with b_jumping(monkeypatch, entry_of) as (a, b, jump, entry):
+        jump.value = 100.0
+        wait_until(lambda: any(95 <= proven.get(b.peer_id, 0) <= 100 for proven in found), 30,
+                   "the entry finding b's clock 100 s ahead of its own")

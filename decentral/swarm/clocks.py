@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
+
+from hivemind.utils.mpfuture import MPFuture
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +70,29 @@ class ClockCheck:
                     "expire by the clock of the node that keeps them, and hivemind allows %g s: members whose "
                     "clocks are further apart drop out of each other's rounds. Set the wrong clock right (NTP: "
                     "`timedatectl set-ntp true`)", listed, len(proven), read, ours, self.tolerance_s)
+
+
+class Readings:
+    """Clock readings one after another, none waited on: `start()` sends one (SwarmPeer.read_clocks) and returns
+    its future; each `take` hands over the last one's result once it is done and sends the next."""
+
+    def __init__(self, start: Callable[[], MPFuture]):
+        self._start = start
+        self._under_way: MPFuture | None = None
+
+    def take(self, wait_s: float = 0.0) -> dict[str, tuple[float, float]] | None:
+        """The result of the reading under way, once it is done (waiting up to `wait_s` for it; a first one is
+        sent now), else None; a new one is sent when it is done. A reading that failed (our DHT process ended)
+        gives {}."""
+        if self._under_way is None:
+            self._under_way = self._start()
+        reading = self._under_way
+        if wait_s and not reading.done():
+            try:
+                reading.result(timeout=wait_s)
+            except Exception:  # (late, or failed: said below)
+                pass
+        if not reading.done():
+            return None
+        self._under_way = self._start()
+        return {} if reading.cancelled() or reading.exception() is not None else reading.result()

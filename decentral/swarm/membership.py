@@ -38,11 +38,10 @@ import threading
 import time
 
 from hivemind.utils import get_dht_time
-from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.config import HEARTBEAT_S
-from decentral.swarm.clocks import ClockCheck
+from decentral.swarm.clocks import ClockCheck, Readings
 from decentral.swarm.peer import SwarmPeer
 from decentral.transport import with_digest
 
@@ -65,7 +64,7 @@ class Membership:
         self._announcing: set[int] = set()  # rounds to announce with the next beat
         self._view: tuple[float, dict[str, dict]] | None = None  # (when looked up, what `alive` found then)
         self.clocks = ClockCheck()  # the other peers' clocks against ours, read with every beat
-        self._clock_reading: MPFuture | None = None  # the reading under way (SwarmPeer.read_clocks)
+        self._readings = Readings(peer.read_clocks)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._beat()
@@ -118,22 +117,13 @@ class Membership:
                 for round in rounds:
                     self.peer.publish(f"round/{round}", self.peer.peer_id, True, ttl=self.round_ttl_s)
                 self.alive()  # a fresh view for `alive(max_age_s)`, looked up off the training thread
-                self._read_clocks()
+                if (readings := self._readings.take()) is not None:  # (a beat never waits on a reading)
+                    self.clocks.check(readings)
                 self.peer.keep_in_touch()
             except Exception as e:  # a missed beat is not fatal; the next one may go through
                 with self._lock:
                     self._announcing.update(rounds)
                 log.warning("heartbeat failed: %s", e)
-
-    def _read_clocks(self) -> None:
-        """Hold the last clock reading, if it is done, against ours (decentral.swarm.clocks), and start the next:
-        the heartbeat never waits on a reading (one waits out the RPC timeout of a peer that does not answer)."""
-        reading = self._clock_reading
-        if reading is not None and not reading.done():
-            return
-        if reading is not None and not reading.cancelled() and reading.exception() is None:
-            self.clocks.check(reading.result())
-        self._clock_reading = self.peer.read_clocks()
 
     def alive(self, max_age_s: float = 0.0) -> dict[str, dict]:
         """Peers with a live heartbeat that have not left (this peer included): {peer_id: {"step", "round",
@@ -197,10 +187,12 @@ ENTRY_KEY = "entry"
 
 class EntryBeacon:
     """While an entry (`decentral swarm start`) serves: its signed record under `run/entry`, sealed in a keyed
-    swarm like every record, published at once and refreshed every `every_s`. It lists nobody as a member."""
+    swarm like every record, published at once and refreshed every `every_s`, when the peers' clocks are read
+    against the entry's too (decentral.swarm.clocks). It lists nobody as a member."""
 
     def __init__(self, peer: SwarmPeer, every_s: float = 3 * HEARTBEAT_S):
         self.peer, self.every_s = peer, every_s
+        self.clocks, self._readings = ClockCheck(), Readings(peer.read_clocks)  # (as a member's heartbeat does)
         self._stop = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._loop, name="entry-beacon", daemon=True)
@@ -213,6 +205,8 @@ class EntryBeacon:
         while not self._stop.wait(self.every_s):
             try:
                 self._publish()
+                if (readings := self._readings.take()) is not None:
+                    self.clocks.check(readings)
             except Exception as e:  # the next one may go through
                 log.warning("entry mark not refreshed: %s", e)
 

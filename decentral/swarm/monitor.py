@@ -20,7 +20,6 @@ nodes store no such record, and nobody can fake a peer's row.)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -39,7 +38,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.swarm.admission import AdmissionError, SignedRecords, SwarmKey, ensure_identity
-from decentral.swarm.clocks import apart
+from decentral.swarm.clocks import Readings, apart
 from decentral.swarm.membership import ENTRY_KEY
 from decentral.swarm.peer import (
     DHT_RPC_TIMEOUT_S, SwarmError, _DHTProcess, _read_clocks, check_multiaddrs, dht_result, startup_error,
@@ -123,9 +122,10 @@ class SwarmMonitor:
         self._seen: dict[str, tuple[dict, float]] = {}  # peer id -> (its last heartbeat read, when read)
         self._joined_at = time.monotonic()  # when our latest join began
         self._joining: Future[_DHTProcess] | None = None  # a join under way in the background
-        self._clocks: dict[str, float] = {}  # peer id -> its clock against ours, as last read (clocks.apart)
-        self._clock_reading = None  # the reading under way (an MPFuture of peer._read_clocks)
+        self._clocks: dict[str, float] | None = None  # peer id -> its clock against ours, as last read (apart)
         self.dht = self._join()
+        self._readings = Readings(lambda: self.dht.run_coroutine(partial(_read_clocks, CLOCKS_READ),
+                                                                 return_future=True))
 
     def _join(self) -> _DHTProcess:
         """A new client-only DHT node joined through our initial peers; SwarmError when none answers. Its peer
@@ -188,18 +188,10 @@ class SwarmMonitor:
         return sorted(rows, key=lambda r: (r["name"] or "", r["id"]))
 
     def _read_clocks(self) -> None:
-        """The peers' clocks against ours (decentral.swarm.clocks), for the CLOCK column: a reading under way is
-        taken once it is done (the first is waited for, so that a table shown once has it), and the next begins."""
-        reading = self._clock_reading
-        if reading is None:
-            reading = self.dht.run_coroutine(partial(_read_clocks, CLOCKS_READ), return_future=True)
-            with contextlib.suppress(Exception):  # (a DHT process that ended: the rows say so)
-                reading.result(timeout=DHT_RPC_TIMEOUT_S + 2)
-        if not reading.done():
-            return
-        if not reading.cancelled() and reading.exception() is None:
-            self._clocks.update((peer, apart(*bounds)) for peer, bounds in reading.result().items())
-        self._clock_reading = self.dht.run_coroutine(partial(_read_clocks, CLOCKS_READ), return_future=True)
+        """The peers' clocks against ours (decentral.swarm.clocks), for the CLOCK column: the first reading is
+        waited for (a table shown once has it), the others taken when done."""
+        readings = self._readings.take(wait_s=0.0 if self._clocks is not None else DHT_RPC_TIMEOUT_S + 2)
+        self._clocks = {**(self._clocks or {}), **{peer: apart(*bounds) for peer, bounds in (readings or {}).items()}}
 
     def reachable(self) -> bool:
         """Whether our DHT node knows a node that still answers: a request that a node does not answer takes
