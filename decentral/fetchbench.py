@@ -1,16 +1,15 @@
 """`decentral bench fetch`: an expert fetched from 1, 2, ... `--publishers` publishers, each behind an uplink
 of `--bandwidth`.
 
-Each publisher is a `decentral experts publish` process of its own on loopback, its streams paced to the rate
-(decentral.swarm.wire.LinkShaper in loopback mode; the DHT's own traffic is not paced); the fetcher, in this
-process, is not capped. One publisher starts, the expert is fetched `--repeats` times (each into an empty registry,
-hash checked) and timed; then the next publisher joins and the fetches are timed again, and so on. One publisher is
-also how every fetch went before files came in pieces from all publishers at once (decentral.experts.sharing):
-from one publisher at a time, however many published. Writes OUT/results.json and OUT/fetch.png and prints the
-table: seconds per fetch (median of the repeats), MiB/s, the speed-up over one publisher, and the time the
-publishers' uplinks need for the expert's bytes (their sum of rates).
+A netlab of `--publishers` + 1 hosts (decentral.netlab: a network namespace per host behind a `tc tbf` uplink
+where root can, else loopback, where each process paces its own streams and the DHT's traffic goes unpaced).
+Host 0 fetches; hosts 1, 2, ... each run a `decentral experts publish` process, started one after another: after
+each joins, a fetcher process on host 0 fetches the expert `--repeats` times (each into an empty registry, hash
+checked) and says how long each took. One publisher is also how every fetch went before files came in pieces
+from all publishers at once (decentral.experts.sharing): from one publisher at a time, however many published.
+Writes OUT/results.json and OUT/fetch.png and prints the table: seconds per fetch (median of the repeats),
+MiB/s, the speed-up over one publisher, and the time the publishers' uplinks need for the expert's bytes.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -32,6 +31,8 @@ from decentral.metrics import format_table, results_folder
 
 NAME = "bench"
 D_MODEL = 256
+FETCH_TIMEOUT_S = 1800.0  # a fetcher's whole run (its repeats): past this it is killed
+OPEN_SWARM = {"DECENTRAL_SWARM_KEY": ""}  # (the bench's swarm is open, of its own, whatever the environment says)
 
 
 def make_expert(registry: Path, size_mib: float):
@@ -53,32 +54,21 @@ def make_expert(registry: Path, size_mib: float):
     return write_expert(registry / NAME, lambda path: path.write_bytes(model_bytes(state)), meta)
 
 
-def start_publisher(registry: Path, run: str, join: str | None, rate_bps: int | None,
-                    log: Path) -> tuple[subprocess.Popen, str]:
-    """`decentral experts publish NAME` from `registry` behind an uplink of `rate_bps` (None: uncapped); returns
-    the process and the multiaddr it prints for fetchers."""
+def start_publisher(host, registry: Path, run: str, join: str | None, log: Path) -> tuple[subprocess.Popen, str]:
+    """`decentral experts publish NAME` from `registry` on lab host `host`; returns the process and the multiaddr
+    it prints for fetchers."""
     from decentral.swarm import SwarmError
 
-    env = {**os.environ, "DECENTRAL_NETLAB_MODE": "loopback"}
-    for setting in ("DECENTRAL_LINK_RATE_BPS", "DECENTRAL_SWARM_KEY"):  # (the bench's swarm is open, of its own)
-        env.pop(setting, None)
-    if rate_bps is not None:
-        env["DECENTRAL_LINK_RATE_BPS"] = str(rate_bps)
-    argv = [sys.executable, "-m", "decentral", "experts", "publish", NAME, "--registry", str(registry), "--run", run]
+    argv = [sys.executable, "-m", "decentral", "experts", "publish", NAME, "--registry", str(registry), "--run", run,
+            "--host", host.address] + (["--join", join] if join else [])
     with open(log, "w") as err:
-        process = subprocess.Popen(argv + (["--join", join] if join else []), stdout=subprocess.PIPE, stderr=err,
-                                   text=True, env=env)
+        process = host.popen(argv, env=OPEN_SWARM, stdout=subprocess.PIPE, stderr=err, text=True)
     for line in process.stdout:  # "  decentral experts fetch NAME --join MADDR --run RUN"
         if "--join " in line:
             return process, line.split("--join ")[1].split()[0]
     process.wait()
     said = (log.read_text().strip().splitlines() or ["nothing"])[-1]
     raise SwarmError(f"a publisher ended before it published (exit {process.returncode}): {said} (its log: {log})")
-
-
-def publishers_seen(sharing) -> int:
-    versions = sharing.available().get(NAME, [])
-    return len(versions[0].peers) if versions else 0
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -92,48 +82,75 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-def measure(args: argparse.Namespace, out: Path, rate_bps: int | None) -> tuple[dict, list[dict]]:
-    """Start the publishers one by one and time the fetches after each: ({"bytes"}, one row per count)."""
+def fetch_times(host, run: str, join: str, publishers: int, repeats: int, registry: Path) -> list[float]:
+    """Seconds each of `repeats` fetches took on lab host `host`, once `publishers` publishers are seen (`_fetch`,
+    in a process of its own there)."""
+    from decentral.swarm import SwarmError
+
+    argv = [sys.executable, "-m", "decentral.fetchbench", "_fetch", run, join, str(publishers), str(repeats),
+            str(registry)]
+    done = host.run(argv, timeout=FETCH_TIMEOUT_S, env=OPEN_SWARM)
+    if done.returncode != 0:
+        raise SwarmError(f"the fetcher failed (exit {done.returncode}): "
+                         f"{(done.stderr.strip().splitlines() or ['nothing'])[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def publishers_seen(sharing) -> int:
+    versions = sharing.available().get(NAME, [])
+    return len(versions[0].peers) if versions else 0
+
+
+def _fetch(run: str, join: str, publishers: int, repeats: int, registry: Path) -> list[float]:
+    """(On the fetcher's host) wait until `publishers` publish NAME, then fetch it `repeats` times into
+    `registry`, each time into an empty one (hash checked), and say how long each took."""
     from decentral.experts.registry import Registry
     from decentral.experts.sharing import ExpertSharing
     from decentral.swarm import SwarmError, SwarmPeer
 
+    sharing = ExpertSharing(SwarmPeer(run, [join], host=os.environ.get("DECENTRAL_HOST_ADDR", "127.0.0.1")),
+                            Registry(registry))
+    try:
+        deadline = time.monotonic() + 60
+        while publishers_seen(sharing) < publishers:
+            if time.monotonic() > deadline:
+                raise SwarmError(f"the {publishers} publishers' records were not all seen within 60 s")
+            time.sleep(0.2)  # their records on their first trip through the DHT
+        seconds = []
+        for _ in range(repeats):
+            published = sharing.find(NAME)
+            start = time.monotonic()
+            sharing.download(published)
+            seconds.append(time.monotonic() - start)
+            shutil.rmtree(sharing.registry.folder(NAME))
+        return seconds
+    finally:
+        sharing.close()
+        sharing.peer.shutdown()
+
+
+def measure(args: argparse.Namespace, out: Path, lab) -> tuple[dict, list[dict]]:
+    """Start the publishers one by one, on hosts 1, 2, ..., and time the fetches on host 0 after each: ({"bytes"},
+    one row per count)."""
     expert = make_expert(out / "source", args.size_mib)
-    run, publishers, rows = f"fetchbench-{uuid.uuid4().hex[:6]}", [], []
-    sharing, first = None, None  # (the first publisher's multiaddr: the others join through it)
+    run, publishers, rows, first = f"fetchbench-{uuid.uuid4().hex[:6]}", [], [], None
     try:
         for count in range(1, args.publishers + 1):
             registry = out / f"publisher-{count}"
             shutil.copytree(expert.folder, registry / NAME)
-            publisher, maddr = start_publisher(registry, run, first, rate_bps, out / f"publisher-{count}.log")
+            publisher, maddr = start_publisher(lab.hosts[count], registry, run, first, out / f"publisher-{count}.log")
             publishers.append(publisher)
-            if sharing is None:
-                first, sharing = maddr, ExpertSharing(SwarmPeer(run, [maddr]), Registry(out / "fetched"))
-            deadline = time.monotonic() + 60
-            while publishers_seen(sharing) < count:
-                if time.monotonic() > deadline:
-                    raise SwarmError(f"the {count} publishers' records were not all seen within 60 s (their logs: "
-                                     f"{out}/publisher-*.log)")
-                time.sleep(0.2)  # their records on their first trip through the DHT
-            seconds = []
-            for repeat in range(args.repeats):
-                print(f"bench fetch: {expert.size / 2**20:.1f} MiB from {count} publisher(s), fetch {repeat + 1} of "
-                      f"{args.repeats} ...", flush=True)
-                published = sharing.find(NAME)
-                start = time.monotonic()
-                sharing.download(published)
-                seconds.append(time.monotonic() - start)
-                shutil.rmtree(sharing.registry.folder(NAME))
+            first = first or maddr
+            print(f"bench fetch: {expert.size / 2**20:.1f} MiB from {count} publisher(s), {args.repeats} fetches ...",
+                  flush=True)
+            seconds = fetch_times(lab.hosts[0], run, first, count, args.repeats, out / "fetched")
             rows.append({"publishers": count, "seconds": seconds, "median_s": statistics.median(seconds)})
     finally:
-        if sharing is not None:
-            sharing.close()
-            sharing.peer.shutdown()
         stop(publishers)
     for row in rows:
         row["mib_per_s"] = expert.size / 2**20 / row["median_s"]
         row["speedup"] = rows[0]["median_s"] / row["median_s"]
-        row["link_bound_s"] = expert.size * 8 / (row["publishers"] * rate_bps) if rate_bps else None
+        row["link_bound_s"] = expert.size * 8 / (row["publishers"] * lab.rate_bps) if lab.rate_bps else None
     return {"bytes": expert.size}, rows
 
 
@@ -165,26 +182,28 @@ def format_results(results: dict) -> str:
 
 
 def run_fetchbench(args: argparse.Namespace) -> int:
-    from decentral.netlab import parse_rate
+    from decentral.netlab import NetLab, mode_note
 
     out = Path(args.out)
     with results_folder(out, "bench fetch"):
-        rate_bps = parse_rate(args.bandwidth) if args.bandwidth else None
-        size, rows = measure(args, out, rate_bps)
+        with NetLab(args.publishers + 1, args.bandwidth, mode=args.mode, name=args.lab_name) as lab:
+            size, rows = measure(args, out, lab)
+            mode = lab.mode
         results = {"config": {"publishers": args.publishers, "bandwidth": args.bandwidth, "size_mib": args.size_mib,
-                              "repeats": args.repeats, "mode": "loopback", "date": dt.date.today().isoformat(),
+                              "repeats": args.repeats, "mode": mode, "date": dt.date.today().isoformat(),
                               "machine": f"{platform.node()} {platform.machine()}"},
                    **size, "rows": rows}
         (out / "results.json").write_text(json.dumps(results, indent=1))
         plot_results(results, out / "fetch.png")
         print(format_results(results))
+        print(f"({mode_note(mode)})")
         print(f"bench fetch: results in {out / 'results.json'}, plot {out / 'fetch.png'}")
         return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type, positive_int
-    from decentral.netlab import BANDWIDTH_HELP, bandwidth_argument
+    from decentral.netlab import BANDWIDTH_HELP, add_mode_argument, bandwidth_argument
 
     parser.add_argument("--publishers", type=positive_int, default=4,
                         help="publishers at most; the fetch is timed with 1, 2, ... of them (default: %(default)s)")
@@ -193,5 +212,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the expert's size, to within one layer of 3 MiB (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="fetches timed per number of publishers (default: %(default)s)")
+    add_mode_argument(parser)
+    parser.add_argument("--lab-name", default="fetch", help="prefix of the lab's namespaces and links (default: "
+                        "%(default)s); a lab's leftovers are removed when one of that name opens")
     parser.add_argument("--out", default="runs/bench-fetch", help="(default: %(default)s)")
     parser.set_defaults(func=run_fetchbench)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_fetch"]:
+    run, join, publishers, repeats, registry = sys.argv[2:]
+    print(json.dumps(_fetch(run, join, int(publishers), int(repeats), Path(registry))))

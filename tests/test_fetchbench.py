@@ -3,14 +3,18 @@
 import json
 
 import pytest
+from conftest import NETNS
 
 
-def test_fetch_bench_times_a_fetch_from_each_count_of_publishers(tmp_path, prefork):
+def test_fetch_bench_times_a_fetch_from_each_count_of_publishers(tmp_path, prefork, lab_name):
+    """On netlab hosts: network namespaces where this machine has them, else loopback."""
     out = tmp_path / "fetch"
+    lab = ["--mode", "netns", "--lab-name", lab_name] if NETNS else ["--mode", "loopback"]
     done = prefork.run(["bench", "fetch", "--publishers", "2", "--size-mib", "0.5", "--bandwidth", "none",
-                        "--repeats", "2", "--out", str(out)], tmp_path)
+                        "--repeats", "2", *lab, "--out", str(out)], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
+    assert results["config"]["mode"] == ("netns" if NETNS else "loopback")
     assert [row["publishers"] for row in results["rows"]] == [1, 2]
     assert all(len(row["seconds"]) == 2 and row["median_s"] > 0 and row["link_bound_s"] is None
                for row in results["rows"]), results
@@ -18,6 +22,7 @@ def test_fetch_bench_times_a_fetch_from_each_count_of_publishers(tmp_path, prefo
     assert (out / "fetch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "s per fetch" in done.stdout
     assert not (out / "fetched" / "bench").exists(), "each fetched copy is removed once timed"
+    assert "MiB from 2 publisher(s), 2 fetches ..." in done.stdout
 
 
 def test_fetch_bench_refuses_each_bad_argument_by_name(tmp_path, capsys):
