@@ -42,7 +42,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from decentral.config import HEARTBEAT_S
 from decentral.swarm.clocks import ClockCheck, Readings
-from decentral.swarm.peer import SwarmPeer
+from decentral.swarm.peer import DHT_RPC_TIMEOUT_S, SwarmPeer
 from decentral.transport import with_digest
 
 log = logging.getLogger(__name__)
@@ -205,8 +205,8 @@ class EntryBeacon:
         while not self._stop.wait(self.every_s):
             try:
                 self._publish()
-                if (readings := self._readings.take()) is not None:
-                    self.clocks.check(readings)
+                if (readings := self._readings.take(wait_s=DHT_RPC_TIMEOUT_S + 1)) is not None:  # (every 30 s:
+                    self.clocks.check(readings)  # this thread can wait for the answers, and the next tick is far)
             except Exception as e:  # the next one may go through
                 log.warning("entry mark not refreshed: %s", e)
 
