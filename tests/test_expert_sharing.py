@@ -40,6 +40,42 @@ def sharing(tmp_path):
         side.peer.shutdown()
 
 
+@contextlib.contextmanager
+def publishers_of_code(tmp_path, *kinds):
+    """(expert, state, [one publisher of a copy of expert "code" per kind], fetcher), each on a real peer."""
+    run = f"experts-{os.getpid()}-{time.monotonic_ns()}"
+    expert, state = tiny_expert(tmp_path / "original", name="code")
+    sides = []
+    try:
+        for i, kind in enumerate(kinds):
+            joined = sides[0].peer.multiaddrs() if sides else ()
+            sides.append(kind(SwarmPeer(run, joined), Registry(tmp_path / f"p{i}")))
+            shutil.copytree(expert.folder, tmp_path / f"p{i}" / "code")
+            sides[-1].publish(["code"])
+        fetcher = ExpertSharing(SwarmPeer(run, sides[0].peer.multiaddrs()), Registry(tmp_path / "b"))
+        sides.append(fetcher)
+        wait_until(lambda: len(fetcher.available().get("code", [None])[0].peers) == len(kinds), 20,
+                   "every publisher's record")
+        yield expert, state, sides[:-1], fetcher
+    finally:
+        for side in sides:
+            side.close()
+            side.peer.shutdown()
+
+
+def check_installed(got, expert, state) -> None:
+    verify_expert(got)
+    assert got.sha256 == expert.sha256
+    assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
+
+
+def ask_in_order(monkeypatch, *sides) -> None:
+    """A fetch asks the publishers `sides` first, in this order (that module's only use of random)."""
+    ids = [side.peer.peer_id for side in sides]
+    monkeypatch.setattr(sharing_module, "random", SimpleNamespace(
+        sample=lambda peers, k: sorted(peers, key=lambda p: ids.index(p) if p in ids else len(ids))))
+
+
 def test_publish_on_one_peer_fetch_on_the_other(tmp_path, sharing):
     publisher, fetcher = sharing
     expert, state = tiny_expert(tmp_path / "a", name="legal")
@@ -207,34 +243,18 @@ def test_a_file_a_publisher_stops_sending_midway_comes_from_the_next_from_where_
     """A publisher that stopped mid-file (it left, its link broke) cost the fetch the whole expert: the next
     publisher was asked for every file from byte 0, over a slow link minutes again. It goes on from the bytes
     that came, and the expert installed is the record's, byte for byte."""
-    run = f"experts-{os.getpid()}"
-    first = StoppingMidFile(SwarmPeer(run), Registry(tmp_path / "a"))
-    first.lies = lies
-    other = second(SwarmPeer(run, first.peer.multiaddrs()), Registry(tmp_path / "c"))
-    fetcher = ExpertSharing(SwarmPeer(run, first.peer.multiaddrs()), Registry(tmp_path / "b"))
-    try:
-        expert, state = tiny_expert(tmp_path / "a", name="code")
-        shutil.copytree(expert.folder, tmp_path / "c" / "code")
-        first.publish(["code"])
-        other.publish(["code"])
-        wait_until(lambda: len(fetcher.available().get("code", [None])[0].peers) == 2, 20, "both publishers' records")
-        first_first = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: p != first.peer.peer_id))
-        monkeypatch.setattr(sharing_module, "random", first_first)  # (that module's only use of random)
+    with publishers_of_code(tmp_path, StoppingMidFile, second) as (expert, state, (first, other), fetcher):
+        first.lies = lies
+        ask_in_order(monkeypatch, first)
         before, counted = other.peer.stats.bytes_sent, []
         got = fetcher.fetch("code", progress=counted.append)
         sent = other.peer.stats.bytes_sent - before
         assert sum(counted) == expert.size  # what the progress bar shows: bytes that were dropped counted back
-        verify_expert(got)
-        assert got.sha256 == expert.sha256
-        assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
+        check_installed(got, expert, state)
         half, whole = expert.size - expert.size // 2, expert.size
         expected = {"the second half": half, "the whole file": whole, "the second half, then the whole file":
                     half + whole}[sends]
         assert expected <= sent < expected + 1000, (sent, expected)  # (and a few frames' headers)
-    finally:
-        for side in (first, other, fetcher):
-            side.close()
-            side.peer.shutdown()
 
 
 def test_a_fetch_that_failed_midway_goes_on_from_the_bytes_it_kept_when_run_again(tmp_path):
@@ -347,35 +367,6 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(sharing_module, "MAX_PIECE_BYTES", 4096)
 
 
-@contextlib.contextmanager
-def publishers_of_code(tmp_path, *kinds):
-    """(expert, state, [one publisher of a copy of expert "code" per kind], fetcher), each on a real peer."""
-    run = f"experts-{os.getpid()}-{time.monotonic_ns()}"
-    expert, state = tiny_expert(tmp_path / "original", name="code")
-    sides = []
-    try:
-        for i, kind in enumerate(kinds):
-            joined = sides[0].peer.multiaddrs() if sides else ()
-            sides.append(kind(SwarmPeer(run, joined), Registry(tmp_path / f"p{i}")))
-            shutil.copytree(expert.folder, tmp_path / f"p{i}" / "code")
-            sides[-1].publish(["code"])
-        fetcher = ExpertSharing(SwarmPeer(run, sides[0].peer.multiaddrs()), Registry(tmp_path / "b"))
-        sides.append(fetcher)
-        wait_until(lambda: len(fetcher.available().get("code", [None])[0].peers) == len(kinds), 20,
-                   "every publisher's record")
-        yield expert, state, sides[:-1], fetcher
-    finally:
-        for side in sides:
-            side.close()
-            side.peer.shutdown()
-
-
-def check_installed(got, expert, state) -> None:
-    verify_expert(got)
-    assert got.sha256 == expert.sha256
-    assert all(torch.equal(load_file(got.model_file)[k], v) for k, v in state.items())
-
-
 def test_a_file_comes_in_pieces_from_every_publisher_at_once(tmp_path, small_pieces):
     """A file came from one publisher at a time: with three publishing it, one uplink carried all of it while the
     other two idled. Each of the three now sends pieces of it, and they add up to the file, byte for byte."""
@@ -407,9 +398,7 @@ def test_a_publisher_that_stops_sending_mid_piece_holds_nobody_up(tmp_path, smal
     monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 600.0)
     Frozen.thaw = threading.Event()
     with publishers_of_code(tmp_path, Frozen, ExpertSharing) as (expert, state, publishers, fetcher):
-        frozen = publishers[0].peer.peer_id
-        frozen_first = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: p != frozen))
-        monkeypatch.setattr(sharing_module, "random", frozen_first)  # (that module's only use of random)
+        ask_in_order(monkeypatch, publishers[0])
         with ThreadPoolExecutor(1) as pool:
             try:
                 got = pool.submit(fetcher.fetch, "code").result(timeout=60)
@@ -463,10 +452,7 @@ def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp
     monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 3.0)
     Frozen.thaw = threading.Event()
     with publishers_of_code(tmp_path, Frozen, RefusingTheStart) as (expert, state, publishers, fetcher):
-        first = [p.peer.peer_id for p in publishers]
-        in_order = SimpleNamespace(sample=lambda peers, k: sorted(peers, key=lambda p: first.index(p) if p in first
-                                                                  else len(first)))
-        monkeypatch.setattr(sharing_module, "random", in_order)  # (that module's only use of random)
+        ask_in_order(monkeypatch, *publishers)
         try:
             with pytest.raises(RegistryError, match=r"\(12,288 bytes of it are kept in .*\.code\.partial-"):
                 fetcher.fetch("code")
