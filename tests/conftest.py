@@ -110,6 +110,17 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
         time.sleep(0.01)  # polling another peer's state
 
 
+def refused_by_name(capsys, command: list[str], cases, out: Path) -> None:
+    """Each (args, said) of `cases`: `decentral COMMAND ARGS --out OUT` stops as a usage error (exit 2) whose
+    message holds `said`."""
+    from decentral.cli import main
+
+    for args, said in cases:
+        with pytest.raises(SystemExit) as exit:
+            main([*command, *args, "--out", str(out)])
+        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+
+
 def wait_until_senders_counted(senders, sent_before, receiver, received_before) -> None:
     """Wait until `senders`' byte counters (from `sent_before`) hold every byte `receiver` read since
     `received_before`: a sender counts a frame once its last piece has drained, which can be after the

@@ -4,7 +4,7 @@ import json
 import sys
 
 import pytest
-from conftest import NETNS
+from conftest import NETNS, refused_by_name
 
 
 @pytest.mark.solo
@@ -28,13 +28,8 @@ def test_dht_bench_counts_each_call_and_the_idle_cost_of_a_heartbeat(tmp_path, p
 
 
 def test_dht_bench_refuses_each_bad_argument_by_name(tmp_path, capsys):
-    from decentral.cli import main
-
-    for args, said in ((["--peers", "1"], "--peers: must be at least 2"), (["--calls", "0"], "--calls: must be at "),
-                       (["--seconds", "0"], "--seconds: must be above 0"),
-                       (["--heartbeats", "2,,5"], "--heartbeats: not a number: ''"),
-                       (["--heartbeats", "2,-1"], "--heartbeats: must be above 0, got -1")):
-        with pytest.raises(SystemExit) as exit:
-            main(["bench", "dht", *args, "--out", str(tmp_path / "dht")])
-        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+    refused_by_name(capsys, ["bench", "dht"], (
+        (["--peers", "1"], "--peers: must be at least 2"), (["--calls", "0"], "--calls: must be at "),
+        (["--seconds", "0"], "--seconds: must be above 0"), (["--heartbeats", "2,,5"], "--heartbeats: not a number: ''"),
+        (["--heartbeats", "2,-1"], "--heartbeats: must be above 0, got -1")), tmp_path / "dht")
     assert not (tmp_path / "dht").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_netns
+from conftest import needs_netns, refused_by_name
 from decentral import islandbench
 from decentral.codec import make_codec
 from decentral.netlab import NetLab, cleanup_stale, measure_throughput
@@ -112,12 +112,10 @@ def test_bad_arguments_and_data_are_refused_before_any_lab_opens(tmp_path, capsy
     from decentral.cli import main as cli_main
 
     out = tmp_path / "out"
-    for args, said in ((["--ks", ","], "--ks: not comma-separated integers"), (["--ks", "2,0"], "at least 1 rank"),
-                       (["--rounds", "1"], "--rounds: 1: at least 2"), (["--timeout", "0"], "--timeout: must be above 0"),
-                       (["--steps", "0"], "--steps: must be at least 1")):
-        with pytest.raises(SystemExit) as exit:
-            cli_main(["bench", "islands", *args, "--out", str(out)])
-        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+    refused_by_name(capsys, ["bench", "islands"], (
+        (["--ks", ","], "--ks: not comma-separated integers"), (["--ks", "2,0"], "at least 1 rank"),
+        (["--rounds", "1"], "--rounds: 1: at least 2"), (["--timeout", "0"], "--timeout: must be above 0"),
+        (["--steps", "0"], "--steps: must be at least 1")), out)
     code = cli_main(["bench", "islands", "--parts", "a", "--data", str(tmp_path / "missing"), "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "corpus path does not exist" in err and len(err.strip().splitlines()) == 1, err

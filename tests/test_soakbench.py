@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import refused_by_name
 from decentral.soakbench import (
     Restart, Run, digest_agreement, failures, life_files, round_seconds, summarize, sync_waits,
 )
@@ -66,11 +67,9 @@ def test_settings_that_would_kill_nobody_are_refused_before_anything_runs(tmp_pa
     from decentral.cli import main as cli_main
 
     out = tmp_path / "out"
-    for args, said in ((["--kill-every", "0"], "--kill-every: must be above 0"), (["--minutes", "-1"], "--minutes: must be above 0"),
-                       (["--timeout", "0"], "--timeout: must be above 0"), (["--steps", "0"], "--steps: must be at least 1")):
-        with pytest.raises(SystemExit) as exit:
-            cli_main(["bench", "soak", *args, "--out", str(out)])
-        assert exit.value.code == 2 and said in capsys.readouterr().err, args
+    refused_by_name(capsys, ["bench", "soak"], (
+        (["--kill-every", "0"], "--kill-every: must be above 0"), (["--minutes", "-1"], "--minutes: must be above 0"),
+        (["--timeout", "0"], "--timeout: must be above 0"), (["--steps", "0"], "--steps: must be at least 1")), out)
     assert cli_main(["bench", "soak", "--hosts", "1", "--out", str(out)]) == 2
     assert "--hosts must be at least 2" in capsys.readouterr().err
     assert not out.exists()
