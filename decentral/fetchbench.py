@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -67,19 +66,13 @@ def start_publisher(host, registry: Path, run: str, join: str | None, log: Path)
         if "--join " in line:
             return process, line.split("--join ")[1].split()[0]
     process.wait()
-    said = (log.read_text().strip().splitlines() or ["nothing"])[-1]
-    raise SwarmError(f"a publisher ended before it published (exit {process.returncode}): {said} (its log: {log})")
+    raise SwarmError(f"a publisher ended before it published (exit {process.returncode}): "
+                     f"{_last_line(log.read_text())} (its log: {log})")
 
 
-def stop(processes: list[subprocess.Popen]) -> None:
-    for process in processes:
-        process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def _last_line(text: str) -> str:
+    """What a process said last (as it ended: its error)."""
+    return (text.strip().splitlines() or ["nothing"])[-1]
 
 
 def fetch_times(host, run: str, join: str, publishers: int, repeats: int, registry: Path) -> list[float]:
@@ -91,8 +84,7 @@ def fetch_times(host, run: str, join: str, publishers: int, repeats: int, regist
             str(registry)]
     done = host.run(argv, timeout=FETCH_TIMEOUT_S, env=OPEN_SWARM)
     if done.returncode != 0:
-        raise SwarmError(f"the fetcher failed (exit {done.returncode}): "
-                         f"{(done.stderr.strip().splitlines() or ['nothing'])[-1]}")
+        raise SwarmError(f"the fetcher failed (exit {done.returncode}): {_last_line(done.stderr)}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -132,6 +124,8 @@ def _fetch(run: str, join: str, publishers: int, repeats: int, registry: Path) -
 def measure(args: argparse.Namespace, out: Path, lab) -> tuple[dict, list[dict]]:
     """Start the publishers one by one, on hosts 1, 2, ..., and time the fetches on host 0 after each: ({"bytes"},
     one row per count)."""
+    from decentral.cli import stop_processes
+
     expert = make_expert(out / "source", args.size_mib)
     run, publishers, rows, first = f"fetchbench-{uuid.uuid4().hex[:6]}", [], [], None
     try:
@@ -146,7 +140,7 @@ def measure(args: argparse.Namespace, out: Path, lab) -> tuple[dict, list[dict]]
             seconds = fetch_times(lab.hosts[0], run, first, count, args.repeats, out / "fetched")
             rows.append({"publishers": count, "seconds": seconds, "median_s": statistics.median(seconds)})
     finally:
-        stop(publishers)
+        stop_processes(publishers, grace_s=30.0)
     for row in rows:
         row["mib_per_s"] = expert.size / 2**20 / row["median_s"]
         row["speedup"] = rows[0]["median_s"] / row["median_s"]
