@@ -173,9 +173,9 @@ class ExpertSharing:
     def download(self, published: Published, *, with_optimizer: bool = True,
                  progress: Callable[[int], None] | None = None) -> Expert:
         """Download a version `find` gave into our registry, checked against its record's hashes; returns it.
-        Asks its publishers in random order; a file one of them stops sending midway comes from the next one
-        from where it stopped (`_fetch_file`). RegistryError, with each publisher's failure, when none is left;
-        what arrived is kept for the next download of this version (`_partial_download`)."""
+        Each file comes in pieces from all its publishers at once, then from one at a time, in random order,
+        each going on from where the last stopped (`_fetch_file`). RegistryError, with each publisher's failure,
+        when none is left; what arrived is kept for the next download of this version (`_partial_download`)."""
         expert, name, files = published.expert, published.expert.name, published.files(with_optimizer)
         if not with_optimizer:
             expert.optimizer = None  # (its expert.json then names none)

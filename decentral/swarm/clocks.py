@@ -15,6 +15,7 @@ seconds; a bound beyond the tolerance, either side, proves the two clocks apart.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -73,8 +74,8 @@ class ClockCheck:
 
 
 class Readings:
-    """Clock readings one after another, none waited on: `start()` sends one (SwarmPeer.read_clocks) and returns
-    its future; each `take` hands over the last one's result once it is done and sends the next."""
+    """Clock readings one after another: `start()` sends one (SwarmPeer.read_clocks) and returns its future;
+    each `take` hands over the last one's result once it is done (waited for only when asked) and sends the next."""
 
     def __init__(self, start: Callable[[], MPFuture]):
         self._start = start
@@ -88,10 +89,8 @@ class Readings:
             self._under_way = self._start()
         reading = self._under_way
         if wait_s and not reading.done():
-            try:
+            with contextlib.suppress(Exception):  # (late, or failed: said below)
                 reading.result(timeout=wait_s)
-            except Exception:  # (late, or failed: said below)
-                pass
         if not reading.done():
             return None
         self._under_way = self._start()
