@@ -39,8 +39,8 @@ from decentral.data import load_corpus
 from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, human_bytes, read_metrics, results_folder
 from decentral.models import build_model
-from decentral.netlab import (BANDWIDTH_HELP, MAX_HOSTS, Host, NetLab, add_mode_argument, bandwidth_argument,
-                              mode_note)
+from decentral.netlab import (BANDWIDTHS_HELP, MAX_HOSTS, Host, LabSettingsError, NetLab, add_mode_argument,
+                              bandwidths_argument, describe_rates, mode_note, parse_rates)
 from decentral.ranks import free_port
 
 METHODS = ("ddp", "diloco", "noloco", "co2", "streaming", "hivemind")
@@ -383,7 +383,7 @@ def plot_curves(ax, results: dict) -> None:
         ax.set_ylim(min(later) - 0.02 * (max(later) - min(later)), max(later) + 0.05 * (max(later) - min(later)))
     cfg = results["config"]
     ax.set(xlabel="wall time (s)", ylabel="validation loss",
-           title=f"{cfg['hosts']} hosts, {cfg['bandwidth'] or 'uncapped'} uplinks ({cfg['mode']}), {cfg['steps']} steps")
+           title=f"{cfg['hosts']} hosts, {_uplinks(cfg)} uplinks ({cfg['mode']}), {cfg['steps']} steps")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # no curve at all where every method failed
         ax.legend()
@@ -408,6 +408,11 @@ def format_results(results: dict) -> str:
                      human_bytes(per_round),
                      human_bytes(r.get("peak_stream_bytes_per_s"))))
     return format_table(rows, numeric=False)
+
+
+def _uplinks(config: dict) -> str:
+    """The hosts' uplinks as a run's config says them: "20 Mbit/s", or "h0-h2 20 Mbit/s, h3 5 Mbit/s"."""
+    return describe_rates(parse_rates(config.get("bandwidth"), config.get("hosts") or 1))
 
 
 def _paced(method: str, mode: str, bandwidth: str | None) -> bool:
@@ -448,6 +453,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     if args.hosts > MAX_HOSTS:
         print(f"bench: --hosts {args.hosts}: a lab has at most {MAX_HOSTS}", file=sys.stderr)
+        return 2
+    try:
+        parse_rates(args.bandwidth, args.hosts)
+    except LabSettingsError as e:
+        print(f"bench: {e}", file=sys.stderr)
         return 2
     unknown = sorted(m for m in methods if split_method(m)[0] not in METHODS or m.endswith(("+", "@"))
                      or (split_method(m)[1] and split_method(m)[0] in ("ddp", "hivemind")))
@@ -544,7 +554,7 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
     plot_bench(results, out / "bench.png")
     config = results["config"]
     hosts = config.get("hosts")
-    print(f"bench: {hosts} host{'' if hosts == 1 else 's'}, {config.get('bandwidth') or 'uncapped'} links, "
+    print(f"bench: {hosts} host{'' if hosts == 1 else 's'}, {_uplinks(config)} links, "
           f"{mode_note(config.get('mode'))}")
     print(format_results(results))
     print(format_cpu(results))
@@ -601,7 +611,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.set_defaults(**RUN_DEFAULTS)
     parser.add_argument("--hosts", type=number_type(int, 1), help=f"hosts, 1 to {MAX_HOSTS} (default: %(default)s)")
-    parser.add_argument("--bandwidth", type=bandwidth_argument, help=BANDWIDTH_HELP)
+    parser.add_argument("--bandwidth", type=bandwidths_argument, help=BANDWIDTHS_HELP)
     parser.add_argument("--protocols",
                         help=f"comma-separated, from {','.join(METHODS)} (local, the reference, always runs first); "
                              "METHOD+CODEC runs a method with another "

@@ -1,11 +1,12 @@
 """`decentral bench fetch`: an expert fetched from 1, 2, ... `--publishers` publishers, each behind an uplink
-of `--bandwidth`.
+of `--bandwidth` (one rate for all, or one per publisher in the order they start: "8mbit,1mbit").
 
 A netlab of `--publishers` + 1 hosts (decentral.netlab: a network namespace per host behind a `tc tbf` uplink
 where root can, else loopback, where each process paces its own streams and the DHT's traffic goes unpaced).
-Host 0 fetches; hosts 1, 2, ... each run a `decentral experts publish` process, started one after another: after
-each joins, a fetcher process on host 0 fetches the expert `--repeats` times (each into an empty registry, hash
-checked) and says how long each took. One publisher is also how every fetch went before files came in pieces
+Host 0 fetches (behind the fastest of the publishers' uplinks); hosts 1, 2, ... each run a `decentral experts
+publish` process (publishers p1, p2, ...), started one after another: after each joins, a fetcher process on host 0
+fetches the expert `--repeats` times (each into an empty registry, hash checked) and says how long each took.
+One publisher is also how every fetch went before files came in pieces
 from all publishers at once (decentral.experts.sharing): from one publisher at a time, however many published.
 Writes OUT/results.json and OUT/fetch.png and prints the table: seconds per fetch (median of the repeats),
 MiB/s, the speed-up over one publisher, and the time the publishers' uplinks need for the expert's bytes.
@@ -144,7 +145,8 @@ def measure(args: argparse.Namespace, out: Path, lab) -> tuple[dict, list[dict]]
     for row in rows:
         row["mib_per_s"] = expert.size / 2**20 / row["median_s"]
         row["speedup"] = rows[0]["median_s"] / row["median_s"]
-        row["link_bound_s"] = expert.size * 8 / (row["publishers"] * lab.rate_bps) if lab.rate_bps else None
+        rates = [host.rate_bps for host in lab.hosts[1:row["publishers"] + 1]]
+        row["link_bound_s"] = None if None in rates else expert.size * 8 / sum(rates)
     return {"bytes": expert.size}, rows
 
 
@@ -159,8 +161,8 @@ def plot_results(results: dict, out_png: Path) -> Path:
     if rows[0]["link_bound_s"] is not None:
         ax.plot(counts, [r["link_bound_s"] for r in rows], linestyle="--", label="the uplinks' time for its bytes")
     ax.set(xlabel="publishers", ylabel="seconds per fetch", xticks=counts,
-           title=f"{results['bytes'] / 2**20:.1f} MiB expert, {results['config']['bandwidth'] or 'uncapped'} "
-                 "uplink each")
+           title=f"{results['bytes'] / 2**20:.1f} MiB expert, publishers' uplinks "
+                 f"{results['config']['uplinks']}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -176,14 +178,18 @@ def format_results(results: dict) -> str:
 
 
 def run_fetchbench(args: argparse.Namespace) -> int:
-    from decentral.netlab import NetLab, mode_note
+    from decentral.netlab import NetLab, describe_rates, mode_note, parse_rates
 
     out = Path(args.out)
+    rates = parse_rates(args.bandwidth, args.publishers, "publishers")  # (refused before any work)
+    fetcher = None if None in rates else max(rates)
+    lab_rates = ",".join("none" if rate is None else f"{rate}bit" for rate in [fetcher, *rates])
     with results_folder(out, "bench fetch"):
-        with NetLab(args.publishers + 1, args.bandwidth, mode=args.mode, name=args.lab_name) as lab:
+        with NetLab(args.publishers + 1, lab_rates, mode=args.mode, name=args.lab_name) as lab:
             size, rows = measure(args, out, lab)
             mode = lab.mode
-        results = {"config": {"publishers": args.publishers, "bandwidth": args.bandwidth, "size_mib": args.size_mib,
+        results = {"config": {"publishers": args.publishers, "bandwidth": args.bandwidth,
+                              "uplinks": describe_rates(rates, "p", 1), "size_mib": args.size_mib,
                               "repeats": args.repeats, "mode": mode, "date": dt.date.today().isoformat(),
                               "machine": f"{platform.node()} {platform.machine()}"},
                    **size, "rows": rows}
@@ -197,11 +203,14 @@ def run_fetchbench(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type, positive_int
-    from decentral.netlab import BANDWIDTH_HELP, add_mode_argument, bandwidth_argument
+    from decentral.netlab import add_mode_argument, bandwidths_argument
 
     parser.add_argument("--publishers", type=positive_int, default=4,
                         help="publishers at most; the fetch is timed with 1, 2, ... of them (default: %(default)s)")
-    parser.add_argument("--bandwidth", type=bandwidth_argument, default="8mbit", help=BANDWIDTH_HELP)
+    parser.add_argument("--bandwidth", type=bandwidths_argument, default="8mbit",
+                        help="each publisher's uplink, in bits per second: one rate for all (8mbit, 512kbit, 'none' "
+                        "for uncapped), or one per publisher in the order they start, comma-separated: 8mbit,1mbit "
+                        "(default: %(default)s)")
     parser.add_argument("--size-mib", type=number_type(float, 0, strict=True), default=8.0,
                         help="the expert's size, to within one layer of 3 MiB (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=3,

@@ -88,7 +88,7 @@ def _a_launch(method: str, lab: NetLab, recipe_file: Path, out: Path, data: list
         return Launch(host, f"w{index}", cmd + ["--island-size", str(PER_HOST), "--island-mode", "leader"],
                       {"GLOO_SOCKET_IFNAME": "lo"})
     if lab.app_shaping:  # loopback: each process paces itself; a host's share one uplink, as they average at once
-        return Launch(host, f"w{index}", cmd, {"DECENTRAL_LINK_RATE_BPS": str(int(lab.rate_bps // per_host))})
+        return Launch(host, f"w{index}", cmd, {"DECENTRAL_LINK_RATE_BPS": str(int(host.rate_bps // per_host))})
     return Launch(host, f"w{index}", cmd)
 
 

@@ -1,7 +1,8 @@
 """Emulated hosts on one machine, each behind an uplink capped at a chosen rate.
 
 `NetLab(hosts, bandwidth)` gives N hosts that applications address by IP, so a
-multi-peer training run can be exercised against a slow network on one box.
+multi-peer training run can be exercised against a slow network on one box; `bandwidth` may give each host an
+uplink of its own ("20mbit,20mbit,5mbit": the machines of a commodity cluster seldom have one).
 
 Modes
 -----
@@ -120,6 +121,7 @@ def rate_argument(text: str) -> str:
 
 BANDWIDTH_HELP = ("uplink cap per host, in bits per second: 20mbit, 512kbit, 1gbit (20Mbps is 20 Mbit/s too, where tc "
                   "reads mbps as bytes), or 'none' (default: %(default)s)")
+BANDWIDTHS_HELP = BANDWIDTH_HELP.replace(" (default", "; or one per host, comma-separated: 20mbit,20mbit,5mbit (default")
 MODE_HELP = ("netns: a network namespace per host, uplinks capped by tc (root); loopback: every host on 127.0.0.1, "
              "the applications pace their own sends; auto: netns where root can (default)")
 LAB_MODES = ("auto", "netns", "loopback")
@@ -145,13 +147,55 @@ def _mode_argument(text: str) -> str:
 
 
 def bandwidth_argument(text: str) -> str | None:
-    """argparse type of every `--bandwidth`: a `parse_rate` string, or None for 'none' (uncapped links)."""
+    """argparse type of a `--bandwidth` of one rate for every host: a `parse_rate` string, or None for 'none'
+    (uncapped links)."""
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"one rate for every host here, got {text!r} (a rate per host: "
+                                         "`decentral netlab`, `bench` and `bench fetch`)")
     if text.strip().lower() == "none":
         return None
     try:
         return rate_argument(text)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e}, or 'none' for uncapped links") from None
+
+
+def bandwidths_argument(text: str) -> str | None:
+    """argparse type of a `--bandwidth` that may give each host its own uplink: `bandwidth_argument`'s one rate,
+    or a comma-separated rate (or 'none') per host ("20mbit,20mbit,5mbit"), checked against the host count by
+    `parse_rates`."""
+    rates = text.split(",")
+    for rate in rates if len(rates) > 1 else []:
+        bandwidth_argument(rate)
+    return ",".join(rate.strip() for rate in rates) if len(rates) > 1 else bandwidth_argument(text)
+
+
+def parse_rates(bandwidth: str | None, hosts: int, what: str = "hosts") -> list[int | None]:
+    """Each of `hosts` hosts' uplink in bits per second (None: uncapped) from a `bandwidths_argument` string:
+    one rate for all, or one per host in host order (LabSettingsError for another count, naming them `what`)."""
+    rates = [None if rate.strip().lower() == "none" else parse_rate(rate)
+             for rate in ("none" if bandwidth is None else bandwidth).split(",")]
+    if len(rates) == 1:
+        return rates * hosts
+    if len(rates) != hosts:
+        raise LabSettingsError(f"bandwidth {bandwidth!r} gives {len(rates)} rates for {hosts} {what}: give one rate, "
+                               "or one for each")
+    return rates
+
+
+def describe_rates(rates: list[int | None], prefix: str = "h", first: int = 0) -> str:
+    """`[20e6] * 3 + [5e6]` -> "h0-h2 20 Mbit/s, h3 5 Mbit/s" (named `prefix` and a number from `first`); one rate
+    for all -> "20 Mbit/s" (or "uncapped")."""
+    shown = ["uncapped" if rate is None else human_rate(rate) for rate in rates]
+    if len(set(shown)) == 1:
+        return shown[0]
+    runs: list[list] = []  # [first host, last host, rate] of consecutive hosts of one rate
+    for i, rate in enumerate(shown):
+        if runs and runs[-1][2] == rate:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, rate])
+    return ", ".join(f"{prefix}{first + a}{'' if a == b else f'-{prefix}{first + b}'} {rate}" for a, b, rate in runs)
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:
@@ -257,12 +301,14 @@ def netns_available(name: str = "dcl") -> bool:
 @dataclass
 class Host:
     """One emulated host: `address` is where the others reach it; `namespace` is None in loopback mode;
-    `lan_address`: its address on its LAN (the lab's `lans`), None when it is in none."""
+    `rate_bps`: its uplink's cap in bits per second (None: uncapped); `lan_address`: its address on its LAN (the
+    lab's `lans`), None when it is in none."""
 
     index: int
     address: str
     namespace: str | None
     env: dict[str, str] = field(repr=False)  # the DECENTRAL_* variables every process on this host gets
+    rate_bps: int | None = None
     _procs: list[subprocess.Popen] = field(repr=False, default_factory=list)
     lan_address: str | None = None
 
@@ -303,7 +349,8 @@ class Host:
 class NetLab:
     """N emulated hosts behind capped uplinks; a context manager that always tears itself down.
 
-    `bandwidth` is a `parse_rate` string or None for uncapped links. `mode` is
+    `bandwidth` is a `parse_rate` string or None for uncapped links, or a comma-separated rate (or 'none') per
+    host (`parse_rates`; each host's is its `rate_bps`). `mode` is
     "auto", "netns" or "loopback" (see the module docstring); `lab.mode` says
     which one ran and a one-line notice on stderr says what it means.
     `name` prefixes every system object the lab creates (at most 10 chars).
@@ -335,14 +382,14 @@ class NetLab:
         if latency_ms < 0:
             raise LabSettingsError(f"latency_ms must be >= 0, got {latency_ms}")
         self.name = name
-        self.rate_bps = None if bandwidth is None else parse_rate(bandwidth)
+        self.rates_bps = parse_rates(bandwidth, hosts)
         self.latency_ms = float(latency_ms)
         if mode == "auto":
             mode = "netns" if netns_available(name) else "loopback"
         elif mode == "netns" and os.geteuid() != 0:
             raise NetLabError("netns mode needs root (use mode='loopback' or 'auto')")
         self.mode = mode
-        self.app_shaping = mode == "loopback" and self.rate_bps is not None
+        self.app_shaping = mode == "loopback" and any(rate is not None for rate in self.rates_bps)
         self.hosts: list[Host] = []
         self._closed = self._signalled = False
         self._prev_handlers: dict[int, object] = {}
@@ -370,11 +417,11 @@ class NetLab:
         env = {
             "DECENTRAL_HOST_INDEX": str(index),
             "DECENTRAL_HOST_ADDR": address,
-            "DECENTRAL_LINK_RATE_BPS": "" if self.rate_bps is None else str(self.rate_bps),
+            "DECENTRAL_LINK_RATE_BPS": "" if self.rates_bps[index] is None else str(self.rates_bps[index]),
             "DECENTRAL_LINK_LATENCY_MS": f"{self.latency_ms:g}",
             "DECENTRAL_NETLAB_MODE": self.mode,
         }
-        return Host(index, address, namespace, env)
+        return Host(index, address, namespace, env, self.rates_bps[index])
 
     def _setup_netns(self, hosts: int) -> None:
         cleanup_stale(self.name)
@@ -397,9 +444,9 @@ class NetLab:
             _cmd(["ip", "-n", ns, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", "eth0"])
             _cmd(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
-            if self.rate_bps is not None:
-                _cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{self.rate_bps}bit",
-                      "burst", str(tbf_burst_bytes(self.rate_bps)), "latency", _TBF_LATENCY])
+            if (rate := self.rates_bps[i]) is not None:
+                _cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{rate}bit",
+                      "burst", str(tbf_burst_bytes(rate)), "latency", _TBF_LATENCY])
             self.hosts.append(self._host(i, address, ns))
         for g, group in enumerate(self.lans):
             self._setup_lan(g, group)
@@ -426,14 +473,15 @@ class NetLab:
 
     def notice(self) -> str:
         """One line saying which mode ran and what it enforces."""
-        cap = "uncapped" if self.rate_bps is None else human_rate(self.rate_bps)
+        cap = describe_rates(self.rates_bps)
         latency = f"latency {self.latency_ms:g} ms is only passed to apps (DECENTRAL_LINK_LATENCY_MS; no netem here)"
         if self.lans:
             latency += "; uncapped LANs " + ", ".join(
                 "+".join(f"h{i}" for i in group) + (f" on {self._lan_subnet(g)}" if self.mode == "netns" else "")
                 for g, group in enumerate(self.lans))
         if self.mode == "netns":
-            uplinks = "uncapped" if self.rate_bps is None else f"capped at {cap} by tc tbf"
+            uplinks = ("uncapped" if cap == "uncapped" else f"capped by tc tbf ({cap})" if "," in cap else
+                       f"capped at {cap} by tc tbf")
             where = (f"host {self.hosts[0].address}" if len(self.hosts) == 1 else
                      f"hosts {self.hosts[0].address}..{self.hosts[-1].address}")
             return f"netlab: netns mode, {len(self.hosts)} {where} on bridge {self.name}br, uplinks {uplinks}; {latency}"
@@ -584,7 +632,7 @@ def measure_throughput(lab: NetLab, src: int, dst: int, seconds: float = 3.0, *,
     if address is None:
         raise ValueError(f"h{dst} is on no LAN")
     helper = [sys.executable, "-m", "decentral.netlab"]
-    pace = lab.rate_bps if lab.app_shaping and not lan else 0
+    pace = (src_host.rate_bps or 0) if lab.app_shaping and not lan else 0
     recv = dst_host.popen([*helper, "_recv", address, str(seconds)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     send = None
@@ -674,8 +722,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type
 
     parser.add_argument("--hosts", type=int, default=2, help="number of emulated hosts")
-    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help=BANDWIDTH_HELP)
+    parser.add_argument("--bandwidth", type=bandwidths_argument, default="20mbit", help=BANDWIDTHS_HELP)
     parser.add_argument("--latency-ms", type=number_type(float, 0), default=0.0,
                         help="link latency passed to apps (not kernel-enforced)")
     add_mode_argument(parser)
@@ -731,7 +778,8 @@ def main(args: argparse.Namespace) -> int:
             status = 0
             if args.measure:
                 rate = measure_throughput(lab, 0, 1, seconds=args.seconds)
-                cap = "uncapped" if lab.rate_bps is None else f"cap {human_rate(lab.rate_bps)} ({rate / lab.rate_bps:.0%})"
+                cap_bps = lab.hosts[0].rate_bps
+                cap = "uncapped" if cap_bps is None else f"cap {human_rate(cap_bps)} ({rate / cap_bps:.0%})"
                 paced = " (loopback mode: the sender's own pacing, not a kernel's cap)" if lab.app_shaping else ""
                 print(f"h0 -> h1: {human_rate(rate)}, {cap}{paced}", flush=True)
             if cmd:

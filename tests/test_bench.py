@@ -327,7 +327,8 @@ def test_a_method_with_a_codec_its_protocol_cannot_use_is_refused_before_anythin
                          ("diloco+", "unknown method"), (",", "names no method"),
                          ("local", "names no method besides local"), ("local,diloco+int3", "unknown codec"),
                          ("diloco,noloco,diloco", "names diloco more than once"),
-                         ("diloco --hosts 254", "--hosts 254: a lab has at most 253")):
+                         ("diloco --hosts 254", "--hosts 254: a lab has at most 253"),
+                         ("diloco --bandwidth 20mbit,5mbit", "'20mbit,5mbit' gives 2 rates for 4 hosts")):
         methods, *more = methods.split()
         code = cli_main(["bench", "--protocols", methods, "--out", str(tmp_path / "out"), *more])
         err = capsys.readouterr().err
@@ -479,7 +480,7 @@ def test_in_loopback_mode_ddp_and_hivemind_are_said_uncapped_and_nothing_is_comp
     assert diloco["speedup_vs_ddp"] is None and diloco["ddp_time_to_final_s"] is None
     out, err = capsys.readouterr()
     assert "ddp (uncapped)" in out and "hivemind (uncapped)" in out and "diloco (uncapped)" not in out
-    assert "bench: 1 host, 20mbit links, loopback mode: only the swarm's own streams paced" in out  # (the table's)
+    assert "bench: 1 host, 20 Mbit/s links, loopback mode: only the swarm's own streams paced" in out  # (the table's)
     assert "bench: note: ddp, hivemind ran uncapped: in loopback mode only the swarm's own streams" in err
 
 

@@ -331,6 +331,7 @@ def test_a_user_error_is_one_line_and_exit_code_2(user_errors, name, expected):
     (["netlab", "--hosts", "0"], "hosts must be in 1..253, got 0"),
     (["swarm", "keygen", "/nonexistent/folder/swarm.key"], "cannot write swarm key /nonexistent/folder/swarm.key"),
     (["netlab", "--hosts", "1", "--measure"], "--measure needs at least 2 hosts"),
+    (["netlab", "--hosts", "3", "--bandwidth", "20mbit,5mbit"], "'20mbit,5mbit' gives 2 rates for 3 hosts"),
     (["bench", "--protocols", "diloco", "--out", ""], "--out is empty: give a folder"),  # it wrote into the cwd
     (["merge", "linear", "--out", " "], "--out is empty: give a folder"),
 ])
@@ -376,6 +377,24 @@ def test_a_bandwidth_that_is_no_rate_tc_can_shape_is_a_usage_error(command, rate
     err = capsys.readouterr().err
     assert done.value.code == 2 and expected in err and "or 'none' for uncapped links" in err, err
     assert build_parser().parse_args([*command, "--bandwidth", "None"]).bandwidth is None
+
+
+@pytest.mark.parametrize("command, per_host", [(["netlab"], True), (["bench"], True), (["bench", "fetch"], True),
+                                               (["syncbench"], False), (["bench", "soak"], False),
+                                               (["bench", "islands"], False)])
+def test_a_rate_per_host_goes_to_the_commands_whose_hosts_are_fixed_and_each_rate_is_checked(command, per_host,
+                                                                                             capsys):
+    """syncbench and bench islands change their host count from point to point, and bench soak takes one rate."""
+    if per_host:
+        assert build_parser().parse_args([*command, "--bandwidth", "20mbit, none,5mbit"]).bandwidth == \
+            "20mbit,none,5mbit"
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--bandwidth", "20mbit,fast"])
+        assert done.value.code == 2 and "not a link rate: 'fast'" in capsys.readouterr().err
+        return
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--bandwidth", "20mbit,5mbit"])
+    assert done.value.code == 2 and "one rate for every host here, got '20mbit,5mbit'" in capsys.readouterr().err
 
 
 def test_a_run_that_diverges_exits_3_and_keeps_its_last_good_checkpoint(tmp_path, small_corpus, prefork):

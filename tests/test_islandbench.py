@@ -39,7 +39,7 @@ def test_lans_are_uncapped_and_isolated_from_each_other(lab_name):
         h0.run(["ip", "route", "add", "10.214.1.0/24", "dev", "lan0"], timeout=30)
         assert connect_errno(lab, 0, h2.lan_address) == 113  # even routed there: h2 is not on h0's LAN (no ARP answer)
         lan = measure_throughput(lab, 0, 1, seconds=1.0, lan=True)
-        assert lan > 3 * lab.rate_bps, f"LAN {lan / 1e6:.0f} Mbit/s: capped like the 20 Mbit/s uplink?"
+        assert lan > 3 * lab.hosts[0].rate_bps, f"LAN {lan / 1e6:.0f} Mbit/s: capped like the 20 Mbit/s uplink?"
         removed = cleanup_stale(lab_name)  # as after a crash: the LANs' bridges and veths go too
     assert {f"link {lab_name}lb0", f"link {lab_name}lb1", f"link {lab_name}-l0", f"link {lab_name}-l2"} <= set(removed)
     assert cleanup_stale(lab_name) == []

@@ -75,9 +75,31 @@ def test_parse_rate_rejects_junk(text):
         parse_rate(text)
 
 
+def test_rates_one_for_every_host_or_one_per_host():
+    assert netlab.parse_rates("20mbit", 3) == [20_000_000] * 3 and netlab.parse_rates(None, 2) == [None, None]
+    rates = netlab.parse_rates("20mbit,20mbit,none,5mbit", 4)
+    assert rates == [20_000_000, 20_000_000, None, 5_000_000]
+    assert netlab.describe_rates(rates) == "h0-h1 20 Mbit/s, h2 uncapped, h3 5 Mbit/s"
+    assert netlab.describe_rates(rates[:2], "p", 1) == "20 Mbit/s"
+    assert netlab.describe_rates([8_000_000, 1_000_000], "p", 1) == "p1 8 Mbit/s, p2 1 Mbit/s"
+    with pytest.raises(netlab.LabSettingsError, match="'20mbit,5mbit' gives 2 rates for 3 hosts"):
+        netlab.parse_rates("20mbit,5mbit", 3)
+    with pytest.raises(netlab.LabSettingsError, match="not a link rate: 'fast'"):
+        netlab.parse_rates("20mbit,fast", 2)
+
+
+def test_each_host_of_a_loopback_lab_paces_to_its_own_uplink(lab_name):
+    with NetLab(3, "20mbit,none,5mbit", name=lab_name, mode="loopback") as lab:
+        assert lab.app_shaping and [host.rate_bps for host in lab.hosts] == [20_000_000, None, 5_000_000]
+        assert [host.env["DECENTRAL_LINK_RATE_BPS"] for host in lab.hosts] == ["20000000", "", "5000000"]
+        assert "bandwidth h0 20 Mbit/s, h1 uncapped, h2 5 Mbit/s" in lab.notice()
+        paced = measure_throughput(lab, 2, 0, seconds=1.0)
+        assert 0.7 * 5e6 < paced < 1.05 * 5e6, f"{paced / 1e6:.1f} Mbit/s from h2 (5 Mbit/s)"
+
+
 def test_loopback_mode_exposes_rate_to_apps(lab_name):
     with NetLab(3, "20mbit", latency_ms=25, name=lab_name, mode="loopback") as lab:
-        assert lab.mode == "loopback" and lab.app_shaping and lab.rate_bps == 20_000_000
+        assert lab.mode == "loopback" and lab.app_shaping and lab.hosts[2].rate_bps == 20_000_000
         assert [h.address for h in lab.hosts] == ["127.0.0.1"] * 3
         assert all(h.namespace is None for h in lab.hosts)
         out = lab.hosts[2].run([sys.executable, "-c", PRINT_ENV], timeout=30, env={"EXTRA": "x"}).stdout
@@ -90,7 +112,7 @@ def test_loopback_mode_exposes_rate_to_apps(lab_name):
             held.bind(("127.0.0.1", 5201))
             held.listen()
             paced = measure_throughput(lab, 0, 1, seconds=1.0)
-        assert 0.7 * lab.rate_bps < paced < 1.05 * lab.rate_bps
+        assert 0.7 * lab.hosts[0].rate_bps < paced < 1.05 * lab.hosts[0].rate_bps
     with NetLab(1, None, name=lab_name, mode="loopback") as lab:
         assert not lab.app_shaping and lab.hosts[0].env["DECENTRAL_LINK_RATE_BPS"] == ""
 
@@ -98,9 +120,9 @@ def test_loopback_mode_exposes_rate_to_apps(lab_name):
 @needs_netns
 @pytest.mark.solo
 def test_capped_link_measures_near_its_cap(lab_name):
-    with NetLab(2, "20mbit", name=lab_name, mode="netns") as lab:
+    """Each host's uplink is its own: h0's 20 Mbit/s, h1's 200 Mbit/s."""
+    with NetLab(2, "20mbit,200mbit", name=lab_name, mode="netns") as lab:
         capped = measure_throughput(lab, 0, 1, seconds=2.0)
-    with NetLab(2, "200mbit", name=lab_name, mode="netns") as lab:
         fast = measure_throughput(lab, 1, 0, seconds=2.0)
     print(f"20mbit cap: {capped / 1e6:.1f} Mbit/s, 200mbit cap: {fast / 1e6:.1f} Mbit/s")
     assert 0.7 * 20e6 <= capped <= 1.05 * 20e6
