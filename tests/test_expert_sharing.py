@@ -407,6 +407,43 @@ def test_a_publisher_that_stops_sending_mid_piece_holds_nobody_up(tmp_path, smal
         check_installed(got, expert, state)
 
 
+class Slow(ExpertSharing):
+    """A publisher that sends what it is asked for in frames of 1 KiB, one every 0.25 s (4 KiB/s at most)."""
+
+    async def _serve(self, sender, reader, writer):
+        request = json.loads(await read_frame(reader, self.peer.stats))
+        data = (self._published["code"].folder / request["file"]).read_bytes()[request["offset"]:request["end"]]
+        await write_frame(writer, json.dumps({"ok": True, "offset": request["offset"]}).encode(), self.peer.stats)
+        for start in range(0, len(data), 1024):
+            await asyncio.sleep(0.25)
+            await write_frame(writer, data[start:start + 1024], self.peer.stats)
+        await write_frame(writer, b"", self.peer.stats)
+
+
+def test_a_slow_publisher_is_asked_for_small_pieces_and_a_fast_one_for_large_ones(tmp_path, small_pieces,
+                                                                                 monkeypatch):
+    """Every piece was an even share of the file: a slow uplink held a whole one while the rest came, and the
+    fetch waited for it or asked another for all of it again (a 1 Mbit/s publisher beside an 8 Mbit/s one: 7.6 s
+    where their uplinks need 6.2). A publisher's first piece is the smallest now, and each next one what its last
+    one's rate carries in PIECE_SECONDS: the slow one's stay small, the fast one's grow."""
+    monkeypatch.setattr(sharing_module, "PIECE_SECONDS", 0.5)
+    with publishers_of_code(tmp_path, Slow, ExpertSharing) as (expert, state, publishers, fetcher):
+        ask_in_order(monkeypatch, *publishers)
+        pieces, download = [], fetcher._download_piece
+
+        async def recorded(peer, name, file, start, end):
+            pieces.append((peer, end - start))
+            return await download(peer, name, file, start, end)
+
+        monkeypatch.setattr(fetcher, "_download_piece", recorded)
+        got = fetcher.fetch("code")
+        check_installed(got, expert, state)
+    slow, fast = ([size for peer, size in pieces if peer == side.peer.peer_id] for side in publishers)
+    assert slow[0] == fast[0] == 256, pieces
+    assert all(size <= 2048 for size in slow), slow  # (4 KiB/s for 0.5 s at most)
+    assert max(fast) == 4096 and sum(fast) > 4 * sum(slow), pieces
+
+
 class Flipping(ExpertSharing):
     """A publisher that serves what it is asked for, every byte flipped."""
 
@@ -448,19 +485,22 @@ class RefusingTheStart(ExpertSharing):
 def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp_path, small_pieces, monkeypatch):
     """Pieces that came while one before them was missing waited in memory: a fetch that stopped lost them.
     They wait beside the file now, the message counts them, and the next fetch takes them in and asks for the
-    rest alone. (Two publishers: pieces of 4 KiB, the first frozen, then refused; the next three came.)"""
+    rest alone. (Two publishers, each asked first for 256 bytes, then for 4 KiB at a time: the first publisher
+    froze on bytes 0-255, the other sent the pieces from 256 up to the window's end, 16 KiB past byte 0, and
+    refused byte 0.)"""
     monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(sharing_module, "PIECE_SECONDS", 1000.0)  # (a publisher's next piece: the largest)
     Frozen.thaw = threading.Event()
     with publishers_of_code(tmp_path, Frozen, RefusingTheStart) as (expert, state, publishers, fetcher):
         ask_in_order(monkeypatch, *publishers)
         try:
-            with pytest.raises(RegistryError, match=r"\(12,288 bytes of it are kept in .*\.code\.partial-"):
+            with pytest.raises(RegistryError, match=r"\(16,640 bytes of it are kept in .*\.code\.partial-"):
                 fetcher.fetch("code")
         finally:
             Frozen.thaw.set()
         [partial] = (tmp_path / "b").glob(".code.partial-*")
         assert {path.name for path in partial.iterdir() if ".from-" in path.name} == {
-            f"model.safetensors.from-{start}" for start in (4096, 8192, 12288)}
+            f"model.safetensors.from-{start}" for start in (256, 512, 4608, 8704, 12800)}
         for publisher in publishers:
             publisher._published.clear()  # they serve nothing from now on
         honest = ExpertSharing(SwarmPeer(fetcher.peer.run, fetcher.peer.multiaddrs()), Registry(tmp_path / "c"))
@@ -474,4 +514,4 @@ def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp
             honest.close()
             honest.peer.shutdown()
         check_installed(got, expert, state)
-        assert expert.size - 12288 <= sent < expert.size - 12288 + 2000, sent  # (and frames' headers)
+        assert expert.size - 16640 <= sent < expert.size - 16640 + 2000, sent  # (and frames' headers)

@@ -41,9 +41,10 @@ RECORD_TTL_S = 30.0
 CHUNK_BYTES = 1 << 20
 CHUNK_TIMEOUT_S = 30.0  # a publisher that sends nothing for this long is given up on
 PARALLEL_PUBLISHERS = 8  # the most publishers a file comes from at once
-PIECES_EACH = 4  # a file comes in this many pieces per publisher (uplinks that differ share it out by speed)...
+PIECES_EACH = 4  # a piece is at most 1/(this many x publishers) of the file (uplinks that differ share it by speed)...
 MIN_PIECE_BYTES = CHUNK_BYTES // 4  # ... of this size at least (each piece is a stream and a request of its own)
 MAX_PIECE_BYTES = 4 * CHUNK_BYTES  # ... and at most (a piece is held in memory while it comes)
+PIECE_SECONDS = 2.0  # a publisher's next piece: what its last one's rate carries in this long (within the above)
 PIECES_AHEAD = 2  # per publisher: how far past the first missing piece a piece is asked for
 
 
@@ -245,47 +246,58 @@ class ExpertSharing:
         """Fetch `file` from `part.received` to `size` in pieces from up to `PARALLEL_PUBLISHERS` of `peers` at
         once, each asking for the next piece when its last one came (a faster uplink carries more of them), and
         append them to `part` in order: one that comes before those ahead of it waits beside the file
-        (`_Part.put_ahead`), where a fetch that stops leaves it for the next. A piece is taken only within
-        `PIECES_AHEAD` pieces per publisher of the first one missing; a publisher with nothing left to take asks
-        for the first missing piece too, and whichever copy comes first is kept (a slow publisher holds nobody
-        up). A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or
-        every publisher failed."""
+        (`_Part.put_ahead`), where a fetch that stops leaves it for the next. A publisher's first piece is
+        `MIN_PIECE_BYTES`, and each next one what its last one's rate carries in `PIECE_SECONDS`, up to an even
+        share (1/`PIECES_EACH` of the file per publisher, at most `MAX_PIECE_BYTES`): a slow uplink's pieces are
+        small, so the one it holds as the rest has come is little. A piece is taken only within `PIECES_AHEAD`
+        even shares per publisher of the first byte missing; a publisher with nothing left to take asks for the
+        first missing piece too, and whichever copy comes first is kept (a slow publisher holds nobody up). A
+        publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
+        publisher failed."""
         publishers, kept = peers[:PARALLEL_PUBLISHERS], part.kept_ahead()
-        gaps, at = [], part.received  # the bytes missing: (first, end) between ours and those kept ahead
+        free, at = [], part.received  # (first, end) of the bytes nobody asked for: between ours and those kept ahead
         for start, length in sorted(kept.items()):
-            gaps.append((at, start))
+            free.append((at, start))
             at = start + length
-        gaps.append((at, size))
-        even = -(-sum(end - start for start, end in gaps) // (PIECES_EACH * len(publishers)))  # (rounded up)
-        piece = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, even))
-        ends = {s: min(s + piece, end) for start, end in gaps for s in range(start, end, piece)}  # piece -> its end
-        waiting = sorted(ends)  # pieces nobody has asked for, by their first byte
+        free = [(first, end) for first, end in [*free, (at, size)] if first < end]
+        even = -(-sum(end - first for first, end in free) // (PIECES_EACH * len(publishers)))  # (rounded up)
+        largest = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, even))
+        ends: dict[int, int] = {}  # first byte -> end, of each piece asked for
+        rates: dict[str, float] = {}  # publisher -> bytes per second its last piece came at
         asked: dict[int, int] = {}  # first byte -> how many publishers fetch that piece now
         came = set(kept)  # pieces that came ahead of the first one missing (in this fetch or an earlier one)
         news = asyncio.Event()
 
-        def next_piece() -> int | None:
-            if waiting and waiting[0] < part.received + PIECES_AHEAD * len(publishers) * piece:
-                return waiting.pop(0)
+        def next_piece(peer: str) -> int | None:
+            if free and free[0][0] < part.received + PIECES_AHEAD * len(publishers) * largest:
+                first, end = free.pop(0)
+                cut = first + min(largest, max(MIN_PIECE_BYTES, int(rates.get(peer, 0.0) * PIECE_SECONDS)))
+                if end - cut >= MIN_PIECE_BYTES:  # (else the rest comes along: no sliver of a piece)
+                    free.insert(0, (cut, end))
+                    end = cut
+                ends[first] = end
+                return first
             lagging = [start for start, count in asked.items() if count == 1 and start not in came]
             return min(lagging) if lagging and min(lagging) == part.received else None
 
         async def fetch_from(peer: str) -> None:
             while part.received < size:
-                start = next_piece()
+                start = next_piece(peer)
                 if start is None:
-                    if not asked and not waiting:  # (nothing under way or left to ask for: no piece will come)
+                    if not asked and not free:  # (nothing under way or left to ask for: no piece will come)
                         return
                     news.clear()
                     await news.wait()
                     continue
                 asked[start] = asked.get(start, 0) + 1
+                began, end = loop.time(), ends[start]
                 try:
-                    data = await self._download_piece(peer, name, file, start, ends[start])
+                    data = await self._download_piece(peer, name, file, start, end)
                 except Exception as e:
                     log.warning("fetching %s: %s stops sending pieces (%s)", name, peer[-8:], e)
                     return
                 else:
+                    rates[peer] = len(data) / max(loop.time() - began, 1e-3)
                     if start == part.received:
                         part.append(data)
                         part.take_ahead()
@@ -301,10 +313,11 @@ class ExpertSharing:
                     asked[start] -= 1
                     if not asked[start]:
                         del asked[start]
-                        if start >= part.received and start not in came and start not in waiting:
-                            bisect.insort(waiting, start)  # (its publisher failed: another takes it)
+                        if start >= part.received and start not in came:
+                            bisect.insort(free, (start, end))  # (its publisher failed: another takes it)
                     news.set()
 
+        loop = asyncio.get_running_loop()
         tasks = [asyncio.ensure_future(fetch_from(peer)) for peer in publishers]
         try:
             for result in await asyncio.gather(*tasks, return_exceptions=True):
