@@ -382,21 +382,26 @@ def test_a_file_comes_in_pieces_from_every_publisher_at_once(tmp_path, small_pie
 
 
 class Frozen(ExpertSharing):
-    """A publisher that, asked for anything, answers that it sends it and then sends nothing until `thaw` is set."""
+    """A publisher that, asked for anything, answers that it sends it and then sends nothing until `thaw` is set;
+    `asked` lists the first byte of each request."""
 
     thaw: threading.Event
+    asked: list[int]
 
     async def _serve(self, sender, reader, writer):
         request = json.loads(await read_frame(reader, self.peer.stats))
+        self.asked.append(request["offset"])
         await write_frame(writer, json.dumps({"ok": True, "offset": request["offset"]}).encode(), self.peer.stats)
         await asyncio.get_running_loop().run_in_executor(None, self.thaw.wait)
 
 
 def test_a_publisher_that_stops_sending_mid_piece_holds_nobody_up(tmp_path, small_pieces, monkeypatch):
     """The piece a frozen publisher holds is asked of the other one too, once it has nothing else to fetch: the
-    fetch ends without waiting for the frozen one (whose silence is given up on only after CHUNK_TIMEOUT_S)."""
+    fetch ends without waiting for the frozen one (whose silence is given up on only after CHUNK_TIMEOUT_S). Its
+    copy is stopped once the other came, and it is asked for the next piece (a slow publisher went on sending a
+    piece that had come, its uplink wasted)."""
     monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 600.0)
-    Frozen.thaw = threading.Event()
+    Frozen.thaw, Frozen.asked = threading.Event(), []
     with publishers_of_code(tmp_path, Frozen, ExpertSharing) as (expert, state, publishers, fetcher):
         ask_in_order(monkeypatch, publishers[0])
         with ThreadPoolExecutor(1) as pool:
@@ -405,6 +410,7 @@ def test_a_publisher_that_stops_sending_mid_piece_holds_nobody_up(tmp_path, smal
             finally:
                 Frozen.thaw.set()
         check_installed(got, expert, state)
+    assert len(Frozen.asked) >= 2 and Frozen.asked[0] == 0, Frozen.asked
 
 
 class Slow(ExpertSharing):
@@ -490,7 +496,7 @@ def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp
     refused byte 0.)"""
     monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 3.0)
     monkeypatch.setattr(sharing_module, "PIECE_SECONDS", 1000.0)  # (a publisher's next piece: the largest)
-    Frozen.thaw = threading.Event()
+    Frozen.thaw, Frozen.asked = threading.Event(), []
     with publishers_of_code(tmp_path, Frozen, RefusingTheStart) as (expert, state, publishers, fetcher):
         ask_in_order(monkeypatch, *publishers)
         try:

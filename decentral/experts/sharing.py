@@ -251,8 +251,8 @@ class ExpertSharing:
         share (1/`PIECES_EACH` of the file per publisher, at most `MAX_PIECE_BYTES`): a slow uplink's pieces are
         small, so the one it holds as the rest has come is little. A piece is taken only within `PIECES_AHEAD`
         even shares per publisher of the first byte missing; a publisher with nothing left to take asks for the
-        first missing piece too, and whichever copy comes first is kept (a slow publisher holds nobody up). A
-        publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
+        first missing piece too, and whichever copy comes first is kept, the other stopped (a slow publisher holds
+        nobody up, and goes on to the next piece). A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
         publisher failed."""
         publishers, kept = peers[:PARALLEL_PUBLISHERS], part.kept_ahead()
         free, at = [], part.received  # (first, end) of the bytes nobody asked for: between ours and those kept ahead
@@ -266,6 +266,7 @@ class ExpertSharing:
         rates: dict[str, float] = {}  # publisher -> bytes per second its last piece came at
         asked: dict[int, int] = {}  # first byte -> how many publishers fetch that piece now
         came = set(kept)  # pieces that came ahead of the first one missing (in this fetch or an earlier one)
+        copies: dict[int, set[asyncio.Future]] = {}  # first byte -> its downloads under way (one, or two)
         news = asyncio.Event()
 
         def next_piece(peer: str) -> int | None:
@@ -291,13 +292,21 @@ class ExpertSharing:
                     continue
                 asked[start] = asked.get(start, 0) + 1
                 began, end = loop.time(), ends[start]
+                download = asyncio.ensure_future(self._download_piece(peer, name, file, start, end))
+                copies.setdefault(start, set()).add(download)
                 try:
-                    data = await self._download_piece(peer, name, file, start, end)
+                    data = await download
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # (the fetch is cancelled, not this copy)
+                        raise
+                    continue  # another copy of the piece came first: on to the next
                 except Exception as e:
                     log.warning("fetching %s: %s stops sending pieces (%s)", name, peer[-8:], e)
                     return
                 else:
                     rates[peer] = len(data) / max(loop.time() - began, 1e-3)
+                    for other in copies.pop(start, set()) - {download}:
+                        other.cancel()
                     if start == part.received:
                         part.append(data)
                         part.take_ahead()
@@ -310,6 +319,7 @@ class ExpertSharing:
                             if task is not asyncio.current_task():
                                 task.cancel()
                 finally:
+                    copies.get(start, set()).discard(download)
                     asked[start] -= 1
                     if not asked[start]:
                         del asked[start]
