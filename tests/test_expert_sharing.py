@@ -426,12 +426,22 @@ class Slow(ExpertSharing):
         await write_frame(writer, b"", self.peer.stats)
 
 
-def test_a_slow_publisher_is_asked_for_small_pieces_and_a_fast_one_for_large_ones(tmp_path, small_pieces,
-                                                                                 monkeypatch):
+def test_a_publishers_next_piece_follows_its_rate_and_its_share_of_what_is_left():
     """Every piece was an even share of the file: a slow uplink held a whole one while the rest came, and the
     fetch waited for it or asked another for all of it again (a 1 Mbit/s publisher beside an 8 Mbit/s one: 7.6 s
-    where their uplinks need 6.2). A publisher's first piece is the smallest now, and each next one what its last
-    one's rate carries in PIECE_SECONDS: the slow one's stay small, the fast one's grow."""
+    where their uplinks need 6.2)."""
+    largest, mib = 2**20, 2**20
+    assert sharing_module.piece_bytes(largest, None, 0.0, 6 * mib) == sharing_module.MIN_PIECE_BYTES  # (no rate yet)
+    slow, fast = 125_000.0, 1_000_000.0  # 1 and 8 Mbit/s
+    assert sharing_module.piece_bytes(largest, slow, slow + fast, 6 * mib) == sharing_module.MIN_PIECE_BYTES
+    assert sharing_module.piece_bytes(largest, 200_000.0, 200_000.0 + fast, 6 * mib) == 400_000  # (2 s of it)
+    assert sharing_module.piece_bytes(largest, fast, slow + fast, 6 * mib) == largest
+    assert sharing_module.piece_bytes(largest, fast, 4 * fast, 4 * largest) == largest  # four alike: one each
+    assert sharing_module.piece_bytes(largest, fast, 4 * fast, 2 * largest) == largest // 2  # and end together
+
+
+def test_a_slow_publisher_is_asked_for_small_pieces_and_a_fast_one_for_larger_ones(tmp_path, small_pieces,
+                                                                                   monkeypatch):
     monkeypatch.setattr(sharing_module, "PIECE_SECONDS", 0.5)
     with publishers_of_code(tmp_path, Slow, ExpertSharing) as (expert, state, publishers, fetcher):
         ask_in_order(monkeypatch, *publishers)
@@ -445,9 +455,9 @@ def test_a_slow_publisher_is_asked_for_small_pieces_and_a_fast_one_for_large_one
         got = fetcher.fetch("code")
         check_installed(got, expert, state)
     slow, fast = ([size for peer, size in pieces if peer == side.peer.peer_id] for side in publishers)
-    assert slow[0] == fast[0] == 256, pieces
+    assert slow[0] == fast[0] == 256, pieces  # (no rate known yet)
     assert all(size <= 2048 for size in slow), slow  # (4 KiB/s for 0.5 s at most)
-    assert max(fast) == 4096 and sum(fast) > 4 * sum(slow), pieces
+    assert max(fast) > 2048 and sum(fast) > 2 * sum(slow), pieces
 
 
 class Flipping(ExpertSharing):
@@ -495,7 +505,7 @@ def test_pieces_that_came_ahead_of_a_missing_one_are_kept_for_the_next_fetch(tmp
     froze on bytes 0-255, the other sent the pieces from 256 up to the window's end, 16 KiB past byte 0, and
     refused byte 0.)"""
     monkeypatch.setattr(sharing_module, "CHUNK_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(sharing_module, "PIECE_SECONDS", 1000.0)  # (a publisher's next piece: the largest)
+    monkeypatch.setattr(sharing_module, "PIECE_SECONDS", 1000.0)  # (however slow the machine: pieces of 4 KiB)
     Frozen.thaw, Frozen.asked = threading.Event(), []
     with publishers_of_code(tmp_path, Frozen, RefusingTheStart) as (expert, state, publishers, fetcher):
         ask_in_order(monkeypatch, *publishers)

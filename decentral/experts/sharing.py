@@ -246,11 +246,9 @@ class ExpertSharing:
         """Fetch `file` from `part.received` to `size` in pieces from up to `PARALLEL_PUBLISHERS` of `peers` at
         once, each asking for the next piece when its last one came (a faster uplink carries more of them), and
         append them to `part` in order: one that comes before those ahead of it waits beside the file
-        (`_Part.put_ahead`), where a fetch that stops leaves it for the next. A publisher's first piece is
-        `MIN_PIECE_BYTES`, and each next one what its last one's rate carries in `PIECE_SECONDS`, up to an even
-        share (1/`PIECES_EACH` of the file per publisher, at most `MAX_PIECE_BYTES`): a slow uplink's pieces are
-        small, so the one it holds as the rest has come is little. A piece is taken only within `PIECES_AHEAD`
-        even shares per publisher of the first byte missing; a publisher with nothing left to take asks for the
+        (`_Part.put_ahead`), where a fetch that stops leaves it for the next. A piece is as long as `piece_bytes`
+        says for its publisher. A piece is taken only within `PIECES_AHEAD` even shares per publisher of the first
+        byte missing; a publisher with nothing left to take asks for the
         first missing piece too, and whichever copy comes first is kept, the other stopped (a slow publisher holds
         nobody up, and goes on to the next piece). A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
         publisher failed."""
@@ -272,7 +270,8 @@ class ExpertSharing:
         def next_piece(peer: str) -> int | None:
             if free and free[0][0] < part.received + PIECES_AHEAD * len(publishers) * largest:
                 first, end = free.pop(0)
-                cut = first + min(largest, max(MIN_PIECE_BYTES, int(rates.get(peer, 0.0) * PIECE_SECONDS)))
+                left = end - first + sum(e - f for f, e in free)
+                cut = first + piece_bytes(largest, rates.get(peer), sum(rates.values()), left)
                 if end - cut >= MIN_PIECE_BYTES:  # (else the rest comes along: no sliver of a piece)
                     free.insert(0, (cut, end))
                     end = cut
@@ -302,6 +301,7 @@ class ExpertSharing:
                     continue  # another copy of the piece came first: on to the next
                 except Exception as e:
                     log.warning("fetching %s: %s stops sending pieces (%s)", name, peer[-8:], e)
+                    rates.pop(peer, None)
                     return
                 else:
                     rates[peer] = len(data) / max(loop.time() - began, 1e-3)
@@ -445,6 +445,17 @@ def _locked(folder: Path) -> Iterator[bool]:
             yield False
             return
         yield True
+
+
+def piece_bytes(largest: int, rate: float | None, total_rate: float, left: int) -> int:
+    """How many bytes a publisher is asked for next: `MIN_PIECE_BYTES` while its `rate` (bytes per second, its last
+    piece's) is not known, then what that rate carries in `PIECE_SECONDS`, and its share `rate / total_rate` of the
+    `left` bytes nobody has asked for, within `MIN_PIECE_BYTES` and `largest` (an even share of the file:
+    1/`PIECES_EACH` of it per publisher, at most `MAX_PIECE_BYTES`): a slow uplink's pieces are small, so the one
+    it holds when the rest has come is little, and the publishers end together."""
+    if rate is None:
+        return MIN_PIECE_BYTES
+    return max(MIN_PIECE_BYTES, min(largest, int(rate * PIECE_SECONDS), int(left * rate / total_rate)))
 
 
 class _Part:
