@@ -121,7 +121,8 @@ def rate_argument(text: str) -> str:
 
 BANDWIDTH_HELP = ("uplink cap per host, in bits per second: 20mbit, 512kbit, 1gbit (20Mbps is 20 Mbit/s too, where tc "
                   "reads mbps as bytes), or 'none' (default: %(default)s)")
-BANDWIDTHS_HELP = BANDWIDTH_HELP.replace(" (default", "; or one per host, comma-separated: 20mbit,20mbit,5mbit (default")
+BANDWIDTHS_HELP = BANDWIDTH_HELP.replace(" (default", "; or one per host, comma-separated: 20mbit,20mbit,5mbit "
+                                         "(default")
 MODE_HELP = ("netns: a network namespace per host, uplinks capped by tc (root); loopback: every host on 127.0.0.1, "
              "the applications pace their own sends; auto: netns where root can (default)")
 LAB_MODES = ("auto", "netns", "loopback")
@@ -164,10 +165,12 @@ def bandwidths_argument(text: str) -> str | None:
     """argparse type of a `--bandwidth` that may give each host its own uplink: `bandwidth_argument`'s one rate,
     or a comma-separated rate (or 'none') per host ("20mbit,20mbit,5mbit"), checked against the host count by
     `parse_rates`."""
-    rates = text.split(",")
-    for rate in rates if len(rates) > 1 else []:
+    if "," not in text:
+        return bandwidth_argument(text)
+    rates = [rate.strip() for rate in text.split(",")]
+    for rate in rates:
         bandwidth_argument(rate)
-    return ",".join(rate.strip() for rate in rates) if len(rates) > 1 else bandwidth_argument(text)
+    return ",".join(rates)
 
 
 def parse_rates(bandwidth: str | None, hosts: int, what: str = "hosts") -> list[int | None]:

@@ -247,10 +247,10 @@ class ExpertSharing:
         once, each asking for the next piece when its last one came (a faster uplink carries more of them), and
         append them to `part` in order: one that comes before those ahead of it waits beside the file
         (`_Part.put_ahead`), where a fetch that stops leaves it for the next. A piece is as long as `piece_bytes`
-        says for its publisher. A piece is taken only within `PIECES_AHEAD` even shares per publisher of the first
-        byte missing; a publisher with nothing left to take asks for the
-        first missing piece too, and whichever copy comes first is kept, the other stopped (a slow publisher holds
-        nobody up, and goes on to the next piece). A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
+        says for its publisher, and taken only within `PIECES_AHEAD` even shares per publisher of the first byte
+        missing; a publisher with nothing left to take asks for the first missing piece too, and whichever copy
+        comes first is kept, the other stopped (a slow publisher holds nobody up, and goes on to the next piece).
+        A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
         publisher failed."""
         publishers, kept = peers[:PARALLEL_PUBLISHERS], part.kept_ahead()
         free, at = [], part.received  # (first, end) of the bytes nobody asked for: between ours and those kept ahead
