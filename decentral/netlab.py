@@ -152,7 +152,7 @@ def bandwidth_argument(text: str) -> str | None:
     (uncapped links)."""
     if "," in text:
         raise argparse.ArgumentTypeError(f"one rate for every host here, got {text!r} (a rate per host: "
-                                         "`decentral netlab`, `bench` and `bench fetch`)")
+                                         "`decentral netlab`, `bench`, `bench fetch` and `bench soak`)")
     if text.strip().lower() == "none":
         return None
     try:

@@ -50,7 +50,8 @@ from decentral.cli import stop_processes
 from decentral.config import Recipe, load_recipe, protocol_params, recipe_path
 from decentral.members import joining, train_command, wait_for_addresses
 from decentral.metrics import cell, format_table, read_metrics, results_folder
-from decentral.netlab import BANDWIDTH_HELP, NetLab, add_mode_argument, bandwidth_argument, mode_note
+from decentral.netlab import (BANDWIDTHS_HELP, LabSettingsError, NetLab, add_mode_argument, bandwidths_argument,
+                              describe_rates, mode_note, parse_rates)
 from decentral.swarm.admission import SwarmKey
 
 POLL_S = 0.5  # how often the harness looks at its workers
@@ -336,6 +337,11 @@ def run_soak(args: argparse.Namespace) -> int:
               "so --hosts must be at least 2 and --keep in 1..HOSTS-1"
               + (f" (e.g. --keep {args.hosts - 1})" if args.hosts >= 2 else ""), file=sys.stderr)
         return 2
+    try:
+        parse_rates(args.bandwidth, args.hosts)
+    except LabSettingsError as e:
+        print(f"bench soak: {e}", file=sys.stderr)
+        return 2
     recipe = load_recipe(recipe_path(args.protocol))
     if recipe.protocol == "local":
         print(f"bench soak: --protocol {args.protocol} trains without a swarm: there is nothing to join again after a "
@@ -379,8 +385,8 @@ def _soak(args: argparse.Namespace, recipe: Recipe, out: Path) -> int:
     (out / "results.json").write_text(json.dumps({"config": config, **summary}, indent=1))
     plot_soak(runs["steady"], runs["churn"], args.keep, out / "soak.png")
     print(format_summary(summary))
-    print(f"soak: {args.hosts} hosts, {args.bandwidth or 'uncapped'} links, {mode_note(config['mode'])}; results in "
-          f"{out / 'results.json'}, plot {out / 'soak.png'}")
+    print(f"soak: {args.hosts} hosts, {describe_rates(parse_rates(args.bandwidth, args.hosts))} links, "
+          f"{mode_note(config['mode'])}; results in {out / 'results.json'}, plot {out / 'soak.png'}")
     failed = failures(runs.values(), out)
     if not runs["churn"].restarts:  # (then the soak compared two steady runs)
         failed.append(f"bench soak: nobody was killed: the churn run ended before its first kill (--kill-every "
@@ -409,8 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decentral.cli import number_type, positive_int
 
     parser.add_argument("--hosts", type=int, default=6, help="one worker each (default: %(default)s)")
-    parser.add_argument("--bandwidth", type=bandwidth_argument, default="20mbit",
-                        help=BANDWIDTH_HELP)
+    parser.add_argument("--bandwidth", type=bandwidths_argument, default="20mbit", help=BANDWIDTHS_HELP)
     parser.add_argument("--protocol", default="diloco", help="a recipe file or name (default: diloco)")
     parser.add_argument("--steps", type=positive_int, default=3000,
                         help="the swarm's inner steps (default: ~20 min on 2 cores)")

@@ -380,11 +380,11 @@ def test_a_bandwidth_that_is_no_rate_tc_can_shape_is_a_usage_error(command, rate
 
 
 @pytest.mark.parametrize("command, per_host", [(["netlab"], True), (["bench"], True), (["bench", "fetch"], True),
-                                               (["syncbench"], False), (["bench", "soak"], False),
+                                               (["bench", "soak"], True), (["syncbench"], False),
                                                (["bench", "islands"], False)])
 def test_a_rate_per_host_goes_to_the_commands_whose_hosts_are_fixed_and_each_rate_is_checked(command, per_host,
                                                                                              capsys):
-    """syncbench and bench islands change their host count from point to point, and bench soak takes one rate."""
+    """syncbench and bench islands change their host count from point to point."""
     if per_host:
         assert build_parser().parse_args([*command, "--bandwidth", "20mbit, none,5mbit"]).bandwidth == \
             "20mbit,none,5mbit"

@@ -72,6 +72,8 @@ def test_settings_that_would_kill_nobody_are_refused_before_anything_runs(tmp_pa
         (["--timeout", "0"], "--timeout: must be above 0"), (["--steps", "0"], "--steps: must be at least 1")), out)
     assert cli_main(["bench", "soak", "--hosts", "1", "--out", str(out)]) == 2
     assert "--hosts must be at least 2" in capsys.readouterr().err
+    assert cli_main(["bench", "soak", "--bandwidth", "20mbit,2mbit", "--out", str(out)]) == 2
+    assert "'20mbit,2mbit' gives 2 rates for 6 hosts: give one rate, or one for each" in capsys.readouterr().err
     assert not out.exists()
 
 
