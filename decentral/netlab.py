@@ -483,8 +483,8 @@ class NetLab:
                 "+".join(f"h{i}" for i in group) + (f" on {self._lan_subnet(g)}" if self.mode == "netns" else "")
                 for g, group in enumerate(self.lans))
         if self.mode == "netns":
-            uplinks = ("uncapped" if cap == "uncapped" else f"capped by tc tbf ({cap})" if "," in cap else
-                       f"capped at {cap} by tc tbf")
+            uplinks = ("uncapped" if cap == "uncapped" else f"capped at {cap} by tc tbf"
+                       if len(set(self.rates_bps)) == 1 else f"capped by tc tbf ({cap})")
             where = (f"host {self.hosts[0].address}" if len(self.hosts) == 1 else
                      f"hosts {self.hosts[0].address}..{self.hosts[-1].address}")
             return f"netlab: netns mode, {len(self.hosts)} {where} on bridge {self.name}br, uplinks {uplinks}; {latency}"
