@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from decentral.island import IslandError, IslandTransport
 from decentral.transport import (
-    ROUNDS_AHEAD, AverageResult, EncodedAverage, MissedRound, Transport, check_group, with_us,
+    ROUNDS_AHEAD, AverageResult, EncodedAverage, MissedRound, Transport, check_group, longest_hold, with_us,
 )
 
 MODES = ("leader", "sharded")
@@ -281,6 +281,7 @@ class HierarchicalTransport:
             complete=complete, contributors=min(m["contributors"] for m in metas),
             rejected={p: why for m in metas for p, why in m["rejected"].items()},
             notes={p: n for m in metas for p, n in m["notes"].items()} if complete else {},
+            held_by=longest_hold(m["held_by"] for m in metas) if complete else None,
             **{key: sorted({p for m in metas for p in m[key]})
                for key in ("absent", "disagree", "left_out", "elsewhere")},
             encoded=encoded)
@@ -327,4 +328,5 @@ def _without_tensors(result: AverageResult, rename: dict[str, str] | None = None
                 rejected={name(p): why for p, why in result.rejected.items()},
                 absent=[name(p) for p in result.absent], disagree=[name(p) for p in result.disagree],
                 left_out=[name(p) for p in result.left_out], elsewhere=[name(p) for p in result.elsewhere],
-                notes={name(p): n for p, n in result.notes.items()})
+                notes={name(p): n for p, n in result.notes.items()},
+                held_by=None if result.held_by is None else (name(result.held_by[0]), result.held_by[1]))

@@ -2,7 +2,8 @@
 
 A record is a flat dict with at least `worker`, `step`, `wall_s` and, for training steps, `loss`;
 evaluations (every `train.eval_every` steps, and a run's last, `final`) add `val_loss`. Cumulative
-counters `bytes_sent`, `bytes_received` and `wait_s` are optional.
+counters `bytes_sent`, `bytes_received` and `wait_s` are optional; a sync's step may name the member that held
+its average up longest, `held_by`, and by how many seconds, `held_s` (decentral.swarm.averaging.held_up).
 A log can pass every record on to a sink as well: `TensorBoardSink` (the `tensorboard` extra, imported
 only when one is made).
 """
@@ -19,7 +20,8 @@ import numpy as np
 import torch
 
 SMOOTH_WINDOW = 10  # inner steps averaged for the plotted training loss
-NUMBER_FIELDS = ("step", "loss", "val_loss", "wall_s", "bytes_sent", "bytes_received", "wait_s")  # what reports read
+# what reports read
+NUMBER_FIELDS = ("step", "loss", "val_loss", "wall_s", "bytes_sent", "bytes_received", "wait_s", "held_s")
 CUMULATIVE_FIELDS = ("wall_s", "bytes_sent", "bytes_received", "wait_s")  # counted from a run's start, resumes too
 FINAL_LOSS_WINDOW = 10  # last training losses averaged for the summary's final loss
 TENSORBOARD_FLUSH_S = 5  # how stale the TensorBoard files may be (the JSONL is flushed after every record)
@@ -215,10 +217,17 @@ def write_report(records: list[dict], out_png: str | Path, title: str = "") -> d
 def summarize(records: Iterable[dict]) -> dict[str, dict]:
     """Per worker, in order of first appearance: `final_step` (largest step), `final_loss` (mean of the
     last 10 training losses), `val_loss` (the last one), `bytes_sent`, `bytes_received` and `wait_s`
-    (largest value of each cumulative counter) and `wall_s` (the last one). Absent values are None.
+    (largest value of each cumulative counter), `wall_s` (the last one) and `held_up_s`: the seconds the workers'
+    averages were held up by this worker (`held_s` where `held_by` names it), summed over every worker's records
+    and divided by the number of workers. Absent values are None.
     """
-    summary = {}
-    for worker, rows in _by_worker(records).items():
+    summary, by_worker = {}, _by_worker(records)
+    held: dict[Any, float] = {}  # worker named by `held_by` -> the seconds of `held_s` naming it
+    for rows in by_worker.values():
+        for r in rows:
+            if r.get("held_by") is not None and r.get("held_s") is not None:
+                held[r["held_by"]] = held.get(r["held_by"], 0.0) + r["held_s"]
+    for worker, rows in by_worker.items():
         losses = [r["loss"] for r in rows if r.get("loss") is not None][-FINAL_LOSS_WINDOW:]
         summary[worker] = {
             "final_step": _largest(rows, "step"),
@@ -228,18 +237,19 @@ def summarize(records: Iterable[dict]) -> dict[str, dict]:
             "bytes_received": _largest(rows, "bytes_received"),
             "wait_s": _largest(rows, "wait_s"),
             "wall_s": _last(rows, "wall_s"),
+            "held_up_s": held.get(worker, 0.0) / len(by_worker) if held else None,
         }
     return summary
 
 
 def format_summary(summary: dict[str, dict]) -> str:
     """A plain text table of `summarize`'s result, one row per worker; `-` marks absent values."""
-    header = ("worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "wall_s")
+    header = ("worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "held_up_s", "wall_s")
     rows = [header] + [
         (
             str(worker), cell(s["final_step"], ""), cell(s["final_loss"], ".4f"),
             cell(s["val_loss"], ".4f"), human_bytes(s["bytes_sent"]), human_bytes(s["bytes_received"]),
-            cell(s["wait_s"], ".1f"), cell(s["wall_s"], ".1f"),
+            cell(s["wait_s"], ".1f"), cell(s["held_up_s"], ".1f"), cell(s["wall_s"], ".1f"),
         )
         for worker, s in summary.items()
     ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Iterable, Protocol, TypeVar
 
 import torch
 
@@ -150,6 +150,13 @@ class AverageResult:
     # carries notes (an island's collectives carry none)
     encoded: EncodedAverage | None = None  # a committed `tensor` as it travelled, where the transport has it (the
     # members' bytes it was decoded from: a fraction of `tensor` in a lossy codec), for `offer_state(led_by=)`
+    held_by: tuple[str, float] | None = None  # of a committed average, where the transport times it: the member
+    # (ourselves included) that held it up longest, and by how many seconds (decentral.swarm.averaging.held_up)
+
+
+def longest_hold(holds: Iterable[tuple[str, float] | None]) -> tuple[str, float] | None:
+    """Of several averages' `held_by`, the one that held its average up longest (None when none says)."""
+    return max((held for held in holds if held), key=lambda held: held[1], default=None)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from decentral.transport import SoloTransport, Transport
 
 
 IDENTITY_FILE = "identity.key"  # in OUT: a restarted worker keeps its peer id
+HELD_SHOWN_S = 0.5  # a progress line names the member whose part held the last average up by this long or more
 # torch's RNG belongs to the process: workers in threads of one process (`bench sweep`, tests) seed it
 # and build their models one at a time, so every worker starts from the recipe seed's weights
 _SEEDED_BUILD = threading.Lock()
@@ -439,7 +440,17 @@ def step_record(name: str, protocol: SyncProtocol, transport: Transport, loss: t
             record["digest"] = report.digest[:16]
         if report.repaired:
             record["repaired"] = True
+        if report.held_by is not None:
+            record.update(held_by=member_name(transport, report.held_by[0], name), held_s=round(report.held_by[1], 3))
     return record, report
+
+
+def member_name(transport: Transport, peer: str, own_name: str) -> str:
+    """The name `peer` goes by in its heartbeat's card (`own_name` for us), else the end of its id."""
+    if peer == transport.peer_id:
+        return own_name
+    name = transport.progress(max_age_s=float("inf")).get(peer, {}).get("name")
+    return name if isinstance(name, str) and name else peer[-8:]
 
 
 def _left_alone(protocol: SyncProtocol, previous: SyncReport | None, report: SyncReport) -> bool:
@@ -456,7 +467,10 @@ def _alone_from_the_start(opts: WorkerOptions, transport: Transport, previous: S
             and set(transport.progress(max_age_s=60.0)) <= {transport.peer_id})
 
 
-def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str:
+def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync: SyncReport | None,
+                   transport: Transport) -> str:
+    """The line a worker prints after each evaluation: where it is, and what its latest sync did (a member that
+    held that average up by `HELD_SHOWN_S` or more beyond the others is named)."""
     line = (f"[{name}] step {protocol.step:5d} round {protocol.round:3d} loss {record['loss']:.3f} "
             f"val {record['val_loss']:.3f} sent {record['bytes_sent'] / 2**20:.1f} MiB wait {record['wait_s']:.1f}s")
     if sync is not None:
@@ -465,6 +479,8 @@ def _progress_line(name: str, protocol: SyncProtocol, record: dict, sync) -> str
             line += f" spread {sync.spread:.2e}"
         if sync.repaired:
             line += " (repaired from the majority)"
+        if sync.held_by is not None and sync.held_by[1] >= HELD_SHOWN_S:
+            line += f" held up {sync.held_by[1]:.1f}s by {member_name(transport, sync.held_by[0], name)}"
     return line
 
 
@@ -546,7 +562,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                     val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)
                     record["val_loss"] = val_loss
                     record.update(children_record())
-                    opts.print_fn(_progress_line(opts.name, protocol, record, last_sync))
+                    opts.print_fn(_progress_line(opts.name, protocol, record, last_sync, transport))
                     _save(protocol, opts, recipe, lineage)
                 log.write(**record)
         val_loss = _check_finite("validation loss", evaluate(model, val), protocol.step)  # after the protocol finished

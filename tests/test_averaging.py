@@ -12,7 +12,9 @@ from conftest import fail_to_open_once, run_in_threads, timed_average, wait_unti
 from decentral.swarm import check_part, wire
 from decentral.swarm.wire import LinkShaper
 from decentral.codec import make_codec
-from decentral.swarm.averaging import aggregate, check_owner_result, clip, encode_chunks, norm_bound
+from decentral.swarm.averaging import (
+    PhaseTimes, aggregate, check_owner_result, clip, encode_chunks, held_up, norm_bound,
+)
 from decentral.swarm.peer import DialHeldBack
 from decentral.transport import FINITE_CHECK_NUMEL, ROUNDS_AHEAD, all_finite
 
@@ -27,6 +29,40 @@ def test_mean_of_three_peers_equals_independent_mean(make_swarm):
         assert r.complete and r.contributors == 3 and not r.rejected
         torch.testing.assert_close(r.tensor, expected, rtol=0, atol=1e-6)
     assert all(p.bytes_sent > 0 and p.bytes_received > 0 for p in peers)
+
+
+def test_the_member_whose_part_came_last_is_named_with_how_long_after_the_others(make_swarm):
+    """C begins the average 1.5 s after A and B: A and B were held up by C's part, about that long after each
+    other's; C found theirs waiting, so its own parts, delivered last, were the last in."""
+    a, b, c = make_swarm(3)
+    group = sorted(p.peer_id for p in (a, b, c))
+    xs = [torch.randn(1001) for _ in range(3)]
+    late = threading.Event()
+    threading.Timer(1.5, late.set).start()
+    ra, rb, rc = run_in_threads([lambda: a.average(xs[0], group, "late"), lambda: b.average(xs[1], group, "late"),
+                                 lambda: late.wait() and c.average(xs[2], group, "late")])
+    assert ra.complete and rb.complete and rc.complete
+    for r in (ra, rb):
+        assert r.held_by[0] == c.peer_id and 1.0 < r.held_by[1] < 10.0, r.held_by
+    assert rc.held_by[0] == c.peer_id and rc.held_by[1] < 1.0, rc.held_by
+
+
+def test_a_phase_times_its_last_message_from_its_start_and_ours_when_the_others_had_it():
+    assert PhaseTimes(1.0, {"b": 3.0, "c": 5.5}, {"b": 2.0, "c": 2.5}).last_in("a") == ("c", 2.5)
+    assert PhaseTimes(1.0, {"b": 0.2, "c": 0.4}, {"b": 2.0, "c": 4.0}).last_in("a") == ("a", 3.0)  # theirs waited
+    assert PhaseTimes(1.0, {"b": 0.2}, {"b": 0.5}).last_in("a") == ("a", 0.0)
+    assert PhaseTimes(1.0, {"b": 3.0}, {}).last_in("a") is None  # ours reached nobody: nothing to compare
+
+
+def test_the_member_that_held_an_average_up_longest_is_summed_over_its_phases():
+    """A slow uplink's member c: its inputs came 1.9 s after the last of the others (ours), its result 1.5 s
+    after theirs. A phase where b's message came last, 0.6 s after ours, names b."""
+    inputs = PhaseTimes(0.0, {"b": 0.1, "c": 2.1}, {"b": 0.1, "c": 0.2})
+    results = PhaseTimes(2.2, {"b": 2.3, "c": 3.8}, {"b": 2.3, "c": 2.3})
+    assert held_up([inputs, results], "a") == ("c", pytest.approx(1.9 + 1.5))
+    late_b = PhaseTimes(4.0, {"b": 4.9, "c": 4.1}, {"b": 4.2, "c": 4.3})
+    assert held_up([late_b], "a") == ("b", pytest.approx(0.6))
+    assert held_up([], "a") is None
 
 
 def test_a_chunk_that_is_zero_in_every_part_averages_and_commits(make_swarm):

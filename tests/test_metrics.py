@@ -146,10 +146,26 @@ def test_format_summary_table():
     summary = summarize(_records())
     summary["w0"]["bytes_sent"] = 3 * 2**20
     lines = format_summary(summary).splitlines()
-    assert lines[0].split() == ["worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "wall_s"]
+    assert lines[0].split() == ["worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "held_up_s",
+                                "wall_s"]
     assert lines[1].startswith("w0") and "3.0 MiB" in lines[1] and "4.4 KiB" in lines[1]
     assert lines[2].startswith("w1") and lines[2].split()[4:6] == ["-", "-"]
     assert f"{summary['w1']['final_loss']:.4f}" in lines[2]
+
+
+def test_held_up_seconds_are_those_every_workers_averages_waited_for_it_per_worker():
+    """Three workers' syncs: w2's own records name w2 (its parts reached the others last), w0's name w2 too, w1's
+    name w0 once; the seconds are summed per worker named and divided by the three workers."""
+    records = [{"worker": "w0", "step": 1, "loss": 1.0, "held_by": "w2", "held_s": 2.0},
+               {"worker": "w0", "step": 2, "loss": 1.0, "held_by": "w2", "held_s": 1.0},
+               {"worker": "w1", "step": 1, "loss": 1.0, "held_by": "w0", "held_s": 0.3},
+               {"worker": "w1", "step": 2, "loss": 1.0},
+               {"worker": "w2", "step": 1, "loss": 1.0, "held_by": "w2", "held_s": 3.0}]
+    summary = summarize(records)
+    assert summary["w2"]["held_up_s"] == pytest.approx((2.0 + 1.0 + 3.0) / 3)
+    assert summary["w0"]["held_up_s"] == pytest.approx(0.3 / 3)
+    assert summary["w1"]["held_up_s"] == 0.0
+    assert summarize(_records())["w0"]["held_up_s"] is None  # no record times its averages: unknown, not 0
 
 
 @pytest.mark.parametrize(

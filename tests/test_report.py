@@ -91,7 +91,8 @@ def test_report_redraws_the_plot_and_prints_the_table_of_a_train_run(train_run, 
     assert main(["report", str(out), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "wall_s"]
+    assert lines[0].split() == ["worker", "step", "loss", "val_loss", "sent", "received", "wait_s", "held_up_s",
+                                "wall_s"]
     final = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("final"))
     assert lines[1].split()[:2] == ["solo", str(STEPS)]
     assert lines[1].split()[3] == f"{final['val_loss']:.4f}"

@@ -8,6 +8,7 @@ import re
 import signal
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,10 @@ from decentral.loopback import LoopbackHub
 from decentral.models.gpt import GPT, GPTConfig
 from decentral.swarm import SwarmError, SwarmTransport
 from decentral.swarm.peer import DHT_RPC_TIMEOUT_S
-from decentral.worker import WorkerOptions, _check_same_setup, _swarm_setup, run_worker
+from decentral.sync import SyncReport
+from decentral.worker import (
+    HELD_SHOWN_S, WorkerOptions, _check_same_setup, _progress_line, _swarm_setup, member_name, run_worker,
+)
 
 
 PROTOCOLS = {
@@ -70,6 +74,8 @@ def test_four_peer_swarm_trains(workers, protocol):
         groups = [r["group_size"] for r in records if "group_size" in r]
         assert max(groups) == (2 if protocol == "noloco" else 4), groups
         assert records[-1]["bytes_sent"] > 0
+    held = [r["held_by"] for i in range(4) for r in w.metrics(i) if "held_by" in r]  # by name, from the cards
+    assert held and set(held) <= {f"w{i}" for i in range(4)}, held
     if protocol != "noloco":  # CO2, DiLoCo and DDP replicas hold bit-identical state after every round but the
         # first averaged: peers starting together may average their first steps over different member lists
         # (their announcements cross); one that ends that round apart is repaired from the majority a round later
@@ -85,6 +91,22 @@ def test_four_peer_swarm_trains(workers, protocol):
         for i in range(4):  # (a replica the others left out of that round takes their state at once)
             later = [r for r in repairs[i] if r > 1 + lag]
             assert later == ([2 + lag] if first[i] not in (None, majority) else []), (i, repairs[i])
+
+
+def test_a_progress_line_names_by_its_card_the_member_that_held_the_last_average_up(make_swarm):
+    """Only a hold of `HELD_SHOWN_S` or more is named: by the name the member's heartbeat carries, ours by ours."""
+    a, b = make_swarm(2)
+    b.set_card(True, name="slow-host")
+    wait_until(lambda: member_name(a, b.peer_id, "w0") == "slow-host", 30, "b's card did not reach a")
+    at = types.SimpleNamespace(step=100, round=2)  # (what a line reads of the protocol)
+    record = {"loss": 2.0, "val_loss": 2.1, "bytes_sent": 2**20, "wait_s": 3.0}
+
+    def line(held_by):
+        return _progress_line("w0", at, record, SyncReport(2, [a.peer_id, b.peer_id], True, 2, 1.0,
+                                                           held_by=held_by), a)
+    assert line((b.peer_id, 1.25)).endswith(" group 2 held up 1.2s by slow-host")
+    assert line((a.peer_id, HELD_SHOWN_S)).endswith(f" held up {HELD_SHOWN_S:.1f}s by w0")
+    assert "held up" not in line((b.peer_id, HELD_SHOWN_S / 2)) and "held up" not in line(None)
 
 
 def test_sigkilled_peer_does_not_stall_the_others(workers):

@@ -85,6 +85,11 @@ push carries a fingerprint of its sender's group: a part averaged over another m
 rejected (its chunk boundaries and owners differ from ours, even when its size matches), and a peer
 that receives a push from outside its own group answers with a notice, so nobody waits for a peer
 that left them out.
+
+A committed average names the member that held it up longest (`AverageResult.held_by`, `held_up`): in each
+of phases 1 and 2, the member whose message reached us last (we, when ours reached the others last) held
+that phase up by the time since the one before it; a member behind a slow uplink, or one that began late,
+stands out over the rounds.
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ import json
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 import torch
@@ -219,6 +224,40 @@ def aggregate(parts: list[torch.Tensor], how: str) -> torch.Tensor:
     return total.div_(len(parts))
 
 
+
+@dataclass
+class PhaseTimes:
+    """When a phase of an average began for us, when each member's message of it `arrived` to us, and when ours
+    was `delivered` to each member (loop times)."""
+
+    began: float
+    arrived: dict[str, float] = field(default_factory=dict)
+    delivered: dict[str, float] = field(default_factory=dict)
+
+    def last_in(self, me: str) -> tuple[str, float] | None:
+        """The member whose message was the last in, and how long after the one before it (the seconds the phase
+        would have been shorter without it): each other member's when it arrived, ours when the last member had
+        it; none before the phase began for us (a message waiting for us held nothing up). None with fewer than
+        two members timed."""
+        times = {sender: max(at, self.began) for sender, at in self.arrived.items()}
+        if self.delivered:
+            times[me] = max(max(self.delivered.values()), self.began)
+        if len(times) < 2:
+            return None
+        (_, before), (last, at) = sorted(times.items(), key=lambda item: item[1])[-2:]
+        return last, at - before
+
+
+def held_up(phases: list[PhaseTimes], me: str) -> tuple[str, float] | None:
+    """The member that held an average up longest, and by how long: the sum, over its `phases` (the inputs'
+    reduce-scatter, then the results' all-gather), of the seconds each was last in (`PhaseTimes.last_in`). A
+    member that began late is last in phase 1; one behind a slow uplink in both, or in phase 2 only when its
+    inputs went out before the others began."""
+    held: dict[str, float] = {}
+    for phase in phases:
+        if (last := phase.last_in(me)) is not None:
+            held[last[0]] = held.get(last[0], 0.0) + last[1]
+    return max(held.items(), key=lambda item: item[1], default=None)
 
 
 class GroupAverager:
@@ -682,6 +721,14 @@ class GroupAverager:
                 rejected[p] = OTHER_LIST
             return split
 
+        phases: list[PhaseTimes] = []  # of phases 1 and 2, as they begin
+
+        def time_deliveries(targets: list[str], pushes: list[asyncio.Future]) -> None:
+            delivered = phases[-1].delivered
+            for target, push in zip(targets, pushes):
+                push.add_done_callback(lambda f, t=target: delivered.update(
+                    {t: loop.time()} if not f.cancelled() and f.exception() is None and f.result() else {}))
+
         def accept(sender: str, reason: str | None) -> bool:
             if reason:
                 rejected[sender] = reason
@@ -694,8 +741,11 @@ class GroupAverager:
             sends = [asyncio.ensure_future(self._push(p, f"{tag}/r", encoded[group.index(p)], deadline, view,
                                                       meta or None, round))
                      for p in others]
+            phases.append(PhaseTimes(began))
+            time_deliveries(others, sends)
             received = await self.mailbox.collect(f"{tag}/r", set(others), deadline, unless=f"{tag}/x",
                                                   stop=lambda: bool(gone() or redoing()))
+            phases[-1].arrived.update({s: m.arrived for s, m in received.items()})
             found_gone, redoers = bool(gone()), redoing()
             if not found_gone:  # else we stopped waiting at once: the parts not in yet are not silent, only late
                 quiet = set(others) - redoers
@@ -750,10 +800,14 @@ class GroupAverager:
                 # phase 2: all-gather; peers that waited out a dead one in phase 1 still get time to swap results
                 my_norms = [min(sizes[p], bound) for p in group]  # (every member's part is in: none is missing)
                 deadline = max(deadline, loop.time() + timeout / 2)
-                sends += [asyncio.ensure_future(self._push(p, f"{tag}/g", encoded_mine, deadline, view,
-                                                           {"norms": my_norms}, round))
-                          for p in others if p not in elsewhere]
+                owners = [p for p in others if p not in elsewhere]
+                phases.append(PhaseTimes(loop.time()))
+                results = [asyncio.ensure_future(self._push(p, f"{tag}/g", encoded_mine, deadline, view,
+                                                            {"norms": my_norms}, round)) for p in owners]
+                time_deliveries(owners, results)
+                sends += results
                 gathered = await self.mailbox.collect(f"{tag}/g", set(others) - elsewhere, deadline, unless=f"{tag}/x")
+                phases[-1].arrived.update({s: m.arrived for s, m in gathered.items()})
                 note_silent(set(others) - elsewhere, gathered)
                 elsewhere |= other_views(gathered)
                 result, counts, norms = list(own), [1] * len(group), [[] for _ in group]
@@ -835,6 +889,7 @@ class GroupAverager:
             elsewhere=sorted(p for p, why in rejected.items() if why == OTHER_LIST),
             notes={p: n for p, n in notes.items() if isinstance(n, dict)} if agreed else {},
             encoded=EncodedAverage(self.codec, wire) if agreed else None,
+            held_by=held_up(phases, me) if agreed else None,
         )
 
 

@@ -23,6 +23,7 @@ class Message:
     view: str = ""  # fingerprint of the member list the sender averages over
     meta: dict = field(default_factory=dict)  # what else the header said (an owner's norms, digests)
     payload: bytes | None = None  # the tensor's encoding as it arrived, where the receiver keeps it
+    arrived: float = 0.0  # the loop time it was put in the mailbox
 
 
 class Mailbox:
@@ -33,6 +34,7 @@ class Mailbox:
         self._per_sender = per_sender
 
     async def put(self, tag: str, message: Message) -> None:
+        message.arrived = asyncio.get_running_loop().time()
         async with self._arrived:
             tags = self._by_sender[message.sender]
             if tag not in self._messages or message.sender not in self._messages[tag]:

@@ -80,6 +80,14 @@ class SyncReport:
     rolled_back: bool = False  # the average did not commit: outer state unchanged, the fast weights train on
     digest: str | None = None  # state_digest of what we hold after this round (replicas that agree hold the same)
     repaired: bool = False  # our state differed from the group's majority and was replaced by it
+    held_by: tuple[str, float] | None = None  # the member that held the average up longest, and by how long
+    # (AverageResult.held_by)
+
+    @classmethod
+    def of(cls, round: int, result: AverageResult, wait_s: float, **more) -> SyncReport:
+        """The report of a synchronisation whose one average gave `result`, waited for `wait_s` seconds."""
+        return cls(round, result.group, result.complete, result.contributors, wait_s, result.rejected,
+                   held_by=result.held_by, **more)
 
 
 class SyncProtocol:

@@ -161,7 +161,7 @@ class CO2(OuterProtocol):
             co2_outer_step(self.slow, result.tensor, self.momentum, self.outer_lr, self.outer_momentum,
                            staleness_penalty(self.penalty, result.tensor, gap), self.clip)
             self._led_by = result.encoded if result.complete else None  # a newcomer may replay it (base.py)
-        return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected)
+        return SyncReport.of(self.round, result, waited)
 
     def _apply_average(self, tensors: dict[str, torch.Tensor], average: torch.Tensor) -> None:
         """φ, m ← the outer step on a round's stale `average` with the constant penalty, in place on a

@@ -115,7 +115,7 @@ class DDP(SyncProtocol):
         _copy_flat(result.tensor, grads)
         for p, g in zip(self.params, grads):
             p.grad = g if p.requires_grad else None  # frozen since the protocol was made: the optimizer skips it
-        self._step_report = SyncReport(self.step, result.group, result.complete, result.contributors, waited, result.rejected)
+        self._step_report = SyncReport.of(self.step, result, waited)
 
     def _live(self, named: set[str]) -> set[str]:
         """Of the newcomers a committed average named, those in the group already or with a live heartbeat

@@ -77,8 +77,7 @@ class DiLoCo(OuterProtocol):
             self._own("slow", "momentum")
             self._apply_average({"slow": self.slow, "momentum": self.momentum}, result.tensor)
             self._led_by = result.encoded if result.complete else None  # a newcomer may replay it (base.py)
-        return SyncReport(self.round, result.group, result.complete, result.contributors, waited, result.rejected,
-                          rolled_back=rolled_back)
+        return SyncReport.of(self.round, result, waited, rolled_back=rolled_back)
 
 
 def nesterov_sgd_step(

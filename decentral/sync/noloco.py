@@ -21,7 +21,7 @@ import torch
 
 from decentral.sync.pairing import group_of, round_groups
 from decentral.sync.base import OuterProtocol, SyncReport, check_count, check_flag
-from decentral.transport import Transport
+from decentral.transport import AverageResult, Transport
 
 
 class NoLoCo(OuterProtocol):
@@ -62,16 +62,15 @@ class NoLoCo(OuterProtocol):
         both = torch.cat([self.slow, fast.sub_(self.slow)])  # Δ_i in our copy of θ_i
         if len(group) > 1:
             result, waited = self._timed_average(both, group, f"noloco/{self.round}")
-            mean, sent, complete = result.tensor, result.sent, result.complete
-            contributors, rejected = result.contributors, result.rejected
-        else:
-            mean, sent, waited, complete, contributors, rejected = both, both, 0.0, True, 1, {}
-        spread = replica_spread(sent[:n], mean[:n]) if complete and len(group) > 1 else None
+        else:  # nobody to average with this round
+            result, waited = AverageResult(both, both, group, True, 1), 0.0
+        mean, sent = result.tensor, result.sent
+        spread = replica_spread(sent[:n], mean[:n]) if result.complete and len(group) > 1 else None
         self._own("delta")
         self._drop_frozen_momentum(self.delta)
         self.slow = noloco_update(self.slow, self.delta, mean[n:], mean[:n] - sent[:n], self.alpha, self.beta,
                                   self.gamma, self.nesterov)
-        return SyncReport(self.round, group, complete, contributors, waited, rejected, spread)
+        return SyncReport.of(self.round, result, waited, spread=spread)
 
 
 def check_noloco_settings(alpha: float, beta: float, gamma: float, group_size: int) -> None:

@@ -42,7 +42,7 @@ import torch
 
 from decentral.sync.base import SyncReport, check_count, not_committed
 from decentral.sync.diloco import DiLoCo, nesterov_sgd_step
-from decentral.transport import AverageResult, EncodedAverage, Transport
+from decentral.transport import AverageResult, EncodedAverage, Transport, longest_hold
 
 
 @dataclass
@@ -135,7 +135,8 @@ class StreamingDiLoCo(DiLoCo):
         return SyncReport(
             self.round, sorted({p for r in results for p in r.group}), all(r.complete for r in results),
             min((r.contributors for r in results), default=1), sum(w for _, w, _ in synced),
-            {p: why for r in results for p, why in r.rejected.items()}, rolled_back=any(b for _, _, b in synced))
+            {p: why for r in results for p, why in r.rejected.items()}, rolled_back=any(b for _, _, b in synced),
+            held_by=longest_hold(r.held_by for r in results))
 
     def _left_behind(self) -> bool:
         """Whether most of the members we averaged with this round averaged without us (`_majority_left_us_out`)
