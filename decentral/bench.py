@@ -37,7 +37,7 @@ from decentral.cli import stop_processes
 from decentral.config import RecipeError, default_recipe_path, load_recipe, parse_recipe
 from decentral.data import load_corpus
 from decentral.members import joining, train_command, wait_for_addresses
-from decentral.metrics import cell, format_table, human_bytes, read_metrics, results_folder
+from decentral.metrics import cell, format_table, human_bytes, read_metrics, results_folder, summarize
 from decentral.models import build_model
 from decentral.netlab import (BANDWIDTHS_HELP, MAX_HOSTS, Host, LabSettingsError, NetLab, add_mode_argument,
                               bandwidths_argument, describe_rates, mode_note, parse_rates)
@@ -231,6 +231,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
     and child_processes_cpu_s (its DHT node and libp2p daemon; hivemind's averager); peak_rss_mib, the most
     memory a worker process held (the largest over workers; None where its records do not say). averaged:
     whether any round had two or more members (a run shorter than the first average trained as local does).
+    held_up_most: [worker, seconds] of the worker that held the averages up longest (`metrics.summarize`'s
+    `held_up_s`: a straggler's uplink shows here), None where no average was timed.
     `compare` adds the cross-method numbers.
     `workers`: how many workers must have trained for the method to be ok (default: one per process; an
     island's process runs several)."""
@@ -282,6 +284,8 @@ def summarize_method(raw: dict, *, tokens_per_step: int, steps: int, workers: in
         "child_processes_cpu_s": mean(spent("children_cpu_s")),
         "peak_rss_mib": max((r["peak_rss_mib"] for r in raw["records"] if "peak_rss_mib" in r), default=None),
         "averaged": any((r.get("group_size") or 0) >= 2 for r in raw["records"]),
+        "held_up_most": max(([w, s["held_up_s"]] for w, s in summarize(raw["records"]).items()
+                             if s["held_up_s"] is not None), key=lambda held: held[1], default=None),
         "curves": curves,
     }
 
@@ -558,6 +562,11 @@ def report(results: dict, out: Path, target_loss: float | None = None) -> int:
           f"{mode_note(config.get('mode'))}")
     print(format_results(results))
     print(format_cpu(results))
+    held = [f"{m} {r['held_up_most'][0]} {r['held_up_most'][1]:.1f}s" for m, r in results["methods"].items()
+            if r.get("held_up_most")]
+    if held:
+        print(f"bench: the worker that held the averages up longest (held_up_s, as `decentral report` shows each): "
+              f"{', '.join(held)}")
     target = results["config"]["target_loss"]
     print(f"bench: target loss {'none (no DDP run finished, none given)' if target is None else target}; results in "
           f"{out / 'results.json'}, plot {out / 'bench.png'}")

@@ -119,6 +119,26 @@ def test_comparison_measures_each_method_against_the_reference_and_ddp():
     assert ddp["time_to_target_s"] == 20.0 and diloco["speedup_vs_ddp"] == 20.0 / 12.0  # (still DDP's, at equal loss)
 
 
+def test_the_worker_that_held_the_averages_up_longest_is_named_per_method(capsys, tmp_path):
+    """Each of w0's and w1's rounds was held up by w1 (a straggler), 2 s by w1's own count, 1.5 s by w0's."""
+    def method(held_by):
+        recs = records("w0", 0.5, 20, [5.0, 4.0, 3.0]) + records("w1", 0.5, 20, [5.0, 4.0, 3.0])
+        for r in recs:
+            if held_by and "group_size" in r:
+                r.update(held_by=held_by, held_s=2.0 if r["worker"] == held_by else 1.5)
+        return summarize_method({"codes": [0, 0], "tx_bytes": [1000, 1000], "records": recs}, tokens_per_step=64,
+                                steps=20)
+
+    results = {"config": {"hosts": 2, "bandwidth": "20mbit,2mbit", "mode": "netns", "steps": 20,
+                          "methods": ["diloco"]},
+               "methods": {"local": method(None), "diloco": method("w1")}}
+    assert results["methods"]["diloco"]["held_up_most"] == ["w1", (2 * 2.0 + 2 * 1.5) / 2]
+    assert results["methods"]["local"]["held_up_most"] is None  # no average timed
+    assert report(results, tmp_path) == 0
+    assert "held the averages up longest (held_up_s, as `decentral report` shows each): diloco w1 3.5s" in (
+        capsys.readouterr().out)
+
+
 def test_a_method_that_never_averaged_is_said_to_have_run_as_local_and_gets_no_speed_up(capsys, tmp_path):
     """hivemind given as many steps as one of its rounds ended before its first average: its curve was local's,
     worker by worker, and the table gave it a 6x speed-up over DDP."""
