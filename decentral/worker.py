@@ -550,6 +550,7 @@ def _train(protocol: SyncProtocol, recipe: Recipe, opts: WorkerOptions, batches_
                 _check_finite("loss", record["loss"], protocol.step)
                 card.update(record["loss"], record["wall_s"])  # what `decentral status` shows of us
                 if report is not None:
+                    card.synced(report.held_by)
                     if _left_alone(protocol, last_sync, report):
                         opts.print_fn(f"[{opts.name}] step {protocol.step} round {protocol.round}: no other member "
                                       f"took part (they ended, left or did not answer); training on alone until one does")

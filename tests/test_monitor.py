@@ -21,7 +21,9 @@ from conftest import free_port
 
 from decentral.swarm import AdmissionError, SwarmKey, SwarmPeer
 from decentral.swarm.membership import EntryBeacon, Membership
-from decentral.swarm.monitor import BYTES_WINDOW_S, WINDOW_S, StatusCard, SwarmMonitor, watch
+from decentral.swarm.monitor import (
+    BYTES_WINDOW_S, HELD_ROUNDS, WINDOW_S, StatusCard, SwarmMonitor, format_table, held_up, watch,
+)
 
 
 def status(*args: str, tmp: Path | None = None) -> subprocess.Popen:
@@ -92,6 +94,9 @@ def test_status_shows_a_live_keyed_swarm_without_joining_it(workers, tmp_path):
             assert time.monotonic() < deadline, second
             time.sleep(0.5)  # the peers' next heartbeats
             second = monitor.rows()
+        wait_for(lambda: sum(p["held_s"] or 0 for p in monitor.rows()) > 0, 30, "cards saying who held the "
+                 "averages up")
+        assert all(p["held_s"] is not None for p in monitor.rows())  # (0 for a peer no card names)
     finally:
         monitor.close()
     assert {p["id"] for p in second} == set(before)
@@ -313,6 +318,35 @@ def test_a_status_card_reports_window_means_and_rates_and_never_publishes_by_its
     assert t.card["loss"] == 3.5 and t.card["tokens_per_s"] == 6 * 256 / WINDOW_S
     assert t.card["sent_per_s"] == 6000 / WINDOW_S and t.card["received_per_s"] == 3000 / WINDOW_S
     assert t.published == 0  # the next regular heartbeat carries the card
+
+
+def test_a_status_card_sums_who_held_its_latest_averages_up():
+    t = CardRecorder()
+    card = StatusCard(t, "peer", tokens_per_step=256)
+    card.synced(None)  # an average nobody timed (alone, or rolled back): not counted
+    assert "held" not in t.card
+    for seconds in (1.0, 2.0):
+        card.synced(("Qmslow", seconds))
+    card.synced(("Qmother", 0.25))
+    assert t.card["held"] == {"rounds": 3, "by": {"Qmslow": 3.0, "Qmother": 0.25}}
+    for _ in range(HELD_ROUNDS):
+        card.synced(("Qmslow", 0.5))
+    assert t.card["held"] == {"rounds": HELD_ROUNDS, "by": {"Qmslow": 0.5 * HELD_ROUNDS}}  # the latest only
+    assert t.published == 0  # the next regular heartbeat carries it
+
+
+def test_the_monitor_divides_the_seconds_each_peer_held_up_by_the_averages_the_cards_cover():
+    cards = {"a": {"held": {"rounds": 4, "by": {"c": 4.0, "a": 0.2}}}, "b": {"held": {"rounds": 2, "by": {"c": 2.0}}},
+             "c": {"step": 3},  # (an older card: says nothing)
+             "d": {"held": {"rounds": "8", "by": {"c": 100.0}}}, "e": {"held": {"rounds": 2, "by": {"c": -5.0}}}}
+    assert held_up(cards) == {"c": pytest.approx(6.0 / 8), "a": pytest.approx(0.2 / 8)}  # d's is not a count
+    assert held_up({"c": {"step": 3}}) is None
+    row = {"id": "Qm" + "c" * 44, "name": "w3", "state": "alive", "addrs": [], "step": 3, "round": 1, "loss": 2.0,
+           "tokens_per_s": 100.0, "sent_per_s": 10.0, "received_per_s": 10.0, "last_seen_s": 1.0, "clock_s": 0.0}
+    header, line = format_table("run", [{**row, "held_s": 0.75}]).splitlines()[1:]
+    assert line[header.index("HELD"):].split()[0] == "0.75s"
+    header, line = format_table("run", [{**row, "held_s": None}]).splitlines()[1:]
+    assert line[header.index("HELD"):].split()[0] == "-"
 
 
 def test_a_status_cards_byte_rates_show_a_sync_burst_for_a_minute_then_nothing():

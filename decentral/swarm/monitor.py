@@ -2,8 +2,10 @@
 
 A training peer's heartbeat (decentral.swarm.membership) carries its step and round; `StatusCard` adds
 its name, its multiaddrs and, over its last `WINDOW_S` seconds or more, its mean training loss and its
-tokens per second; and its bytes sent and received per second over its last `BYTES_WINDOW_S` (a peer
-sends in bursts, one per sync: a few seconds' window before a heartbeat would mostly show none). The
+tokens per second; its bytes sent and received per second over its last `BYTES_WINDOW_S` (a peer
+sends in bursts, one per sync: a few seconds' window before a heartbeat would mostly show none); and who held
+its latest `HELD_ROUNDS` averages up, for how long (`held_by`: decentral.swarm.averaging.held_up), which the
+monitor adds up over every live card into each peer's seconds held up per average. The
 card rides on the regular heartbeat:
 no connection and no DHT write of its own.
 
@@ -52,21 +54,36 @@ ADDR_CHARS = 256
 GONE_KEPT_S = 600.0  # how long a live monitor keeps listing a peer whose heartbeat expired
 REJOIN_S = 5.0  # how often a monitor that no node of the swarm answers joins again through its initial peers
 CLOCKS_READ = 32  # how many nodes one reading of the peers' clocks pings (a random sample of those we know)
+HELD_ROUNDS = 8  # the latest averages of a peer whose holders its card sums
 
 
 class StatusCard:
     """What a training peer tells the monitor (module docstring), through `transport`'s heartbeat.
     `update` after every inner step adds up its loss and, once per window, reads the transport's byte
-    counters and hands it the new figures (`set_card`, published with the next regular heartbeat).
-    `tokens_per_step`: tokens one inner step trains on."""
+    counters and hands it the new figures (`set_card`, published with the next regular heartbeat); `synced`
+    after every sync, who held its average up. `tokens_per_step`: tokens one inner step trains on."""
 
     def __init__(self, transport, name: str, tokens_per_step: int):
         self.transport, self.tokens_per_step = transport, tokens_per_step
         self._start: float | None = None  # when the window began
         self._counts: deque[tuple[float, int, int]] = deque()  # (time, bytes sent, received) at each window's end
         self._steps, self._loss = 0, 0.0  # inner steps in the window, and the sum of their losses
+        self._held: deque[tuple[str, float]] = deque(maxlen=HELD_ROUNDS)  # (peer id, seconds) of the latest
         addrs = [a[:ADDR_CHARS] for a in transport.multiaddrs()[:MAX_ADDRS]]
         transport.set_card(False, name=name[:NAME_CHARS], addrs=addrs)
+
+    def synced(self, held_by: tuple[str, float] | None) -> None:
+        """After a sync: the member that held its average up longest and by how long (`SyncReport.held_by`;
+        None: not timed). The card carries their sum per member over our latest `HELD_ROUNDS` timed averages,
+        `held`: {"rounds", "by": {peer id: seconds}}."""
+        if held_by is None:
+            return
+        self._held.append(held_by)
+        by: dict[str, float] = {}
+        for peer, seconds in self._held:
+            by[peer] = by.get(peer, 0.0) + seconds
+        self.transport.set_card(False, held={"rounds": len(self._held),
+                                             "by": {peer: _rounded(seconds) for peer, seconds in by.items()}})
 
     def update(self, loss: float, now_s: float) -> None:
         """After an inner step: its training loss, and the time in seconds (any monotonic clock)."""
@@ -164,7 +181,7 @@ class SwarmMonitor:
         monitor that looked before, whose heartbeat expired since ("gone", or "left" still for one that left;
         either listed for `GONE_KEPT_S` after its record was last read), sorted by name and id: {"id", "name",
         "state", "addrs", "step", "round", "loss", "tokens_per_s", "sent_per_s", "received_per_s",
-        "last_seen_s"}; None where a peer does not say (an older version). AdmissionError when records of peers or
+        "last_seen_s", "clock_s", "held_s" (`held_up`)}; None where a peer does not say (an older version). AdmissionError when records of peers or
         entries exist but none opens with our key (or without one). `leave_out`: peers whose records are not counted
         (a member checking the swarm it joined: itself). Joins again first when nobody answers (class docstring)."""
         self._rejoin_if_cut_off()
@@ -184,6 +201,9 @@ class SwarmMonitor:
                 for p, (info, _) in self._seen.items()]
         rows += [_row(p, info, "left" if info.get("left") else "alive", now, self._clocks.get(p))
                  for p, info in current.items()]
+        held = held_up(current)
+        for row in rows:
+            row["held_s"] = held.get(row["id"], 0.0) if held is not None else None
         self._seen.update((p, (info, now)) for p, info in current.items())
         return sorted(rows, key=lambda r: (r["name"] or "", r["id"]))
 
@@ -257,8 +277,27 @@ def _row(peer: str, info: dict, state: str, now: float, clock_s: float | None) -
     }
 
 
-COLUMNS = ("PEER", "NAME", "STATE", "STEP", "ROUND", "LOSS", "TOKENS/S", "SENT/S", "RECV/S", "SEEN", "CLOCK",
-           "ADDRESS")
+def held_up(cards: dict[str, dict]) -> dict[str, float] | None:
+    """Per peer named in the live `cards`' `held` (StatusCard.synced), the seconds it held up an average: their
+    sum over every card, divided by the averages those cover. None when no card says (fields of the wrong type
+    are not counted)."""
+    rounds, by = 0, {}
+    for info in cards.values():
+        held = info.get("held")
+        if not isinstance(held, dict) or not isinstance(held.get("by"), dict):
+            continue
+        count = _number(held.get("rounds"))
+        if not count or count < 1:
+            continue
+        rounds += count
+        for peer, seconds in held["by"].items():
+            if isinstance(peer, str) and (seconds := _number(seconds)) is not None and seconds >= 0:
+                by[peer] = by.get(peer, 0.0) + seconds
+    return {peer: seconds / rounds for peer, seconds in by.items()} if rounds else None
+
+
+COLUMNS = ("PEER", "NAME", "STATE", "STEP", "ROUND", "LOSS", "TOKENS/S", "SENT/S", "RECV/S", "HELD", "SEEN",
+           "CLOCK", "ADDRESS")
 
 
 def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
@@ -270,7 +309,8 @@ def format_table(run: str, rows: list[dict], reachable: bool = True) -> str:
 
     lines = [[r["id"][-8:], r["name"] or "-", r["state"], num(r["step"], "d"), num(r["round"], "d"),
               num(r["loss"], ".3f"), num(r["tokens_per_s"], ",.0f"), _bytes(r["sent_per_s"]),
-              _bytes(r["received_per_s"]), "-" if r["last_seen_s"] is None else f"{r['last_seen_s']:.0f}s ago",
+              _bytes(r["received_per_s"]), "-" if r.get("held_s") is None else f"{r['held_s']:.2f}s",
+              "-" if r["last_seen_s"] is None else f"{r['last_seen_s']:.0f}s ago",
               _clock(r["clock_s"]), r["addrs"][0] if r["addrs"] else "-"] for r in rows]
     widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(COLUMNS)]  # no rows: the headers
     alive = sum(r["state"] == "alive" for r in rows)
