@@ -181,9 +181,10 @@ class SwarmMonitor:
         monitor that looked before, whose heartbeat expired since ("gone", or "left" still for one that left;
         either listed for `GONE_KEPT_S` after its record was last read), sorted by name and id: {"id", "name",
         "state", "addrs", "step", "round", "loss", "tokens_per_s", "sent_per_s", "received_per_s",
-        "last_seen_s", "clock_s", "held_s" (`held_up`)}; None where a peer does not say (an older version). AdmissionError when records of peers or
-        entries exist but none opens with our key (or without one). `leave_out`: peers whose records are not counted
-        (a member checking the swarm it joined: itself). Joins again first when nobody answers (class docstring)."""
+        "last_seen_s", "clock_s", "held_s" (`held_up`)}; None where a peer does not say (an older version).
+        AdmissionError when records of peers or entries exist but none opens with our key (or without one).
+        `leave_out`: peers whose records are not counted (a member checking the swarm it joined: itself). Joins
+        again first when nobody answers (class docstring)."""
         self._rejoin_if_cut_off()
         heartbeats, unreadable = self._records("peers")
         entries, unreadable_entries = self._records(ENTRY_KEY)  # marks of `swarm start` entries: no rows
