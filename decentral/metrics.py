@@ -225,7 +225,7 @@ def summarize(records: Iterable[dict]) -> dict[str, dict]:
     held: dict[Any, float] = {}  # worker named by `held_by` -> the seconds of `held_s` naming it
     for rows in by_worker.values():
         for r in rows:
-            if r.get("held_by") is not None and r.get("held_s") is not None:
+            if isinstance(r.get("held_by"), str) and r.get("held_s") is not None:
                 held[r["held_by"]] = held.get(r["held_by"], 0.0) + r["held_s"]
     for worker, rows in by_worker.items():
         losses = [r["loss"] for r in rows if r.get("loss") is not None][-FINAL_LOSS_WINDOW:]

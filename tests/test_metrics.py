@@ -166,6 +166,8 @@ def test_held_up_seconds_are_those_every_workers_averages_waited_for_it_per_work
     assert summary["w0"]["held_up_s"] == pytest.approx(0.3 / 3)
     assert summary["w1"]["held_up_s"] == 0.0
     assert summarize(_records())["w0"]["held_up_s"] is None  # no record times its averages: unknown, not 0
+    odd = summarize([*records, {"worker": "w1", "step": 3, "loss": 1.0, "held_by": ["w2"], "held_s": 9.0}])
+    assert odd["w2"]["held_up_s"] == summary["w2"]["held_up_s"]  # a hand-edited name that is no name: not counted
 
 
 @pytest.mark.parametrize(
