@@ -361,8 +361,9 @@ def test_published_experts_stay_in_view_while_a_dht_member_is_frozen(tmp_path, m
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Frames of 1 KiB and pieces of at most 4 KiB (both sides: one module), so a tiny expert comes in pieces."""
+    """Frames of 1 KiB and pieces of 256 bytes to 4 KiB (both sides: one module), so a tiny expert comes in pieces."""
     monkeypatch.setattr(sharing_module, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(sharing_module, "FIRST_PIECE_BYTES", 256)
     monkeypatch.setattr(sharing_module, "MIN_PIECE_BYTES", 256)
     monkeypatch.setattr(sharing_module, "MAX_PIECE_BYTES", 4096)
 
@@ -430,14 +431,30 @@ def test_a_publishers_next_piece_follows_its_rate_and_its_share_of_what_is_left(
     """Every piece was an even share of the file: a slow uplink held a whole one while the rest came, and the
     fetch waited for it or asked another for all of it again (a 1 Mbit/s publisher beside an 8 Mbit/s one: 7.6 s
     where their uplinks need 6.2)."""
-    largest, mib = 2**20, 2**20
-    assert sharing_module.piece_bytes(largest, None, 0.0, 6 * mib) == sharing_module.MIN_PIECE_BYTES  # (no rate yet)
+    largest, mib, first = 2**20, 2**20, sharing_module.FIRST_PIECE_BYTES
+    assert sharing_module.piece_bytes(largest, None, 0.0, 6 * mib, first) == first  # (no rate yet)
     slow, fast = 125_000.0, 1_000_000.0  # 1 and 8 Mbit/s
-    assert sharing_module.piece_bytes(largest, slow, slow + fast, 6 * mib) == sharing_module.MIN_PIECE_BYTES
-    assert sharing_module.piece_bytes(largest, 200_000.0, 200_000.0 + fast, 6 * mib) == 400_000  # (2 s of it)
-    assert sharing_module.piece_bytes(largest, fast, slow + fast, 6 * mib) == largest
-    assert sharing_module.piece_bytes(largest, fast, 4 * fast, 4 * largest) == largest  # four alike: one each
-    assert sharing_module.piece_bytes(largest, fast, 4 * fast, 2 * largest) == largest // 2  # and end together
+    assert sharing_module.piece_bytes(largest, slow, slow + fast, 6 * mib, first) == first
+    assert sharing_module.piece_bytes(largest, 200_000.0, 200_000.0 + fast, 6 * mib, first) == 400_000  # (2 s of it)
+    assert sharing_module.piece_bytes(largest, fast, slow + fast, 6 * mib, first) == largest
+    assert sharing_module.piece_bytes(largest, fast, 4 * fast, 4 * largest, first) == largest  # four alike: one each
+    assert sharing_module.piece_bytes(largest, fast, 4 * fast, 2 * largest, first) == largest // 2  # and end together
+
+
+def test_the_last_pieces_shrink_to_what_a_request_is_worth_so_that_the_publishers_end_together():
+    """Four publishers at 8 Mbit/s with 348 KiB left that nobody asked for: one of them took it all (pieces were
+    256 KiB at least, and the rest came along), and the three others idled while it came (2.02 s a fetch where
+    their uplinks need 1.74). A quarter each now: a piece need only be worth its request, what its publisher's
+    rate carries in REQUEST_SHARE times the wait for its last answer."""
+    fast, kib = 1_000_000.0, 1024
+    smallest = sharing_module.smallest_piece(fast, 0.003)  # an answer in 3 ms: 24 kB are worth asking for
+    assert smallest == sharing_module.REQUEST_SHARE * 3_000 == 24_000
+    assert sharing_module.piece_bytes(2**20, fast, 4 * fast, 348 * kib, smallest) == 87 * kib
+    assert sharing_module.piece_bytes(2**20, fast, 4 * fast, 32 * kib, smallest) == smallest  # (no smaller)
+    assert sharing_module.smallest_piece(fast, 0.1) == sharing_module.FIRST_PIECE_BYTES  # long round trips: large
+    assert sharing_module.smallest_piece(1_000.0, 0.001) == sharing_module.MIN_PIECE_BYTES  # (the floor)
+    assert sharing_module.smallest_piece(None, None) == sharing_module.smallest_piece(fast, None) == (
+        sharing_module.FIRST_PIECE_BYTES)  # (not known yet)
 
 
 def test_a_slow_publisher_is_asked_for_small_pieces_and_a_fast_one_for_larger_ones(tmp_path, small_pieces,

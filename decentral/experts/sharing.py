@@ -42,9 +42,11 @@ CHUNK_BYTES = 1 << 20
 CHUNK_TIMEOUT_S = 30.0  # a publisher that sends nothing for this long is given up on
 PARALLEL_PUBLISHERS = 8  # the most publishers a file comes from at once
 PIECES_EACH = 4  # a piece is at most 1/(this many x publishers) of the file (uplinks that differ share it by speed)...
-MIN_PIECE_BYTES = CHUNK_BYTES // 4  # ... of this size at least (each piece is a stream and a request of its own)
-MAX_PIECE_BYTES = 4 * CHUNK_BYTES  # ... and at most (a piece is held in memory while it comes)
+FIRST_PIECE_BYTES = CHUNK_BYTES // 4  # ... or this, if more; and a publisher's first piece (its rate not known yet)
+MAX_PIECE_BYTES = 4 * CHUNK_BYTES  # ... and at most this (a piece is held in memory while it comes)
 PIECE_SECONDS = 2.0  # a publisher's next piece: what its last one's rate carries in this long (within the above)
+REQUEST_SHARE = 8  # a piece is at least what its publisher's rate carries in this many times the wait for its
+MIN_PIECE_BYTES = 16 * 1024  # last answer (`smallest_piece`: worth its request), within this and FIRST_PIECE_BYTES
 PIECES_AHEAD = 2  # per publisher: how far past the first missing piece a piece is asked for
 
 
@@ -259,9 +261,10 @@ class ExpertSharing:
             at = start + length
         free = [(first, end) for first, end in [*free, (at, size)] if first < end]
         even = -(-sum(end - first for first, end in free) // (PIECES_EACH * len(publishers)))  # (rounded up)
-        largest = min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, even))
+        largest = min(MAX_PIECE_BYTES, max(FIRST_PIECE_BYTES, even))
         ends: dict[int, int] = {}  # first byte -> end, of each piece asked for
         rates: dict[str, float] = {}  # publisher -> bytes per second its last piece came at
+        answers: dict[str, float] = {}  # publisher -> the seconds its last piece's answer took to come
         asked: dict[int, int] = {}  # first byte -> how many publishers fetch that piece now
         came = set(kept)  # pieces that came ahead of the first one missing (in this fetch or an earlier one)
         copies: dict[int, set[asyncio.Future]] = {}  # first byte -> its downloads under way (one, or two)
@@ -271,8 +274,9 @@ class ExpertSharing:
             if free and free[0][0] < part.received + PIECES_AHEAD * len(publishers) * largest:
                 first, end = free.pop(0)
                 left = end - first + sum(e - f for f, e in free)
-                cut = first + piece_bytes(largest, rates.get(peer), sum(rates.values()), left)
-                if end - cut >= MIN_PIECE_BYTES:  # (else the rest comes along: no sliver of a piece)
+                smallest = smallest_piece(rates.get(peer), answers.get(peer))
+                cut = first + piece_bytes(largest, rates.get(peer), sum(rates.values()), left, smallest)
+                if end - cut >= smallest:  # (else the rest comes along: no sliver of a piece)
                     free.insert(0, (cut, end))
                     end = cut
                 ends[first] = end
@@ -294,7 +298,7 @@ class ExpertSharing:
                 download = asyncio.ensure_future(self._download_piece(peer, name, file, start, end))
                 copies.setdefault(start, set()).add(download)
                 try:
-                    data = await download
+                    data, answers[peer] = await download
                 except asyncio.CancelledError:
                     if asyncio.current_task().cancelling():  # (the fetch is cancelled, not this copy)
                         raise
@@ -302,6 +306,7 @@ class ExpertSharing:
                 except Exception as e:
                     log.warning("fetching %s: %s stops sending pieces (%s)", name, peer[-8:], e)
                     rates.pop(peer, None)
+                    answers.pop(peer, None)
                     return
                 else:
                     rates[peer] = len(data) / max(loop.time() - began, 1e-3)
@@ -337,11 +342,13 @@ class ExpertSharing:
             for task in tasks:
                 task.cancel()
 
-    async def _download_piece(self, peer: str, name: str, file: str, start: int, end: int) -> bytes:
-        """Bytes `start` to `end` of `file`, from `peer`."""
+    async def _download_piece(self, peer: str, name: str, file: str, start: int, end: int) -> tuple[bytes, float]:
+        """Bytes `start` to `end` of `file`, from `peer`; and the seconds its answer to the request took."""
         data = bytearray()
         with _publisher_errors(name, file, lambda: f"{len(data)} of the {end - start} bytes from byte {start:,}"):
+            asked = asyncio.get_running_loop().time()
             reader, writer = await self._ask(peer, {"name": name, "file": file, "offset": start, "end": end})
+            answer_s = asyncio.get_running_loop().time() - asked
             try:
                 while len(data) < end - start:
                     chunk = await asyncio.wait_for(
@@ -351,7 +358,7 @@ class ExpertSharing:
                     data += chunk
             finally:
                 writer.close()
-        return bytes(data)
+        return bytes(data), answer_s
 
     async def _download_file(self, peer: str, name: str, file: str, part: "_Part", size: int) -> None:
         """Append what `peer` serves of `file` from `part.received` on to `part`, up to the recorded `size`. A
@@ -447,15 +454,25 @@ def _locked(folder: Path) -> Iterator[bool]:
         yield True
 
 
-def piece_bytes(largest: int, rate: float | None, total_rate: float, left: int) -> int:
-    """How many bytes a publisher is asked for next: `MIN_PIECE_BYTES` while its `rate` (bytes per second, its last
-    piece's) is not known, then what that rate carries in `PIECE_SECONDS`, and its share `rate / total_rate` of the
-    `left` bytes nobody has asked for, within `MIN_PIECE_BYTES` and `largest` (an even share of the file:
-    1/`PIECES_EACH` of it per publisher, at most `MAX_PIECE_BYTES`): a slow uplink's pieces are small, so the one
-    it holds when the rest has come is little, and the publishers end together."""
+def piece_bytes(largest: int, rate: float | None, total_rate: float, left: int, smallest: int) -> int:
+    """How many bytes a publisher is asked for next: `FIRST_PIECE_BYTES` while its `rate` (bytes per second, its
+    last piece's) is not known, then what that rate carries in `PIECE_SECONDS`, and its share `rate / total_rate`
+    of the `left` bytes nobody has asked for, within `smallest` (`smallest_piece`) and `largest` (an even share of
+    the file: 1/`PIECES_EACH` of it per publisher, at most `MAX_PIECE_BYTES`): a slow uplink's pieces are small,
+    so the one it holds when the rest has come is little, and the last pieces shrink so that the publishers end
+    together."""
     if rate is None:
-        return MIN_PIECE_BYTES
-    return max(MIN_PIECE_BYTES, min(largest, int(rate * PIECE_SECONDS), int(left * rate / total_rate)))
+        return FIRST_PIECE_BYTES
+    return max(smallest, min(largest, int(rate * PIECE_SECONDS), int(left * rate / total_rate)))
+
+
+def smallest_piece(rate: float | None, answer_s: float | None) -> int:
+    """The fewest bytes worth asking a publisher for: what its `rate` carries in `REQUEST_SHARE` times the seconds
+    its last answer took to come (asking then costs it at most that share of its time: on a link of long round
+    trips, pieces stay large), within `MIN_PIECE_BYTES` and `FIRST_PIECE_BYTES` (this while neither is known)."""
+    if rate is None or answer_s is None:
+        return FIRST_PIECE_BYTES
+    return min(FIRST_PIECE_BYTES, max(MIN_PIECE_BYTES, int(rate * answer_s * REQUEST_SHARE)))
 
 
 class _Part:
