@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import re
 import logging
 import os
 import shutil
@@ -493,12 +494,17 @@ class Flipping(ExpertSharing):
 def test_pieces_that_add_up_to_another_file_are_dropped_and_the_file_comes_whole_from_one_at_a_time(
         tmp_path, small_pieces, caplog):
     """Whose pieces were wrong, the file's sha256 cannot say: it is fetched again whole from one publisher after
-    another, and the one whose bytes are the record's is installed."""
+    another, and the one whose bytes are the record's is installed. Then the file says whose pieces were not its
+    bytes: that publisher is named (and asked for nothing more), the other is not."""
     with publishers_of_code(tmp_path, Flipping, ExpertSharing) as (expert, state, publishers, fetcher):
         with caplog.at_level(logging.WARNING, logger="decentral.experts.sharing"):
             got = fetcher.fetch("code")
         check_installed(got, expert, state)
         assert "model.safetensors from several publishers does not match the record" in caplog.text
+        flipping, honest = (side.peer.peer_id[-8:] for side in publishers)
+        assert re.search(rf"{flipping} sent \d+ piece\(s\) of model.safetensors that are not the record's bytes",
+                         caplog.text), caplog.text
+        assert f"{honest} sent" not in caplog.text
 
 
 class RefusingTheStart(ExpertSharing):

@@ -8,7 +8,8 @@ from all its publishers at once (pieces that come ahead of a missing one wait th
 and with one publisher left, from where the last one stopped. It hashes the file as its bytes come in order,
 and installs the expert in its registry only when every file has the size and sha256 of the record; anything
 else (publishers that died mid-transfer, bytes that do not match) leaves the registry as it was, and the
-bytes that came in the partial folder for the next fetch.
+bytes that came in the partial folder for the next fetch. Pieces from several that add up to other bytes
+than the record's are fetched again whole from one at a time; the right file then names whose were wrong.
 """
 
 from __future__ import annotations
@@ -207,44 +208,77 @@ class ExpertSharing:
         of them at once (`_download_pieces`); what that leaves comes from the first of `peers` that delivers it. A
         publisher that fails then is removed from `peers` (its failure added to `errors`), and the next goes on
         from the bytes it sent. A file whose bytes all came and are not the record's starts over: from the next
-        publisher, or from the same one when it went on from others' bytes (those may be the wrong ones)."""
+        publisher, or from the same one when it went on from others' bytes (those may be the wrong ones). When
+        pieces from several added up to other bytes and the file then came right, the publishers whose pieces
+        were not its bytes are named and removed from `peers` (`_drop_who_sent_other_bytes`)."""
+        pieces: list[tuple[int, int, str, str]] = []  # of a download from several whose bytes were not the record's
         with _Part(path, size, progress) as part:
             if part.received > size:  # (not what an earlier download of this version left)
                 part.restart()
             if len(peers) > 1 and size - part.received > CHUNK_BYTES:
-                self.peer.call(self._download_pieces(peers, name, file, part, size)).result()
+                pieces = self.peer.call(self._download_pieces(peers, name, file, part, size)).result()
                 if part.received == size and part.hexdigest() == digest:
                     return True
-                if part.received == size:  # someone's pieces are not the record's bytes: whose, nothing says
+                if part.received == size:  # someone's pieces are not the record's bytes: whose, only the file says
                     log.warning("fetching %s: %s from several publishers does not match the record; fetching it "
                                 "whole from one at a time", name, file)
                     part.restart()
-            while peers:
-                peer, resumed = peers[0], part.received > 0
-                try:
-                    self.peer.call(self._download_file(peer, name, file, part, size)).result()
-                    failure = None
-                except Exception as e:
-                    failure = e
-                if failure is None:  # the publisher says it sent it all
-                    if part.received == size and part.hexdigest() == digest:
-                        return True
-                    failure = RegistryError(f"{name}/{file}: downloaded {part.received} bytes whose sha256 does not "
-                                            "match the record")
-                    if part.received == size:  # not the record's bytes
-                        part.restart()
-                        if resumed:
-                            log.warning("fetching %s: %s; fetching the whole file from %s", name, failure, peer[-8:])
-                            continue
-                errors.append(f"{peer[-8:]}: {failure}")
-                peers.pop(0)
-                if peers:
-                    log.warning("fetching %s from %s failed (%s); %s", name, peer[-8:], failure,
-                                f"going on at byte {part.received:,} of {file} with another publisher"
-                                if part.received else "trying another publisher")
+                else:
+                    pieces = []
+            fetched = self._from_one_at_a_time(peers, errors, name, file, part, digest, size)
+        if fetched and pieces:
+            self._drop_who_sent_other_bytes(peers, errors, name, file, path, pieces)
+        return fetched
+
+    def _from_one_at_a_time(self, peers: list[str], errors: list[str], name: str, file: str, part: _Part,
+                            digest: str, size: int) -> bool:
+        """The rest of `part` from the first of `peers` that delivers it (see `_fetch_file`); whether one did."""
+        while peers:
+            peer, resumed = peers[0], part.received > 0
+            try:
+                self.peer.call(self._download_file(peer, name, file, part, size)).result()
+                failure = None
+            except Exception as e:
+                failure = e
+            if failure is None:  # the publisher says it sent it all
+                if part.received == size and part.hexdigest() == digest:
+                    return True
+                failure = RegistryError(f"{name}/{file}: downloaded {part.received} bytes whose sha256 does not "
+                                        "match the record")
+                if part.received == size:  # not the record's bytes
+                    part.restart()
+                    if resumed:
+                        log.warning("fetching %s: %s; fetching the whole file from %s", name, failure, peer[-8:])
+                        continue
+            errors.append(f"{peer[-8:]}: {failure}")
+            peers.pop(0)
+            if peers:
+                log.warning("fetching %s from %s failed (%s); %s", name, peer[-8:], failure,
+                            f"going on at byte {part.received:,} of {file} with another publisher"
+                            if part.received else "trying another publisher")
         return False
 
-    async def _download_pieces(self, peers: list[str], name: str, file: str, part: "_Part", size: int) -> None:
+    @staticmethod
+    def _drop_who_sent_other_bytes(peers: list[str], errors: list[str], name: str, file: str, path: Path,
+                                   pieces: list[tuple[int, int, str, str]]) -> None:
+        """Each publisher among `pieces` (first byte, end, publisher, sha256) whose bytes differ from the file at
+        `path`, which holds the record's: named in a warning and in `errors`, and removed from `peers` (it is
+        not asked for the expert's other files)."""
+        wrong: dict[str, int] = {}
+        with open(path, "rb") as f:
+            for start, end, peer, sha256 in pieces:
+                f.seek(start)
+                if hashlib.sha256(f.read(end - start)).hexdigest() != sha256:
+                    wrong[peer] = wrong.get(peer, 0) + 1
+        for peer, count in wrong.items():
+            log.warning("fetching %s: %s sent %d piece(s) of %s that are not the record's bytes; not asking it for "
+                        "more", name, peer[-8:], count, file)
+            errors.append(f"{peer[-8:]}: sent pieces of {file} that are not the record's bytes")
+            if peer in peers:
+                peers.remove(peer)
+
+    async def _download_pieces(self, peers: list[str], name: str, file: str, part: "_Part", size: int
+                               ) -> list[tuple[int, int, str, str]]:
         """Fetch `file` from `part.received` to `size` in pieces from up to `PARALLEL_PUBLISHERS` of `peers` at
         once, each asking for the next piece when its last one came (a faster uplink carries more of them), and
         append them to `part` in order: one that comes before those ahead of it waits beside the file
@@ -253,7 +287,7 @@ class ExpertSharing:
         missing; a publisher with nothing left to take asks for the first missing piece too, and whichever copy
         comes first is kept, the other stopped (a slow publisher holds nobody up, and goes on to the next piece).
         A publisher that fails takes no more pieces (a warning says why); returns when the file is whole or every
-        publisher failed."""
+        publisher failed, with the pieces this fetch took in: (first byte, end, publisher, sha256)."""
         publishers, kept = peers[:PARALLEL_PUBLISHERS], part.kept_ahead()
         free, at = [], part.received  # (first, end) of the bytes nobody asked for: between ours and those kept ahead
         for start, length in sorted(kept.items()):
@@ -268,6 +302,7 @@ class ExpertSharing:
         asked: dict[int, int] = {}  # first byte -> how many publishers fetch that piece now
         came = set(kept)  # pieces that came ahead of the first one missing (in this fetch or an earlier one)
         copies: dict[int, set[asyncio.Future]] = {}  # first byte -> its downloads under way (one, or two)
+        taken: list[tuple[int, int, str, str]] = []  # (first byte, end, publisher, sha256) of each piece taken in
         news = asyncio.Event()
 
         def next_piece(peer: str) -> int | None:
@@ -312,6 +347,8 @@ class ExpertSharing:
                     rates[peer] = len(data) / max(loop.time() - began, 1e-3)
                     for other in copies.pop(start, set()) - {download}:
                         other.cancel()
+                    if start >= part.received:
+                        taken.append((start, start + len(data), peer, hashlib.sha256(data).hexdigest()))
                     if start == part.received:
                         part.append(data)
                         part.take_ahead()
@@ -341,6 +378,7 @@ class ExpertSharing:
         finally:  # (when we are cancelled)
             for task in tasks:
                 task.cancel()
+        return taken
 
     async def _download_piece(self, peer: str, name: str, file: str, start: int, end: int) -> tuple[bytes, float]:
         """Bytes `start` to `end` of `file`, from `peer`; and the seconds its answer to the request took."""
