@@ -113,7 +113,7 @@ from decentral.swarm.wire import (
 )
 from decentral.codec import Codec, CodecError, Dense, fold_owner_error
 from decentral.config import HANG_S
-from decentral.transport import ROUNDS_AHEAD, AverageResult, EncodedAverage, all_finite
+from decentral.transport import ROUNDS_AHEAD, AverageResult, EncodedAverage, all_finite, longest_hold
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def held_up(phases: list[PhaseTimes], me: str) -> tuple[str, float] | None:
     for phase in phases:
         if (last := phase.last_in(me)) is not None:
             held[last[0]] = held.get(last[0], 0.0) + last[1]
-    return max(held.items(), key=lambda item: item[1], default=None)
+    return longest_hold(held.items())
 
 
 class GroupAverager:
